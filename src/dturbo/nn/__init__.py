@@ -1,0 +1,15 @@
+"""Bayesian layers (local reparameterisation, SPEC 6) and the experiment models."""
+
+from .bayes import BayesConv2d, BayesianLayer, BayesLinear, bayesian_layers, model_kl
+from .models import MODEL_NAMES, build_model, layer_scale
+
+__all__ = [
+    "MODEL_NAMES",
+    "BayesConv2d",
+    "BayesLinear",
+    "BayesianLayer",
+    "bayesian_layers",
+    "build_model",
+    "layer_scale",
+    "model_kl",
+]

@@ -1,0 +1,96 @@
+"""The one protocol every federated algorithm implements and every runner drives (DESIGN.md).
+
+Messages cross the boundary as encoded bytes made by :mod:`dturbo.codec`; a runner counts
+``len(message) * 8`` bits, so bit accounting is what is really sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..codec import decode_message, decode_values, encode_message, encode_values
+
+# A server state is a flat mapping of names to numpy arrays plus scalars, so that it can be
+# checkpointed to safetensors without pickle.
+State = dict[str, Any]
+
+
+class ClientError(RuntimeError):
+    """A client could not produce a valid update (e.g. its local training diverged)."""
+
+
+class MessageError(ValueError):
+    """A message is malformed or does not fit the model (wrong layer count, length, values)."""
+
+
+@dataclass
+class ClientData:
+    """One client's local data, as tensors."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass
+class RoundResult:
+    state: State
+    metrics: dict[str, float]
+    rejected: list[str] = field(default_factory=list)
+
+
+class ServerAlgorithm(Protocol):
+    def init(self) -> State: ...
+
+    def downlink(self, state: State, round_idx: int) -> bytes: ...
+
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult: ...
+
+    def global_model(self, state: State) -> nn.Module: ...
+
+
+class ClientAlgorithm(Protocol):
+    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes: ...
+
+
+def pack_scalars(values: list[float] | np.ndarray) -> bytes:
+    """A few float64 scalars (counters, metrics) as a field payload."""
+    return encode_values(np.asarray(values, dtype=np.float64), dtype="float64")
+
+
+def unpack_scalars(payload: bytes, count: int) -> np.ndarray:
+    out = decode_values(payload, max_elements=count)
+    if out.shape != (count,):
+        raise MessageError(f"expected {count} scalars, got {out.shape[0]}")
+    return out.astype(np.float64)
+
+
+def fields_dict(data: bytes, expected_kind: str, max_bytes: int | None = None) -> dict[str, bytes]:
+    """Decode a framed message into a name -> payload mapping, rejecting duplicate names."""
+    _, fields = decode_message(data, expected_kind=expected_kind, max_bytes=max_bytes)
+    out: dict[str, bytes] = {}
+    for name, payload in fields:
+        if name in out:
+            raise MessageError(f"duplicate field {name!r}")
+        out[name] = payload
+    return out
+
+
+def frame(kind: str, fields: dict[str, bytes]) -> bytes:
+    return encode_message(kind, list(fields.items()))
+
+
+def client_generator(seed: int, round_idx: int, client_id: int) -> torch.Generator:
+    """The RNG of one client in one round: a pure function of (seed, round, client), so a resumed run
+    draws exactly the same minibatches and noise as an uninterrupted one."""
+    ss = np.random.SeedSequence([seed, round_idx, client_id, 0xD7])
+    g = torch.Generator()
+    g.manual_seed(int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1)))
+    return g

@@ -1,0 +1,430 @@
+"""D-Turbo-VBI: the server and client halves of one round (SPEC 7).
+
+Server (Module A closed forms + Module B):  aggregate -> E3 -> E4 -> E1 -> SPMP -> E2 -> support.
+Client: set mu, sigma from the downlink, train (E6) on the support only, upload mu on the support
+(canonical row-major order, no positions), sigma, biases and n_t.
+
+The support S travels implicitly as the nonzeros of the cluster-coded mu_G (SPEC 9). To keep that exact,
+the server keeps S equal to the nonzeros of mu_G in float16: a weight whose mean rounds to zero in 16-bit
+transmission leaves S, and a weight (re-)entering S restarts from the smallest normal float16, 2^-14,
+instead of exactly 0 (SPEC 7 says "restarts from 0"; 2^-14 ~ 6e-5 is 0 for every practical purpose).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.special import expit
+from torch import nn
+
+from .. import vbi
+from ..codec import decode_dense, decode_grid, decode_values, encode_dense, encode_grid, encode_values
+from ..config import Config, PriorConfig
+from ..nn.bayes import BayesianLayer, bayesian_layers
+from ..nn.models import layer_scale
+from ..prior import LayerPrior, grid_shape, layer_kind, resolve_prior
+from ..spmp import grid_bp
+from .base import (
+    ClientData,
+    MessageError,
+    RoundResult,
+    State,
+    client_generator,
+    fields_dict,
+    frame,
+    pack_scalars,
+    unpack_scalars,
+)
+from .local import train_local
+
+REENTRY_VALUE = float(2.0**-14)
+DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
+
+
+def density_schedule(round_idx: int, *, target: float, warmup: int, ramp: int) -> float:
+    """Scheduled support density of round ``round_idx`` in target mode: dense for ``warmup`` rounds, then a
+    cubic ramp to ``target`` over ``ramp`` rounds (the gradual-pruning schedule of Zhu & Gupta, 2017)."""
+    if round_idx < warmup:
+        return 1.0
+    progress = min(1.0, (round_idx - warmup + 1) / ramp)
+    return target + (1.0 - target) * (1.0 - progress) ** 3
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    name: str
+    weight_shape: tuple[int, ...]
+    grid: tuple[int, int]
+    prior: LayerPrior
+
+
+def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
+    infos = []
+    for name, layer in bayesian_layers(model):
+        pc: PriorConfig = getattr(cfg.dturbo.prior, layer_kind(layer))
+        prior = resolve_prior(
+            a=pc.a, b=pc.b, a_bar=pc.a_bar, b_bar=pc.b_bar, scale=pc.scale, r=pc.r,
+            layer_scale=pc.layer_scale or layer_scale(layer),
+            p01_row=pc.p01_row, p11_row=pc.p11_row, p01_col=pc.p01_col, p11_col=pc.p11_col, start=pc.start,
+        )
+        infos.append(LayerInfo(name, tuple(layer.weight_mu.shape), grid_shape(layer), prior))
+    return infos
+
+
+def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: np.ndarray,
+                bias: np.ndarray | None, prior_std: np.ndarray | None) -> None:
+    with torch.no_grad():
+        shape = layer.weight_mu.shape
+        layer.mask.copy_(torch.from_numpy(mask.reshape(shape).astype(np.float32)))
+        layer.weight_mu.copy_(torch.from_numpy(mu.reshape(shape).astype(np.float32)) * layer.mask)
+        if layer.sigma_mode == "layer":
+            layer.sigma_param.copy_(_softplus_inv(torch.tensor(float(sigma.reshape(-1)[0]))))
+        else:
+            # per-weight sigma: either the full grid (server) or the values on the support (client)
+            full = np.full(mask.size, 1e-3)
+            flat_mask = mask.reshape(-1)
+            full[flat_mask] = sigma.reshape(-1)[flat_mask] if sigma.size == mask.size else sigma.reshape(-1)
+            layer.sigma_param.copy_(_softplus_inv(torch.from_numpy(full.reshape(shape)).float()))
+        if bias is not None and layer.bias is not None:
+            layer.bias.copy_(torch.from_numpy(bias.astype(np.float32)))
+        if prior_std is not None:
+            layer.prior_std.copy_(torch.from_numpy(prior_std.reshape(shape).astype(np.float32)))
+
+
+def _softplus_inv(y: torch.Tensor) -> torch.Tensor:
+    y = y.clamp_min(1e-12)
+    return y + torch.log(-torch.expm1(-y))
+
+
+class DturboServer:
+    """Server half of D-Turbo-VBI. ``model_factory`` builds the (seeded) initial model."""
+
+    def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module], total_samples: int) -> None:
+        self.cfg = cfg
+        self.model_factory = model_factory
+        self.total_samples = int(total_samples)
+        self.layers = _layer_infos(model_factory(), cfg)
+
+    # ----------------------------------------------------------------- state
+    def init(self) -> State:
+        """Initial state (SPEC 7): pi = pi~ = 0.5, S = all, q(rho) by E4 from the initial mu and sigma."""
+        model = self.model_factory()
+        state: State = {"field": np.zeros(len(self.layers))}
+        for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
+            mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
+            mask = np.float16(mu) != 0
+            mu = np.where(mask, mu, 0.0)
+            sigma = layer.sigma.detach().double().numpy()
+            a_t, b_t = vbi.precision_posterior(
+                0.5, mu, self._sigma_grid(sigma, info), **info.prior.gamma_kwargs(), form=self.cfg.dturbo.gamma_update
+            )
+            n = info.name
+            state[f"{n}.mu"] = mu.astype(np.float32)
+            state[f"{n}.mask"] = mask
+            state[f"{n}.sigma"] = sigma.astype(np.float32).reshape(-1)  # (1,) per layer, or one per weight
+            bias = layer.bias.detach().numpy().copy() if layer.bias is not None else np.zeros(0, np.float32)
+            state[f"{n}.bias"] = bias
+            state[f"{n}.pi_lo"] = np.zeros(info.grid)
+            state[f"{n}.pt_lo"] = np.zeros(info.grid)
+            state[f"{n}.a_t"] = np.asarray(a_t, dtype=np.float64)
+            state[f"{n}.b_t"] = np.asarray(b_t, dtype=np.float64)
+        return state
+
+    @staticmethod
+    def _sigma_grid(sigma: np.ndarray, info: LayerInfo) -> np.ndarray:
+        return sigma.reshape(info.grid) if sigma.size > 1 else np.full(info.grid, float(sigma.reshape(-1)[0]))
+
+    def prior_std(self, state: State, info: LayerInfo) -> np.ndarray:
+        """(E5) sigma_prior = sqrt(b~ / a~) per weight."""
+        return vbi.prior_std(state[f"{info.name}.a_t"], state[f"{info.name}.b_t"])
+
+    # -------------------------------------------------------------- downlink
+    def downlink(self, state: State, round_idx: int) -> bytes:
+        """Cluster-coded mu_G (its nonzeros are S), sigma_G, sigma_prior on S (E5), biases (SPEC 7.1, 9)."""
+        fields = {"meta": pack_scalars([round_idx, self.total_samples])}
+        for info in self.layers:
+            n = info.name
+            mask = state[f"{n}.mask"]
+            fields[f"{n}.mu"] = encode_grid(state[f"{n}.mu"] * mask)
+            fields[f"{n}.sigma"] = self._encode_sigma(state[f"{n}.sigma"], mask)
+            fields[f"{n}.prior_std"] = encode_values(
+                self.prior_std(state, info)[mask].astype(np.float32), dtype=self.cfg.dturbo.prior_std_dtype
+            )
+            fields[f"{n}.bias"] = encode_dense(state[f"{n}.bias"], dtype="float16")
+        return frame(DOWN_KIND, fields)
+
+    @staticmethod
+    def _encode_sigma(sigma: np.ndarray, mask: np.ndarray) -> bytes:
+        if sigma.size == 1:  # one sigma per layer: a float32 scalar costs nothing
+            return encode_values(sigma.reshape(1).astype(np.float32), dtype="float32")
+        return encode_values(sigma.reshape(mask.shape)[mask].astype(np.float32), dtype="float16")
+
+    # ------------------------------------------------------------- aggregate
+    def decode_uplink(self, state: State, data: bytes) -> tuple[int, dict[str, np.ndarray], np.ndarray]:
+        """Decode and validate one client's upload; raises MessageError / CodecError with a reason."""
+        fields = fields_dict(data, UP_KIND, max_bytes=self._max_uplink_bytes(state))
+        meta = unpack_scalars(_need(fields, "meta"), 3)
+        n_t = meta[2]
+        if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= self.total_samples):
+            raise MessageError(f"invalid sample count n_t={n_t}")
+        out: dict[str, np.ndarray] = {}
+        for info in self.layers:
+            n = info.name
+            k = int(state[f"{n}.mask"].sum())
+            mu = decode_values(_need(fields, f"{n}.mu"), max_elements=k)
+            if mu.shape != (k,):
+                raise MessageError(f"{n}.mu has {mu.size} values, the support has {k}")
+            sig_len = 1 if state[f"{n}.sigma"].size == 1 else k
+            sigma = decode_values(_need(fields, f"{n}.sigma"), max_elements=sig_len)
+            if sigma.shape != (sig_len,):
+                raise MessageError(f"{n}.sigma has {sigma.size} values, expected {sig_len}")
+            nb = state[f"{n}.bias"].size
+            bias = decode_dense(_need(fields, f"{n}.bias"), max_elements=max(nb, 1)).reshape(-1)
+            if bias.size != nb:
+                raise MessageError(f"{n}.bias has {bias.size} values, expected {nb}")
+            for key, arr in (("mu", mu), ("sigma", sigma), ("bias", bias)):
+                if not np.all(np.isfinite(arr)):
+                    raise MessageError(f"{n}.{key} contains NaN or Inf")
+            if np.any(sigma <= 0):
+                raise MessageError(f"{n}.sigma must be > 0")
+            out[f"{n}.mu"], out[f"{n}.sigma"], out[f"{n}.bias"] = mu, sigma, bias
+        metrics = unpack_scalars(_need(fields, "metrics"), 2)
+        return int(n_t), out, metrics
+
+    def _max_uplink_bytes(self, state: State) -> int:
+        total = sum(state[f"{i.name}.mu"].size * 2 + state[f"{i.name}.bias"].size * 4 for i in self.layers)
+        return 4 * total + 64 * len(self.layers) + 4096
+
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
+        """Server step of SPEC 7.3-7.5 on the uploads that decode and validate."""
+        valid: list[tuple[int, dict[str, np.ndarray], np.ndarray]] = []
+        rejected: list[str] = []
+        for i, data in enumerate(uplinks):
+            try:
+                valid.append(self.decode_uplink(state, data))
+            except ValueError as err:  # MessageError and CodecError
+                rejected.append(f"uplink {i}: {err}")
+        if not valid:
+            raise MessageError("no valid client update this round: " + "; ".join(rejected))
+        weights = np.array([v[0] for v in valid], dtype=np.float64)
+        p = weights / weights.sum()
+        new: State = dict(state)
+        for info in self.layers:
+            n = info.name
+            mask = state[f"{n}.mask"]
+            mu = np.zeros(info.grid, dtype=np.float64)
+            mu[mask] = sum(pt * v[1][f"{n}.mu"].astype(np.float64) for pt, v in zip(p, valid, strict=True))
+            sig = sum(pt * v[1][f"{n}.sigma"].astype(np.float64) for pt, v in zip(p, valid, strict=True))
+            if state[f"{n}.sigma"].size > 1:
+                full = state[f"{n}.sigma"].astype(np.float64).reshape(info.grid).copy()
+                full[mask] = sig
+                sig = full.reshape(-1)
+            new[f"{n}.mu"] = mu
+            new[f"{n}.sigma"] = np.asarray(sig, dtype=np.float32).reshape(state[f"{n}.sigma"].shape)
+            new[f"{n}.bias"] = sum(pt * v[1][f"{n}.bias"] for pt, v in zip(p, valid, strict=True)).astype(np.float32)
+        metrics = self._server_step(new, round_idx)
+        client_metrics = np.stack([v[2] for v in valid])
+        nll = float(p @ client_metrics[:, 0])
+        metrics["train_nll"] = nll
+        metrics["neg_elbo"] = self.total_samples * nll + self.cfg.dturbo.beta * metrics["kl_w"] + metrics["kl_prior"]
+        metrics["clients_ok"] = float(len(valid))
+        metrics["clients_rejected"] = float(len(rejected))
+        return RoundResult(state=new, metrics=metrics, rejected=rejected)
+
+    def _server_step(self, state: State, round_idx: int) -> dict[str, float]:
+        """E3 -> E4 -> E1 -> SPMP -> E2 -> support (SPEC 7.3-7.5). Mutates ``state``."""
+        d = self.cfg.dturbo
+        sp = d.sparsity
+        thr_lo = float(vbi.safe_logit(d.support_threshold))
+        eta: list[np.ndarray] = []
+        eta_next: list[np.ndarray] = []  # next round's E3 evidence, known now (it only needs this E4)
+        kl_prior = 0.0
+        for info in self.layers:
+            n = info.name
+            g = info.prior.gamma_kwargs()
+            sigma = self._sigma_grid(state[f"{n}.sigma"].astype(np.float64), info)
+            mu = state[f"{n}.mu"]
+            # E3 with the current q(rho); its data-dependent part is the A->B message E1.
+            evidence = vbi.support_evidence(state[f"{n}.a_t"], state[f"{n}.b_t"], **g)
+            pt_lo = state[f"{n}.pi_lo"] + evidence
+            # E4 with the new q(s) and the aggregated moments.
+            a_t, b_t = vbi.precision_posterior(expit(pt_lo), mu, sigma, **g, form=d.gamma_update)
+            kl_prior += float(vbi.module_a_negative_elbo(
+                expit(state[f"{n}.pi_lo"]), expit(pt_lo), a_t, b_t, mu, sigma, **g
+            ).sum())
+            state[f"{n}.pt_lo"], state[f"{n}.a_t"], state[f"{n}.b_t"] = pt_lo, a_t, b_t
+            eta.append(evidence)
+            eta_next.append(vbi.support_evidence(a_t, b_t, **g))
+        # Support rule (SPEC 7.5), in target mode only after the warm-up rounds.
+        apply_support = sp.mode == "prior" or round_idx >= sp.warmup_rounds
+        for info in self.layers:
+            n = info.name
+            old, mu = state[f"{n}.mask"], state[f"{n}.mu"]
+            if apply_support:
+                keep = state[f"{n}.pt_lo"] >= thr_lo
+                mu = np.where(keep & ~old, REENTRY_VALUE, np.where(keep, mu, 0.0))  # re-entry restarts near 0
+            else:
+                keep = old
+            keep = keep & (np.float16(mu) != 0)  # S is exactly the nonzeros of the 16-bit mu_G
+            state[f"{n}.mask"], state[f"{n}.mu"] = keep, np.where(keep, mu, 0.0).astype(np.float32)
+        # Module B: SPMP on every grid, with the prior's field calibrated in target mode.
+        next_density = density_schedule(
+            round_idx + 1, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds
+        )
+        if sp.mode == "target" and next_density < 1.0:
+            fields = self._calibrate_field(eta, eta_next, next_density, thr_lo)
+        else:
+            fields = np.zeros(len(self.layers))
+        iters = 0
+        for info, ev, h in zip(self.layers, eta, fields, strict=True):
+            res = self._spmp(info, ev, h)
+            state[f"{info.name}.pi_lo"] = res[0]
+            iters = max(iters, res[1])
+        state["field"] = np.asarray(fields, dtype=np.float64)
+        # Metrics of the new state.
+        kl_w = 0.0
+        total = kept = 0
+        layer_density = {}
+        for info in self.layers:
+            n = info.name
+            mask = state[f"{n}.mask"]
+            sigma = self._sigma_grid(state[f"{n}.sigma"].astype(np.float64), info)
+            kl_w += float(vbi.gaussian_kl(state[f"{n}.mu"][mask], sigma[mask], self.prior_std(state, info)[mask]).sum())
+            total += mask.size
+            kept += int(mask.sum())
+            layer_density[f"density_{n}"] = float(mask.mean())
+        return {
+            "density": kept / total,
+            "kl_w": kl_w,
+            "kl_prior": kl_prior,
+            "spmp_iters": float(iters),
+            "field_mean": float(np.mean(fields)),
+            "scheduled_density": next_density if sp.mode == "target" else float("nan"),
+            **layer_density,
+        }
+
+    def _spmp(self, info: LayerInfo, eta: np.ndarray, field: float) -> tuple[np.ndarray, int]:
+        """Run SPMP with unary eta + field; return the B->A message (E2) lo_h = belief - eta, which
+        includes the field (a factor of Module B's prior), and the iterations used."""
+        s = self.cfg.dturbo.spmp
+        res = grid_bp(eta + field, **info.prior.mrf_kwargs(), max_iter=s.max_iter, tol=s.tol, damping=s.damping)
+        return res.extrinsic + field, res.iterations
+
+    def _calibrate_field(
+        self, eta: list[np.ndarray], eta_next: list[np.ndarray], density: float, thr_lo: float
+    ) -> np.ndarray:
+        """Field h of the MRF prior such that the support of the next round,
+        {eta_next + lo_h(h) >= logit(threshold)}, has the scheduled density. SPMP runs on this round's
+        E1 message ``eta``; ``eta_next`` is the next E3's evidence, already fixed by this round's E4, so
+        the prediction is exact (bisection on h; the predicted
+        density is monotone in h). Scope 'global' shares one h across layers (layers keep different
+        densities); 'layer' calibrates each layer alone. A layer never goes below min_layer_density."""
+        sp = self.cfg.dturbo.sparsity
+        L = len(self.layers)
+        sizes = np.array([e.size for e in eta], dtype=np.float64)
+
+        def layer_density(i: int, h: float) -> float:
+            lo_h, _ = self._spmp(self.layers[i], eta[i], h)
+            return float(np.mean(eta_next[i] + lo_h >= thr_lo))
+
+        def solve(target: float, idx: list[int]) -> float:
+            lo, hi = -60.0, 60.0
+            for _ in range(30):
+                mid = 0.5 * (lo + hi)
+                dens = sum(layer_density(i, mid) * sizes[i] for i in idx) / sizes[idx].sum()
+                if dens > target:
+                    hi = mid
+                else:
+                    lo = mid
+                if hi - lo < 1e-3:
+                    break
+            return 0.5 * (lo + hi)
+
+        if sp.scope == "global":
+            h = solve(density, list(range(L)))
+            fields = np.full(L, h)
+        else:
+            fields = np.array([solve(density, [i]) for i in range(L)])
+        floor = min(sp.min_layer_density, density)
+        for i in range(L):
+            if layer_density(i, fields[i]) < floor:
+                fields[i] = max(fields[i], solve(floor, [i]))
+        return fields
+
+    # ------------------------------------------------------------ the model
+    def global_model(self, state: State) -> nn.Module:
+        """The global model with mean weights mu_G on S (zeros elsewhere), in eval mode."""
+        model = self.model_factory()
+        for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
+            n = info.name
+            _load_layer(layer, state[f"{n}.mu"], state[f"{n}.mask"], state[f"{n}.sigma"],
+                        state[f"{n}.bias"] if layer.bias is not None else None, self.prior_std(state, info))
+        return model.eval()
+
+    def support_messages(self, state: State) -> dict[str, np.ndarray]:
+        """pi (the B->A message, E2) and the support mask of every layer, as grids (for Fig. 3)."""
+        out = {}
+        for info in self.layers:
+            out[f"{info.name}.pi"] = expit(state[f"{info.name}.pi_lo"]).astype(np.float16)
+            out[f"{info.name}.mask"] = state[f"{info.name}.mask"].astype(np.uint8)
+        return out
+
+
+def _need(fields: dict[str, bytes], name: str) -> bytes:
+    if name not in fields:
+        raise MessageError(f"missing field {name!r}")
+    return fields[name]
+
+
+class DturboClient:
+    """Client half: decode the downlink, train (E6) on the support, upload mu on the support."""
+
+    def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
+        self.cfg = cfg
+        self.model_factory = model_factory
+        self.model = model_factory()
+        self.layers = _layer_infos(self.model, cfg)
+
+    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
+        fields = fields_dict(downlink, DOWN_KIND)
+        round_idx, total = (int(v) for v in unpack_scalars(_need(fields, "meta"), 2))
+        model = self.model
+        layers = bayesian_layers(model)
+        masks = []
+        for info, (_, layer) in zip(self.layers, layers, strict=True):
+            n = info.name
+            mu = decode_grid(_need(fields, f"{n}.mu")).astype(np.float64)
+            if mu.shape != info.grid:
+                raise MessageError(f"{n}.mu grid {mu.shape} does not match the model's {info.grid}")
+            mask = mu != 0
+            k = int(mask.sum())
+            sigma = decode_values(_need(fields, f"{n}.sigma"))
+            ps = np.ones(info.grid)
+            ps[mask] = decode_values(_need(fields, f"{n}.prior_std"), max_elements=k)
+            bias = decode_dense(_need(fields, f"{n}.bias")).reshape(-1)
+            _load_layer(layer, mu, mask, sigma, bias if layer.bias is not None else None, ps)
+            masks.append(mask)
+        gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
+        for _, layer in layers:
+            layer.generator = gen
+        beta = self.cfg.dturbo.beta
+
+        def penalty() -> torch.Tensor:
+            # E6: beta * KL / n with n the *global* sample count.
+            return beta * torch.stack([layer.kl() for _, layer in layers]).sum() / total
+
+        result = train_local(model, data, self.cfg.train, gen, penalty)
+        up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
+        for info, (_, layer), mask in zip(self.layers, layers, masks, strict=True):
+            n = info.name
+            mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
+            up[f"{n}.mu"] = encode_values(mu[mask].astype(np.float32), dtype="float16")
+            sigma = layer.sigma.detach().numpy()
+            up[f"{n}.sigma"] = DturboServer._encode_sigma(sigma, mask)
+            bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)
+            up[f"{n}.bias"] = encode_dense(bias, dtype="float16")
+        up["metrics"] = pack_scalars([result.nll, result.penalty])
+        return frame(UP_KIND, up)

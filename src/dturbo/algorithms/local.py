@@ -1,0 +1,79 @@
+"""Local training on one client: minibatch SGD/Adam over the client's data (shared by all algorithms)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TrainConfig
+from .base import ClientData, ClientError
+
+
+@dataclass
+class LocalResult:
+    steps: int
+    nll: float  # mean minibatch negative log-likelihood over the local steps
+    penalty: float  # mean of the extra loss term (e.g. beta * KL / n), 0 if none
+
+
+def num_local_steps(train: TrainConfig, num_samples: int) -> int:
+    if train.local_steps > 0:
+        return train.local_steps
+    return max(1, math.ceil(train.local_epochs * num_samples / train.batch_size))
+
+
+def make_optimizer(train: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if train.optimizer == "adam":
+        return torch.optim.Adam(params, lr=train.lr)
+    return torch.optim.SGD(params, lr=train.lr, momentum=0.9)
+
+
+def train_local(
+    model: nn.Module,
+    data: ClientData,
+    train: TrainConfig,
+    generator: torch.Generator,
+    penalty: Callable[[], torch.Tensor] | None = None,
+) -> LocalResult:
+    """Run the local steps: loss = mean cross-entropy of the minibatch (+ ``penalty()``).
+
+    Minibatches are drawn by reshuffling the local data each epoch with ``generator``, so a round is a
+    pure function of the downlink, the data and the generator's seed.
+    Raises ClientError as soon as the loss stops being finite (a diverged client must not be averaged in).
+    """
+    n = len(data)
+    if n == 0:
+        raise ClientError("client has no data")
+    steps = num_local_steps(train, n)
+    bs = min(train.batch_size, n)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(train, params)
+    model.train()
+    order = torch.randperm(n, generator=generator)
+    pos = 0
+    nll_sum = pen_sum = 0.0
+    for step in range(steps):
+        if pos + bs > n:
+            order = torch.randperm(n, generator=generator)
+            pos = 0
+        idx = order[pos : pos + bs]
+        pos += bs
+        logits = model(data.x[idx])
+        nll = F.cross_entropy(logits, data.y[idx])
+        loss = nll
+        pen = penalty() if penalty is not None else None
+        if pen is not None:
+            loss = loss + pen
+        if not torch.isfinite(loss):
+            raise ClientError(f"local training diverged: non-finite loss at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        nll_sum += float(nll.detach())
+        pen_sum += float(pen.detach()) if pen is not None else 0.0
+    return LocalResult(steps=steps, nll=nll_sum / steps, penalty=pen_sum / steps)

@@ -1,0 +1,104 @@
+"""The ``dturbo`` command: run experiments, draw their figures."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from .checkpoint import CheckpointError
+from .config import ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="D-Turbo-VBI: Bayesian federated model compression.")
+console = Console(stderr=True)
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(2)
+
+
+def _bits(b: float) -> str:
+    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} bit"
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Argument(help="experiment config (TOML)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="run directory")],
+    resume: Annotated[bool, typer.Option(help="continue from the run directory's checkpoint")] = False,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a config key: section.key=value")] = None,
+    figures: Annotated[bool, typer.Option(help="draw the run's figures at the end")] = True,
+) -> None:
+    """Run a federated experiment (in one process) into OUT."""
+    from .data import DataError
+    from .sim import Simulator
+
+    try:
+        cfg = load_config(config, set_ or [])
+    except ConfigError as err:
+        _fail(str(err))
+        return
+    if resume and not (out / "config.toml").exists():
+        _fail(f"--resume: {out} holds no run (no config.toml)")
+    console.print(f"[bold]dturbo[/] {cfg.experiment.name}: {cfg.experiment.algorithm} on {cfg.data.name}, "
+                  f"{cfg.model.name}, {cfg.federation.clients} clients, {cfg.experiment.rounds} rounds -> {out}")
+    try:
+        t0 = time.perf_counter()
+        tty = console.is_terminal
+        progress = Progress(
+            TextColumn("round {task.completed:.0f}/{task.total:.0f}"), BarColumn(), TaskProgressColumn(),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=console, disable=not tty,
+        )
+
+        def on_round(row: dict[str, Any]) -> None:
+            info = (f"acc {float(row['accuracy']):.4f}  density {float(row['density']):.3f}  "
+                    f"bits {_bits(float(row['cum_bits']))}")
+            progress.update(task, completed=int(row["round"]), info=info)
+            if not tty:  # CI logs: one line per round
+                console.print(f"round {row['round']}/{cfg.experiment.rounds}  {info}  ({row['seconds']} s)")
+
+        with progress:
+            sim = Simulator(cfg, out, resume=resume, on_round=on_round)
+            task = progress.add_task("rounds", total=cfg.experiment.rounds, info="", completed=0)
+            rows = sim.run()
+    except (ConfigError, DataError, CheckpointError, FileExistsError, ValueError) as err:
+        _fail(str(err))
+        return
+    if rows:
+        last = rows[-1]
+        console.print(f"done in {time.perf_counter() - t0:.0f} s: accuracy {float(last['accuracy']):.4f}, "
+                      f"density {float(last['density']):.4f}, total bits {_bits(float(last['cum_bits']))}")
+    if figures:
+        from .report import draw_run
+
+        for path in draw_run(out):
+            console.print(f"figure: {path}")
+
+
+@app.command()
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="run directories")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="where figures go (default: RUN/figures)")] = None,
+) -> None:
+    """Draw the figures of one or more run directories."""
+    from .report import draw_run
+
+    for run_dir in runs:
+        if not (run_dir / "metrics.csv").exists():
+            _fail(f"{run_dir} holds no run (no metrics.csv)")
+        for path in draw_run(run_dir, out / run_dir.name if out else None):
+            console.print(f"figure: {path}")
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,209 @@
+"""Experiment configuration: TOML in, validated pydantic models out.
+
+Every section forbids unknown keys, and every error names the offending key (``section.key``) and
+what is expected, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Probability = float
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ExperimentConfig(_Section):
+    name: str = "experiment"
+    seed: int = Field(0, ge=0)
+    rounds: int = Field(10, ge=1, le=100_000)
+    algorithm: Literal["dturbo"] = "dturbo"
+    eval_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and the last)")
+    threads: int = Field(0, ge=0, description="torch threads; 0 keeps torch's default")
+
+
+class DataConfig(_Section):
+    name: Literal["fashion-mnist", "mnist", "cifar10", "cifar100", "npz"] = "fashion-mnist"
+    path: str | None = None
+    limit_train: int | None = Field(None, ge=1)
+    limit_test: int | None = Field(None, ge=1)
+
+
+class FederationConfig(_Section):
+    clients: int = Field(10, ge=1)
+    partition: Literal["dirichlet", "iid"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0)
+    clients_per_round: int | None = Field(None, ge=1, description="None: every client every round")
+    min_partition_size: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _per_round_le_clients(self) -> FederationConfig:
+        if self.clients_per_round is not None and self.clients_per_round > self.clients:
+            raise ValueError(
+                f"clients_per_round ({self.clients_per_round}) cannot exceed clients ({self.clients})"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    name: Literal["alexnet-small", "lenet5", "mlp"] = "alexnet-small"
+    hidden: list[int] = Field(default_factory=lambda: [200, 100])
+
+    @field_validator("hidden")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(h < 1 for h in v):
+            raise ValueError("hidden sizes must be a non-empty list of positive integers")
+        return v
+
+
+class TrainConfig(_Section):
+    local_epochs: float = Field(1.0, ge=0)
+    local_steps: int = Field(0, ge=0, description="if > 0, overrides local_epochs")
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    optimizer: Literal["adam", "sgd"] = "adam"
+
+    @model_validator(mode="after")
+    def _some_work(self) -> TrainConfig:
+        if self.local_steps == 0 and self.local_epochs <= 0:
+            raise ValueError("set local_epochs > 0 or local_steps > 0")
+        return self
+
+
+class PriorConfig(_Section):
+    """Hyperparameters of the hierarchical prior for one layer kind (SPEC 2)."""
+
+    a: float = Field(1.0, gt=0)
+    b: float = Field(1.0, gt=0, description="used as given only with scale = 'absolute'")
+    a_bar: float = Field(1.0, gt=0)
+    b_bar: float = Field(0.01, gt=0, description="used as given only with scale = 'absolute'")
+    scale: Literal["matched", "absolute"] = "matched"
+    r: float = Field(100.0, gt=1, description="active / inactive prior variance ratio (scale = 'matched')")
+    layer_scale: float | None = Field(None, gt=0, description="s_l; None: the layer's initial weight std")
+    p01_row: Probability = Field(0.288, gt=0, lt=1)
+    p11_row: Probability = Field(0.49, gt=0, lt=1)
+    p01_col: Probability = Field(0.288, gt=0, lt=1)
+    p11_col: Probability = Field(0.49, gt=0, lt=1)
+    start: Probability | None = Field(None, gt=0, lt=1, description="P(active) start factor on first row/column")
+
+
+def _dense_prior() -> PriorConfig:
+    return PriorConfig(p01_row=0.3, p11_row=0.48, p01_col=0.3, p11_col=0.48)
+
+
+class PriorsConfig(_Section):
+    conv: PriorConfig = Field(default_factory=PriorConfig)
+    dense: PriorConfig = Field(default_factory=_dense_prior)
+
+
+class SpmpConfig(_Section):
+    max_iter: int = Field(50, ge=1)
+    tol: float = Field(1e-6, gt=0)
+    damping: float = Field(0.0, ge=0, lt=1)
+
+
+class SparsityConfig(_Section):
+    """How the support is decided (SPEC 11; docs/sparsity.md).
+
+    mode = "prior": the literal algorithm; pi_tilde >= threshold decides, r is the only knob.
+    mode = "target": the MRF prior gets an external field (a prior log-odds of activity, part of
+    Module B) calibrated each round so that the support size follows a schedule from dense to
+    ``target_density`` (cubic ramp over ``ramp_rounds`` after ``warmup_rounds``).
+    """
+
+    mode: Literal["prior", "target"] = "target"
+    target_density: Probability = Field(0.25, gt=0, le=1)
+    warmup_rounds: int = Field(1, ge=0)
+    ramp_rounds: int = Field(6, ge=1)
+    scope: Literal["global", "layer"] = "global"
+    min_layer_density: Probability = Field(0.02, ge=0, le=1)
+
+
+class DturboConfig(_Section):
+    sigma_mode: Literal["layer", "weight"] = "layer"
+    sigma_init_ratio: float = Field(0.1, gt=0)
+    beta: float = Field(1.0, ge=0)
+    gamma_update: Literal["exact", "paper"] = "exact"
+    support_threshold: Probability = Field(0.5, gt=0, lt=1)
+    prior_std_dtype: Literal["float16", "float32"] = "float16"
+    sparsity: SparsityConfig = Field(default_factory=SparsityConfig)
+    spmp: SpmpConfig = Field(default_factory=SpmpConfig)
+    prior: PriorsConfig = Field(default_factory=PriorsConfig)
+
+
+class Config(_Section):
+    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    dturbo: DturboConfig = Field(default_factory=DturboConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"config key '{key}': unknown key (check the spelling; see configs/ for examples)")
+        else:
+            lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (value parsed as TOML, falling back to a string)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{p}' is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    return parse_config(apply_overrides(data, overrides or []))

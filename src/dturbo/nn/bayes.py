@@ -1,0 +1,152 @@
+"""Bayesian layers with the local reparameterisation trick (SPEC 3, 6).
+
+q(w_n) = N(mu_n, sigma^2): sigma is one scalar per layer by default (``sigma_mode="layer"``) or one per
+weight (``sigma_mode="weight"``), always through softplus. The support mask S is a buffer: weights off
+the support are exactly zero in every forward pass, so they get no gradient from the likelihood, and they
+are left out of the KL term (E6); the server also stores them as exact zeros.
+
+During training a layer samples *pre-activations*, not weights (local reparameterisation): for input x,
+mean = layer(x; mu * S) and variance = layer(x^2; sigma^2 * S) (for a shared sigma,
+sigma^2 * layer(x^2; S)). Evaluation (``model.eval()``) uses the mean weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SigmaMode = Literal["layer", "weight"]
+
+# Floor for the pre-activation variance: keeps sqrt differentiable where an input is all zeros.
+_VAR_FLOOR = 1e-16
+
+
+def softplus_inverse(y: float) -> float:
+    """x with softplus(x) = y (y > 0), stable for small and large y."""
+    if y <= 0:
+        raise ValueError(f"softplus_inverse needs y > 0, got {y}")
+    return y + math.log(-math.expm1(-y))
+
+
+class BayesianLayer(nn.Module):
+    """Common part of the Bayesian Linear and Conv2d layers: mu, sigma, support mask, prior std."""
+
+    weight_mu: nn.Parameter
+    bias: nn.Parameter | None
+    mask: torch.Tensor
+    prior_std: torch.Tensor
+
+    def _init_bayes(self, weight_shape: tuple[int, ...], bias: bool, sigma_mode: SigmaMode, sigma_init: float) -> None:
+        if sigma_mode not in ("layer", "weight"):
+            raise ValueError(f"sigma_mode must be 'layer' or 'weight', got {sigma_mode!r}")
+        self.sigma_mode = sigma_mode
+        self.weight_mu = nn.Parameter(torch.empty(weight_shape))
+        # Same initialisation as torch.nn.Linear / Conv2d, so the layer scale s_l is the usual one.
+        nn.init.kaiming_uniform_(self.weight_mu, a=math.sqrt(5))
+        fan_in = int(self.weight_mu[0].numel())
+        if bias:
+            bound = 1.0 / math.sqrt(fan_in)
+            self.bias = nn.Parameter(torch.empty(weight_shape[0]).uniform_(-bound, bound))
+        else:
+            self.register_parameter("bias", None)
+        sigma_shape = () if sigma_mode == "layer" else weight_shape
+        self.sigma_param = nn.Parameter(torch.full(sigma_shape, softplus_inverse(sigma_init)))
+        self.register_buffer("mask", torch.ones(weight_shape))
+        self.register_buffer("prior_std", torch.ones(weight_shape))
+        # The generator for the reparameterisation noise is set by the client before training,
+        # so that every client's round is reproducible (resume equality).
+        self.generator: torch.Generator | None = None
+        # Baselines train the same architectures as ordinary (point-estimate) networks.
+        self.stochastic = True
+
+    @property
+    def sigma(self) -> torch.Tensor:
+        return F.softplus(self.sigma_param)
+
+    def masked_weight(self) -> torch.Tensor:
+        return self.weight_mu * self.mask
+
+    def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = self._op(x, self.masked_weight(), self.bias)
+        if not (self.training and self.stochastic):
+            return mean
+        sigma2 = self.sigma**2
+        if self.sigma_mode == "layer":
+            var = sigma2 * self._op(x * x, self.mask, None)
+        else:
+            var = self._op(x * x, sigma2 * self.mask, None)
+        noise = torch.randn(mean.shape, generator=self.generator, dtype=mean.dtype, device=mean.device)
+        return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noise
+
+    def kl(self) -> torch.Tensor:
+        """Sum over the support of KL(N(mu, sigma^2) || N(0, sigma_prior^2)) (the KL of E6)."""
+        sigma = self.sigma.expand_as(self.weight_mu)
+        sp = self.prior_std
+        kl = torch.log(sp / sigma) + (sigma**2 + self.weight_mu**2) / (2.0 * sp**2) - 0.5
+        return (kl * self.mask).sum()
+
+    def density(self) -> float:
+        return float(self.mask.mean())
+
+
+class BayesLinear(BayesianLayer):
+    """Bayesian fully connected layer; its grid is (out_features x in_features)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, sigma_mode: SigmaMode = "layer",
+        sigma_init: float = 1e-3,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self._init_bayes((out_features, in_features), bias, sigma_mode, sigma_init)
+
+    def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, sigma_mode={self.sigma_mode}"
+
+
+class BayesConv2d(BayesianLayer):
+    """Bayesian 2-D convolution; its grid is (out_channels x in_channels/groups * kh * kw)."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, *, stride: int = 1,
+        padding: int | str = 0, groups: int = 1, bias: bool = True, sigma_mode: SigmaMode = "layer",
+        sigma_init: float = 1e-3,
+    ) -> None:
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError("in_channels and out_channels must be divisible by groups")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.padding, self.groups = kernel_size, stride, padding, groups
+        shape = (out_channels, in_channels // groups, kernel_size, kernel_size)
+        self._init_bayes(shape, bias, sigma_mode, sigma_init)
+
+    def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.conv2d(x, weight, bias, self.stride, self.padding, 1, self.groups)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, groups={self.groups}, sigma_mode={self.sigma_mode}"
+        )
+
+
+def bayesian_layers(model: nn.Module) -> list[tuple[str, BayesianLayer]]:
+    """The model's Bayesian layers in definition order (the order of every message's fields)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, BayesianLayer)]
+
+
+def model_kl(model: nn.Module) -> torch.Tensor:
+    layers = bayesian_layers(model)
+    if not layers:
+        return torch.zeros(())
+    return torch.stack([layer.kl() for _, layer in layers]).sum()

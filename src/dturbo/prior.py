@@ -1,0 +1,90 @@
+"""The hierarchical prior of SPEC 2: Gamma hyperparameters per layer and the layer -> grid mapping.
+
+A layer's support grid is its weight matrix *as its GEMM uses it* (SPEC 2): Linear is
+(out_features x in_features); Conv2d is (out_channels x in_channels/groups * kh * kw). With this
+choice a cluster in the grid is a block of the computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerPrior:
+    """Resolved (absolute) prior of one layer: Gamma(a, b) active, Gamma(a_bar, b_bar) inactive
+    (shape/rate), and the grid MRF's transition probabilities (SPEC 2)."""
+
+    a: float
+    b: float
+    a_bar: float
+    b_bar: float
+    p01_row: float
+    p11_row: float
+    p01_col: float
+    p11_col: float
+    start: float | None = None
+
+    def gamma_kwargs(self) -> dict[str, float]:
+        return {"a": self.a, "b": self.b, "a_bar": self.a_bar, "b_bar": self.b_bar}
+
+    def mrf_kwargs(self) -> dict[str, float | None]:
+        return {
+            "p01_row": self.p01_row,
+            "p11_row": self.p11_row,
+            "p01_col": self.p01_col,
+            "p11_col": self.p11_col,
+            "start_row": self.start,
+            "start_col": self.start,
+        }
+
+
+def resolve_prior(
+    *,
+    a: float,
+    b: float,
+    a_bar: float,
+    b_bar: float,
+    scale: Literal["matched", "absolute"],
+    r: float,
+    layer_scale: float,
+    p01_row: float,
+    p11_row: float,
+    p01_col: float,
+    p11_col: float,
+    start: float | None = None,
+) -> LayerPrior:
+    """Turn a per-kind prior setting into a layer's absolute hyperparameters.
+
+    ``scale="matched"`` (the default, SPEC 2): b = a * s_l^2 and b_bar = a_bar * s_l^2 / r, so that the
+    active prior variance matches the layer's weight scale s_l and the inactive one is r times smaller.
+    ``scale="absolute"``: b and b_bar are used as given (the reference demo's a=b=a_bar=1, b_bar=0.01).
+    """
+    if scale == "matched":
+        s2 = float(layer_scale) ** 2
+        if not s2 > 0:
+            raise ValueError(f"layer scale must be positive for scale-matched priors, got {layer_scale}")
+        b, b_bar = a * s2, a_bar * s2 / r
+    elif scale != "absolute":
+        raise ValueError(f"prior scale must be 'matched' or 'absolute', got {scale!r}")
+    return LayerPrior(a, b, a_bar, b_bar, p01_row, p11_row, p01_col, p11_col, start)
+
+
+def grid_shape(layer: nn.Module) -> tuple[int, int]:
+    """(K, M) of a layer's support grid (SPEC 2)."""
+    weight = getattr(layer, "weight_mu", None)
+    if weight is None:
+        weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(layer).__name__} has no weight tensor")
+    return int(weight.shape[0]), int(weight[0].numel())
+
+
+def layer_kind(layer: nn.Module) -> Literal["conv", "dense"]:
+    """'conv' for convolutional layers, 'dense' for fully connected ones (prior settings are per kind)."""
+    weight = getattr(layer, "weight_mu", getattr(layer, "weight", None))
+    return "conv" if weight is not None and weight.dim() == 4 else "dense"

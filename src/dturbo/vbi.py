@@ -1,0 +1,185 @@
+"""Module A closed forms of D-Turbo-VBI (SPEC sections 4-5).
+
+Everything here works on float64 arrays that broadcast against each other, in log space:
+C1 and C2 of (E3) are never formed (they under/overflow), only their logarithms' difference.
+
+Notation (SPEC 2-5): pi is the prior probability of s_n = 1 coming from Module B (E2);
+pi_tilde = q(s_n = 1); (a_tilde, b_tilde) are the shape/rate of q(rho_n); mu, sigma the
+mean/std of q(w_n); (a, b) the active and (a_bar, b_bar) the inactive Gamma prior on rho_n.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from scipy.special import digamma, expit, gammaln, logit
+
+ArrayLike = np.ndarray | float
+
+# Log-odds are clipped to this range when probabilities are turned into log-odds, so that a
+# probability of exactly 0 or 1 (float rounding) never produces an infinity downstream.
+LOGIT_CLIP = 50.0
+
+
+def _f64(x: ArrayLike) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def safe_logit(p: ArrayLike) -> np.ndarray:
+    """logit(p) clipped to [-LOGIT_CLIP, LOGIT_CLIP]; p outside [0, 1] is a caller bug."""
+    p = _f64(p)
+    with np.errstate(divide="ignore"):
+        return np.clip(logit(p), -LOGIT_CLIP, LOGIT_CLIP)
+
+
+def expected_log_rho(a_tilde: ArrayLike, b_tilde: ArrayLike) -> np.ndarray:
+    """<ln rho> = digamma(a~) - ln b~ under q(rho) = Gamma(a~, b~) (shape/rate)."""
+    return digamma(_f64(a_tilde)) - np.log(_f64(b_tilde))
+
+
+def expected_rho(a_tilde: ArrayLike, b_tilde: ArrayLike) -> np.ndarray:
+    """<rho> = a~ / b~."""
+    return _f64(a_tilde) / _f64(b_tilde)
+
+
+def _gamma_log_density_terms(
+    shape: ArrayLike, rate: ArrayLike, e_log_rho: np.ndarray, e_rho: np.ndarray
+) -> np.ndarray:
+    """E_q[ln Gamma(rho; shape, rate)] = shape ln rate - lgamma(shape) + (shape-1)<ln rho> - rate <rho>."""
+    shape, rate = _f64(shape), _f64(rate)
+    return shape * np.log(rate) - gammaln(shape) + (shape - 1.0) * e_log_rho - rate * e_rho
+
+
+def support_evidence(
+    a_tilde: ArrayLike, b_tilde: ArrayLike, *, a: ArrayLike, b: ArrayLike, a_bar: ArrayLike, b_bar: ArrayLike
+) -> np.ndarray:
+    """ln C1 - ln C2 - logit(pi): the log-odds that Module A's own factors give s_n = 1.
+
+    This is the A -> B message of (E1) in log-odds. Because (E3) is
+    logit(pi_tilde) = logit(pi) + [this quantity], the extrinsic message
+    logit(pi_tilde) - logit(pi) does not depend on pi at all; computing it directly avoids
+    the loss of precision of logit(sigmoid(.)) when pi_tilde saturates.
+    """
+    e_log_rho = expected_log_rho(a_tilde, b_tilde)
+    e_rho = expected_rho(a_tilde, b_tilde)
+    return _gamma_log_density_terms(a, b, e_log_rho, e_rho) - _gamma_log_density_terms(
+        a_bar, b_bar, e_log_rho, e_rho
+    )
+
+
+def support_posterior_logodds(
+    pi_logodds: ArrayLike,
+    a_tilde: ArrayLike,
+    b_tilde: ArrayLike,
+    *,
+    a: ArrayLike,
+    b: ArrayLike,
+    a_bar: ArrayLike,
+    b_bar: ArrayLike,
+) -> np.ndarray:
+    """(E3) in log-odds: logit(pi_tilde) = ln C1 - ln C2, with pi given as log-odds."""
+    return _f64(pi_logodds) + support_evidence(a_tilde, b_tilde, a=a, b=b, a_bar=a_bar, b_bar=b_bar)
+
+
+def support_posterior(
+    pi: ArrayLike,
+    a_tilde: ArrayLike,
+    b_tilde: ArrayLike,
+    *,
+    a: ArrayLike,
+    b: ArrayLike,
+    a_bar: ArrayLike,
+    b_bar: ArrayLike,
+) -> np.ndarray:
+    """(E3): pi_tilde_n = sigmoid(ln C1 - ln C2), computed in log space and float64."""
+    lo = support_posterior_logodds(safe_logit(pi), a_tilde, b_tilde, a=a, b=b, a_bar=a_bar, b_bar=b_bar)
+    return expit(lo)
+
+
+def precision_posterior(
+    pi_tilde: ArrayLike,
+    mu: ArrayLike,
+    sigma: ArrayLike,
+    *,
+    a: ArrayLike,
+    b: ArrayLike,
+    a_bar: ArrayLike,
+    b_bar: ArrayLike,
+    form: Literal["exact", "paper"] = "exact",
+) -> tuple[np.ndarray, np.ndarray]:
+    """(E4): the Gamma posterior q(rho_n) = Gamma(a_tilde_n, b_tilde_n).
+
+    ``form="exact"`` is the exact VBI update for a real Gaussian weight
+    (+1/2 and (mu^2 + sigma^2)/2); ``form="paper"`` is the printed variant (+1 and
+    mu^2 + sigma^2), which belongs to a complex-valued Gaussian and is kept only to
+    reproduce the paper.
+    """
+    pt = _f64(pi_tilde)
+    second_moment = _f64(mu) ** 2 + _f64(sigma) ** 2
+    if form == "exact":
+        shape_extra, rate_extra = 0.5, 0.5 * second_moment
+    elif form == "paper":
+        shape_extra, rate_extra = 1.0, second_moment
+    else:
+        raise ValueError(f"gamma_update form must be 'exact' or 'paper', got {form!r}")
+    a_tilde = pt * _f64(a) + (1.0 - pt) * _f64(a_bar) + shape_extra
+    b_tilde = pt * _f64(b) + (1.0 - pt) * _f64(b_bar) + rate_extra
+    return np.broadcast_arrays(a_tilde, b_tilde)  # type: ignore[return-value]
+
+
+def prior_std(a_tilde: ArrayLike, b_tilde: ArrayLike) -> np.ndarray:
+    """(E5): the std of the Gaussian prior each client uses in its KL term, sqrt(b~ / a~)."""
+    return np.sqrt(_f64(b_tilde) / _f64(a_tilde))
+
+
+def message_a_to_b(pi_tilde_logodds: ArrayLike, pi_logodds: ArrayLike) -> np.ndarray:
+    """(E1) in log-odds: lo_eta = logit(pi_tilde) - logit(pi) (q(s) with the B->A message divided out)."""
+    return _f64(pi_tilde_logodds) - _f64(pi_logodds)
+
+
+def message_b_to_a(belief_logodds: ArrayLike, eta_logodds: ArrayLike) -> np.ndarray:
+    """(E2) in log-odds: lo_h = logit(belief) - lo_eta (the extrinsic output of SPMP)."""
+    return _f64(belief_logodds) - _f64(eta_logodds)
+
+
+def gaussian_kl(mu: ArrayLike, sigma: ArrayLike, sigma_prior: ArrayLike) -> np.ndarray:
+    """KL(N(mu, sigma^2) || N(0, sigma_prior^2)) per weight (the term of E6)."""
+    mu, sigma, sp = _f64(mu), _f64(sigma), _f64(sigma_prior)
+    return np.log(sp / sigma) + (sigma**2 + mu**2) / (2.0 * sp**2) - 0.5
+
+
+def module_a_negative_elbo(
+    pi: ArrayLike,
+    pi_tilde: ArrayLike,
+    a_tilde: ArrayLike,
+    b_tilde: ArrayLike,
+    mu: ArrayLike,
+    sigma: ArrayLike,
+    *,
+    a: ArrayLike,
+    b: ArrayLike,
+    a_bar: ArrayLike,
+    b_bar: ArrayLike,
+) -> np.ndarray:
+    """Per-weight terms of the negative ELBO of Module A that depend on q(s) and q(rho).
+
+    -ELBO_n = E_q[ln q(s_n) + ln q(rho_n) - ln Bern(s_n; pi_n) - ln p(rho_n | s_n) - ln N(w_n; 0, 1/rho_n)]
+    (the likelihood term does not depend on q(s), q(rho) and is left out). (E3) minimises this over
+    pi_tilde with q(rho) fixed, (E4, exact form) over (a_tilde, b_tilde) with pi_tilde fixed.
+    """
+    pi, pt = _f64(pi), _f64(pi_tilde)
+    a_t, b_t = _f64(a_tilde), _f64(b_tilde)
+    e_log_rho = expected_log_rho(a_t, b_t)
+    e_rho = expected_rho(a_t, b_t)
+    second_moment = _f64(mu) ** 2 + _f64(sigma) ** 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ent_s = -(np.where(pt > 0, pt * np.log(pt), 0.0) + np.where(pt < 1, (1 - pt) * np.log1p(-pt), 0.0))
+        log_prior_s = np.where(pt > 0, pt * np.log(pi), 0.0) + np.where(pt < 1, (1 - pt) * np.log1p(-pi), 0.0)
+    # Entropy of Gamma(a~, b~): a~ - ln b~ + lgamma(a~) + (1 - a~) digamma(a~).
+    ent_rho = a_t - np.log(b_t) + gammaln(a_t) + (1.0 - a_t) * digamma(a_t)
+    log_prior_rho = pt * _gamma_log_density_terms(a, b, e_log_rho, e_rho) + (1 - pt) * _gamma_log_density_terms(
+        a_bar, b_bar, e_log_rho, e_rho
+    )
+    log_lik_w = 0.5 * e_log_rho - 0.5 * np.log(2 * np.pi) - 0.5 * e_rho * second_moment
+    return -ent_s - ent_rho - log_prior_s - log_prior_rho - log_lik_w

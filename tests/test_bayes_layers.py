@@ -1,0 +1,94 @@
+"""Bayesian layers: local reparameterisation, support masks, KL (SPEC 3, 6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dturbo import vbi
+from dturbo.nn import BayesConv2d, BayesLinear, build_model
+from dturbo.prior import grid_shape
+
+
+@pytest.mark.parametrize("sigma_mode", ["layer", "weight"])
+def test_local_reparameterisation_matches_weight_sampling(sigma_mode):
+    """Pre-activation samples have the mean and variance of sampling the weights themselves."""
+    torch.manual_seed(0)
+    layer = BayesLinear(5, 3, sigma_mode=sigma_mode, sigma_init=0.2)
+    with torch.no_grad():
+        layer.mask[0, 1] = 0
+    x = torch.randn(1, 5)
+    n = 40000
+    layer.train()
+    g = torch.Generator().manual_seed(1)
+    layer.generator = g
+    out = layer(x.expand(n, 5))
+    w = layer.weight_mu * layer.mask
+    sigma2 = (layer.sigma**2).expand_as(w) * layer.mask
+    mean = (x @ w.T + layer.bias).detach()
+    var = ((x**2) @ sigma2.T).detach()
+    torch.testing.assert_close(out.mean(0, keepdim=True).detach(), mean, atol=4 * float(var.max().sqrt()) / n**0.5 + 1e-6,
+                               rtol=0)
+    torch.testing.assert_close(out.var(0, keepdim=True).detach(), var, rtol=0.05, atol=1e-7)
+
+
+def test_eval_uses_mean_weights_and_mask():
+    layer = BayesConv2d(2, 4, 3, padding=1)
+    with torch.no_grad():
+        layer.mask.zero_()
+    layer.eval()
+    x = torch.randn(2, 2, 5, 5)
+    out = layer(x)
+    assert torch.allclose(out, layer.bias.view(1, -1, 1, 1).expand_as(out))
+
+
+def test_weights_off_support_get_no_update():
+    torch.manual_seed(0)
+    layer = BayesLinear(6, 4)
+    with torch.no_grad():
+        layer.mask[:, :3] = 0
+        layer.weight_mu.mul_(layer.mask)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.1)
+    for _ in range(5):
+        loss = layer(torch.randn(8, 6)).pow(2).sum() + layer.kl()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.all(layer.weight_mu[:, :3] == 0)
+    assert torch.all(layer.weight_mu[:, 3:] != 0)
+
+
+def test_kl_matches_closed_form_on_support():
+    torch.manual_seed(0)
+    layer = BayesLinear(7, 5, sigma_init=0.05)
+    with torch.no_grad():
+        layer.prior_std.uniform_(0.1, 1.0)
+        layer.mask.bernoulli_(0.5)
+    mu = layer.weight_mu.detach().double().numpy()
+    ref = vbi.gaussian_kl(mu, float(layer.sigma.detach()), layer.prior_std.double().numpy())
+    expected = (ref * layer.mask.numpy()).sum()
+    assert np.isclose(float(layer.kl()), expected, rtol=1e-5)
+
+
+def test_grid_shapes_follow_the_gemm():
+    assert grid_shape(BayesLinear(30, 20)) == (20, 30)
+    assert grid_shape(BayesConv2d(3, 8, 5)) == (8, 3 * 25)
+    assert grid_shape(BayesConv2d(8, 8, 3, groups=8)) == (8, 9)
+
+
+@pytest.mark.parametrize("name,shape", [("alexnet-small", (1, 28, 28)), ("alexnet-small", (3, 32, 32)),
+                                        ("lenet5", (1, 28, 28)), ("mlp", (784,))])
+def test_models_build_and_seed(name, shape):
+    a = build_model(name, shape, 10, seed=3)
+    b = build_model(name, shape, 10, seed=3)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert a(torch.randn(2, *shape)).shape == (2, 10)
+    if name == "alexnet-small":
+        assert a.dense1.in_features == (576 if shape[0] == 3 else 256)
+
+
+def test_conv_model_rejects_flat_input():
+    with pytest.raises(ValueError, match="image input"):
+        build_model("lenet5", (784,), 10)
