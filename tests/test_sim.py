@@ -1,0 +1,141 @@
+"""End to end: a short real federated run trains, sparsifies, counts real bytes, and resumes exactly."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from dturbo.algorithms.dturbo import density_schedule
+from dturbo.checkpoint import CheckpointError
+from dturbo.config import parse_config
+from dturbo.data import load_dataset
+from dturbo.sim import BASE_COLUMNS, Simulator, build_federation
+
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+needs_fmnist = pytest.mark.skipif(not (FMNIST / "train-images-idx3-ubyte.gz").exists(),
+                                  reason="real Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+
+# Deterministic per-round metrics (everything but wall-clock time).
+TIMING = {"seconds"}
+
+
+def small_config(**sparsity) -> dict:
+    return {
+        "experiment": {"name": "test", "seed": 1, "rounds": 5, "threads": 1},
+        "data": {"name": "fashion-mnist", "limit_train": 3000, "limit_test": 1000},
+        "federation": {"clients": 4, "partition": "dirichlet", "alpha": 0.5},
+        "model": {"name": "lenet5"},
+        "train": {"local_steps": 12, "batch_size": 64, "lr": 0.003},
+        "dturbo": {"sparsity": {"mode": "target", "target_density": 0.3, "warmup_rounds": 1, "ramp_rounds": 3,
+                                **sparsity}},
+    }
+
+
+@pytest.fixture(scope="module")
+def fed():
+    if not (FMNIST / "train-images-idx3-ubyte.gz").exists():
+        pytest.skip("real Fashion-MNIST not installed")
+    cfg = parse_config(small_config())
+    ds = load_dataset("fashion-mnist", limit_train=3000, limit_test=1000, seed=1)
+    return build_federation(cfg, ds)
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@needs_fmnist
+def test_short_real_run_trains_sparsifies_and_writes_run_dir(tmp_path, fed):
+    cfg = parse_config(small_config())
+    rows = Simulator(cfg, tmp_path / "run", federation=fed).run()
+    run = tmp_path / "run"
+    assert [int(r["round"]) for r in rows] == [1, 2, 3, 4, 5]
+    for col in BASE_COLUMNS + ["train_nll", "kl_w", "neg_elbo"]:
+        assert col in rows[0]
+    assert float(rows[-1]["accuracy"]) > 0.6  # 5 short rounds of LeNet-5 on 3000 real images
+    densities = [float(r["density"]) for r in rows]
+    assert densities[0] == 1.0 and densities[-1] < 0.45  # warm-up dense, then the ramp sparsifies
+    # bits are bytes really exchanged: cum_bits is the running sum of up + down
+    cum = np.cumsum([int(r["up_bits"]) + int(r["down_bits"]) for r in rows])
+    assert np.allclose(cum, [float(r["cum_bits"]) for r in rows])
+    # sparse uploads are smaller than dense ones
+    assert int(rows[-1]["up_bits"]) < 0.6 * int(rows[0]["up_bits"])
+    for name in ("config.toml", "metrics.csv", "model.safetensors", "checkpoint/state.safetensors"):
+        assert (run / name).exists(), name
+    msg = load_file(str(run / "messages" / "round_0005.safetensors"))
+    assert msg["dense2.pi"].shape == (84, 120) and msg["dense2.mask"].shape == (84, 120)
+
+
+@needs_fmnist
+def test_resume_gives_identical_metrics(tmp_path, fed):
+    cfg = parse_config(small_config())
+    full = Simulator(cfg, tmp_path / "full", federation=fed).run()
+    # An interrupted run: stop after 2 rounds, then resume to 5.
+    short = parse_config({**small_config(), "experiment": {"name": "test", "seed": 1, "rounds": 2, "threads": 1}})
+    Simulator(short, tmp_path / "cut", federation=fed).run()
+    resumed = Simulator(cfg, tmp_path / "cut", federation=fed, resume=True).run()
+    assert strip_timing(read_rows(tmp_path / "cut")) == strip_timing(read_rows(tmp_path / "full"))
+    assert len(resumed) == len(full) == 5
+    a = load_file(str(tmp_path / "full" / "checkpoint" / "state.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "checkpoint" / "state.safetensors"))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@needs_fmnist
+def test_resume_refuses_other_config_and_keeps_checkpoint(tmp_path, fed):
+    cfg = parse_config(small_config())
+    short = parse_config({**small_config(), "experiment": {"name": "test", "seed": 1, "rounds": 1, "threads": 1}})
+    Simulator(short, tmp_path / "run", federation=fed).run()
+    before = (tmp_path / "run" / "checkpoint" / "state.safetensors").read_bytes()
+    other = parse_config({**small_config(), "train": {"local_steps": 5, "batch_size": 64, "lr": 0.003}})
+    with pytest.raises(CheckpointError, match="another configuration"):
+        Simulator(other, tmp_path / "run", federation=fed, resume=True).run()
+    (tmp_path / "run" / "checkpoint" / "state.safetensors").write_bytes(before[: len(before) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        Simulator(cfg, tmp_path / "run", federation=fed, resume=True).run()
+    with pytest.raises(FileExistsError):
+        Simulator(cfg, tmp_path / "run", federation=fed).run()
+
+
+def test_density_schedule_is_gradual_and_reaches_target():
+    d = [density_schedule(t, target=0.2, warmup=2, ramp=5) for t in range(10)]
+    assert d[:2] == [1.0, 1.0]
+    assert all(a > b for a, b in zip(d[1:7], d[2:7], strict=False))
+    assert d[6:] == pytest.approx([0.2] * 4)
+
+
+def test_global_model_is_masked_mean(tmp_path):
+    torch.manual_seed(0)
+    n = 400
+    x = np.random.default_rng(0).normal(size=(n, 20)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    np.savez(tmp_path / "toy.npz", x_train=x, y_train=y, x_test=x[:100], y_test=y[:100])
+    cfg = parse_config({
+        "experiment": {"rounds": 3, "seed": 0},
+        "data": {"name": "npz", "path": str(tmp_path / "toy.npz")},
+        "federation": {"clients": 2, "partition": "iid"},
+        "model": {"name": "mlp", "hidden": [16]},
+        "train": {"local_steps": 20, "batch_size": 32, "lr": 0.01},
+        "dturbo": {"sparsity": {"target_density": 0.5, "warmup_rounds": 0, "ramp_rounds": 2, "scope": "layer"}},
+    })
+    sim = Simulator(cfg, tmp_path / "run")
+    rows = sim.run()
+    assert float(rows[-1]["accuracy"]) > 0.8
+    state, _ = __import__("dturbo.checkpoint", fromlist=["load_checkpoint"]).load_checkpoint(tmp_path / "run" / "checkpoint")
+    model = sim.server.global_model(state)
+    for name in ("dense1", "dense2"):
+        layer = getattr(model, name)
+        w = layer.weight_mu.detach().numpy()
+        assert np.all(w[state[f"{name}.mask"] == 0] == 0)
+        assert 0.35 < state[f"{name}.mask"].mean() < 0.65
