@@ -28,8 +28,8 @@ def test_local_reparameterisation_matches_weight_sampling(sigma_mode):
     sigma2 = (layer.sigma**2).expand_as(w) * layer.mask
     mean = (x @ w.T + layer.bias).detach()
     var = ((x**2) @ sigma2.T).detach()
-    torch.testing.assert_close(out.mean(0, keepdim=True).detach(), mean, atol=4 * float(var.max().sqrt()) / n**0.5 + 1e-6,
-                               rtol=0)
+    tol = 4 * float(var.max().sqrt()) / n**0.5 + 1e-6
+    torch.testing.assert_close(out.mean(0, keepdim=True).detach(), mean, atol=tol, rtol=0)
     torch.testing.assert_close(out.var(0, keepdim=True).detach(), var, rtol=0.05, atol=1e-7)
 
 

@@ -47,7 +47,10 @@ def test_e3_is_the_exact_minimiser():
         h = {"a": rng.uniform(0.5, 3), "b": rng.uniform(0.01, 2), "a_bar": rng.uniform(0.5, 3),
              "b_bar": rng.uniform(1e-4, 0.1)}
         pi, at, bt, mu, sigma = rng.uniform(0.05, 0.95), rng.uniform(0.5, 5), rng.uniform(0.01, 2), rng.normal(), 0.1
-        best = minimize_scalar(lambda p: float(vbi.module_a_negative_elbo(pi, p, at, bt, mu, sigma, **h)),
+        def f(p, pi=pi, at=at, bt=bt, mu=mu, sigma=sigma, h=h):
+            return float(vbi.module_a_negative_elbo(pi, p, at, bt, mu, sigma, **h))
+
+        best = minimize_scalar(f,
                                bounds=(1e-12, 1 - 1e-12), method="bounded", options={"xatol": 1e-12})
         assert abs(float(vbi.support_posterior(pi, at, bt, **h)) - best.x) < 1e-5
 

@@ -247,7 +247,8 @@ def encode_sparse(array: np.ndarray, dtype: str = "float16") -> bytes:
     code = _dtype_code(dtype)
     flat = array.reshape(-1)
     idx = np.flatnonzero(flat)
-    return bytes([code]) + _encode_shape(array.shape) + _encode_positions(idx, flat.size) + _values_bytes(flat[idx], code)
+    head = bytes([code]) + _encode_shape(array.shape)
+    return head + _encode_positions(idx, flat.size) + _values_bytes(flat[idx], code)
 
 
 def decode_sparse(data: bytes, *, max_elements: int | None = None) -> np.ndarray:

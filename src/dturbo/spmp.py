@@ -7,8 +7,8 @@ the first row of every column chain). A transition matrix is used as the pairwis
 psi(s_prev, s_next) = P[s_prev, s_next].
 
 Everything is in the log domain and vectorised over the whole grid: every binary message is one
-log-odds number per edge and direction, updated by a closed form (one exp and one log per edge). The schedule is flooding
-(every message from the previous iteration's beliefs), with damping and a tolerance / max-iteration stop.
+log-odds number per edge and direction, updated by a closed form (one exp and one log per edge). The
+schedule is flooding (every message from the previous iteration's beliefs), with damping and a tolerance / max-iteration stop.
 On a chain (1 x M or K x 1) flooding BP is exact once messages have crossed the chain, so the iteration
 cap is raised to the chain length there.
 
@@ -48,8 +48,13 @@ _CLIP = 60.0
 def _through(x: np.ndarray, f: np.ndarray) -> np.ndarray:
     """Log-odds of the message through a 2x2 factor f[s_sender, s_receiver] from the sender's cavity
     log-odds x: log (f[0,1] + e^x f[1,1]) / (f[0,0] + e^x f[1,0]). One exp and one log per edge."""
-    e = np.exp(np.clip(x, -_CLIP, _CLIP))
-    return np.log((f[0, 1] + e * f[1, 1]) / (f[0, 0] + e * f[1, 0]))
+    e = np.exp(np.clip(x, -_CLIP, _CLIP, out=x), out=x)  # x is a temporary: reuse its memory
+    num = e * f[1, 1]
+    num += f[0, 1]
+    e *= f[1, 0]
+    e += f[0, 0]
+    num /= e
+    return np.log(num, out=num)
 
 
 def _start_logodds(p: float | None, name: str) -> float:
@@ -111,9 +116,10 @@ def grid_bp(
         return b
 
     converged = False
-    it = 0
+    iterations = 0
     b = beliefs()
-    for it in range(1, max_iter + 1):
+    for _ in range(max_iter):
+        iterations += 1
         new_right = _through(b[:, :-1] - left, fr)
         new_left = _through(b[:, 1:] - right, fr_t)
         new_down = _through(b[:-1, :] - up, fc)
@@ -130,4 +136,4 @@ def grid_bp(
         if delta < tol:
             converged = True
             break
-    return GridBPResult(belief=b, extrinsic=b - u, iterations=it, converged=converged)
+    return GridBPResult(belief=b, extrinsic=b - u, iterations=iterations, converged=converged)
