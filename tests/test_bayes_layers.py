@@ -68,7 +68,7 @@ def test_kl_matches_closed_form_on_support():
     mu = layer.weight_mu.detach().double().numpy()
     ref = vbi.gaussian_kl(mu, float(layer.sigma.detach()), layer.prior_std.double().numpy())
     expected = (ref * layer.mask.numpy()).sum()
-    assert np.isclose(float(layer.kl()), expected, rtol=1e-5)
+    assert np.isclose(float(layer.kl().detach()), expected, rtol=1e-5)
 
 
 def test_grid_shapes_follow_the_gemm():

@@ -34,8 +34,8 @@ def small_config(**sparsity) -> dict:
         "model": {"name": "lenet5"},
         "train": {"local_steps": 12, "batch_size": 64, "lr": 0.003},
         # KL / n is 20x stronger on 3000 samples than on 60000: temper it alike (beta 0.3 * 3000 / 60000)
-        "dturbo": {"beta": 0.015, "sparsity": {"mode": "target", "target_density": 0.3, "warmup_rounds": 1, "ramp_rounds": 3,
-                                **sparsity}},
+        "dturbo": {"beta": 0.015, "sparsity": {"mode": "target", "target_density": 0.3, "warmup_rounds": 1,
+                                               "ramp_rounds": 3, **sparsity}},
     }
 
 

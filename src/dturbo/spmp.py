@@ -8,7 +8,8 @@ psi(s_prev, s_next) = P[s_prev, s_next].
 
 Everything is in the log domain and vectorised over the whole grid: every binary message is one
 log-odds number per edge and direction, updated by a closed form (one exp and one log per edge). The
-schedule is flooding (every message from the previous iteration's beliefs), with damping and a tolerance / max-iteration stop.
+schedule is flooding (every message from the previous iteration's beliefs), with damping and a
+tolerance / max-iteration stop.
 On a chain (1 x M or K x 1) flooding BP is exact once messages have crossed the chain, so the iteration
 cap is raised to the chain length there.
 
