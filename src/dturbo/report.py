@@ -65,13 +65,17 @@ def draw_heatmaps(run_dir: Path, out: Path, layer: str = HEATMAP_LAYER, panels: 
     first = load_file(str(picks[0]))
     if f"{layer}.pi" not in first:
         return []
-    fig, axes = plt.subplots(1, len(picks), figsize=(3.2 * len(picks), 3.4), squeeze=False)
-    for ax, path in zip(axes[0], picks, strict=True):
-        pi = load_file(str(path))[f"{layer}.pi"].astype(np.float32)
-        im = ax.imshow(pi, cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
-        ax.set(title=f"round {int(path.stem.split('_')[1])}", xlabel="input unit", ylabel="output unit")
+    pis = [load_file(str(p))[f"{layer}.pi"].astype(np.float32) for p in picks]
+    # One colour scale for all panels, stretched to the values present (pi is often far below 1).
+    vmax = max(0.05, float(max(np.percentile(p, 99.5) for p in pis)))
+    fig, axes = plt.subplots(1, len(picks), figsize=(3.2 * len(picks), 3.6), squeeze=False)
+    for i, (ax, path, pi) in enumerate(zip(axes[0], picks, pis, strict=True)):
+        im = ax.imshow(pi, cmap="viridis", vmin=0, vmax=vmax, aspect="auto", interpolation="nearest")
+        ax.set(title=f"round {int(path.stem.split('_')[1])}", xlabel="input unit")
+        if i == 0:
+            ax.set_ylabel("output unit")
     fig.colorbar(im, ax=axes[0].tolist(), label="pi = P(s = 1) from Module B")
-    fig.suptitle(f"Support message v(h->s) of {layer} over rounds")
+    fig.suptitle(f"Support message v(h->s) of {layer} (grid {pis[0].shape[0]}x{pis[0].shape[1]}) over rounds")
     out_paths = [out / f"message_{layer}.png", out / f"message_{layer}.svg"]
     for p in out_paths:
         fig.savefig(p, dpi=120)
