@@ -12,6 +12,7 @@ instead of exactly 0 (SPEC 7 says "restarts from 0"; 2^-14 ~ 6e-5 is 0 for every
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -225,7 +226,9 @@ class DturboServer:
             new[f"{n}.mu"] = mu
             new[f"{n}.sigma"] = np.asarray(sig, dtype=np.float32).reshape(state[f"{n}.sigma"].shape)
             new[f"{n}.bias"] = sum(pt * v[1][f"{n}.bias"] for pt, v in zip(p, valid, strict=True)).astype(np.float32)
+        t0 = time.perf_counter()
         metrics = self._server_step(new, round_idx)
+        metrics["server_seconds"] = round(time.perf_counter() - t0, 3)
         client_metrics = np.stack([v[2] for v in valid])
         nll = float(p @ client_metrics[:, 0])
         metrics["train_nll"] = nll
@@ -275,7 +278,7 @@ class DturboServer:
             round_idx + 1, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds
         )
         if sp.mode == "target" and next_density < 1.0:
-            fields = self._calibrate_field(eta, eta_next, next_density, thr_lo)
+            fields = self._calibrate_field(eta, eta_next, next_density, thr_lo, state["field"])
         else:
             fields = np.zeros(len(self.layers))
         iters = 0
@@ -314,13 +317,14 @@ class DturboServer:
         return res.extrinsic + field, res.iterations
 
     def _calibrate_field(
-        self, eta: list[np.ndarray], eta_next: list[np.ndarray], density: float, thr_lo: float
+        self, eta: list[np.ndarray], eta_next: list[np.ndarray], density: float, thr_lo: float,
+        previous: np.ndarray,
     ) -> np.ndarray:
         """Field h of the MRF prior such that the support of the next round,
         {eta_next + lo_h(h) >= logit(threshold)}, has the scheduled density. SPMP runs on this round's
         E1 message ``eta``; ``eta_next`` is the next E3's evidence, already fixed by this round's E4, so
-        the prediction is exact (bisection on h; the predicted
-        density is monotone in h). Scope 'global' shares one h across layers (layers keep different
+        the prediction is exact (bisection on h, bracketed around the previous round's field; the
+        predicted density is monotone in h). Scope 'global' shares one h across layers (layers keep different
         densities); 'layer' calibrates each layer alone. A layer never goes below min_layer_density."""
         sp = self.cfg.dturbo.sparsity
         L = len(self.layers)
@@ -330,28 +334,32 @@ class DturboServer:
             lo_h, _ = self._spmp(self.layers[i], eta[i], h)
             return float(np.mean(eta_next[i] + lo_h >= thr_lo))
 
-        def solve(target: float, idx: list[int]) -> float:
-            lo, hi = -60.0, 60.0
-            for _ in range(30):
+        def dens_at(h: float, idx: list[int]) -> float:
+            return sum(layer_density(i, h) * sizes[i] for i in idx) / sizes[idx].sum()
+
+        def solve(target: float, idx: list[int], start: float) -> float:
+            # The field moves little between rounds: bracket around the last one, widen if needed.
+            lo, hi = start - 4.0, start + 4.0
+            while dens_at(lo, idx) > target and lo > -200:
+                lo -= 16.0
+            while dens_at(hi, idx) < target and hi < 200:
+                hi += 16.0
+            while hi - lo > 1e-3:
                 mid = 0.5 * (lo + hi)
-                dens = sum(layer_density(i, mid) * sizes[i] for i in idx) / sizes[idx].sum()
-                if dens > target:
-                    hi = mid
-                else:
-                    lo = mid
-                if hi - lo < 1e-3:
-                    break
+                dens = dens_at(mid, idx)
+                if abs(dens - target) < 5e-4:
+                    return mid
+                lo, hi = (lo, mid) if dens > target else (mid, hi)
             return 0.5 * (lo + hi)
 
         if sp.scope == "global":
-            h = solve(density, list(range(L)))
-            fields = np.full(L, h)
+            fields = np.full(L, solve(density, list(range(L)), float(np.mean(previous))))
         else:
-            fields = np.array([solve(density, [i]) for i in range(L)])
+            fields = np.array([solve(density, [i], float(previous[i])) for i in range(L)])
         floor = min(sp.min_layer_density, density)
         for i in range(L):
             if layer_density(i, fields[i]) < floor:
-                fields[i] = max(fields[i], solve(floor, [i]))
+                fields[i] = max(fields[i], solve(floor, [i], float(fields[i])))
         return fields
 
     # ------------------------------------------------------------ the model
