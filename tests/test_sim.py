@@ -177,3 +177,32 @@ def test_bad_uplinks_are_rejected_and_the_round_uses_the_rest(tmp_path):
     assert "truncated" in reasons and "NaN" in reasons and "support has 24" in reasons
     with pytest.raises(MessageError, match="no valid client update"):
         sim.server.aggregate(state, [good[:10]], 0)
+
+
+@pytest.mark.parametrize("sigma_mode", ["layer", "weight", "client"])
+def test_sigma_modes_run_and_keep_their_shape(tmp_path, sigma_mode):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 10)).astype(np.float32)
+    y = (x[:, 0] - x[:, 1] > 0).astype(np.int64)
+    np.savez(tmp_path / "toy.npz", x_train=x, y_train=y, x_test=x[:60], y_test=y[:60])
+    cfg = parse_config({
+        "experiment": {"rounds": 3},
+        "data": {"name": "npz", "path": str(tmp_path / "toy.npz")},
+        "federation": {"clients": 3, "partition": "iid"},
+        "model": {"name": "mlp", "hidden": [12, 6]},
+        "train": {"local_steps": 30, "lr": 0.01},
+        "dturbo": {"sigma_mode": sigma_mode, "beta": 0.01,
+                   "sparsity": {"target_density": 0.6, "warmup_rounds": 0, "ramp_rounds": 2}},
+    })
+    rows = Simulator(cfg, tmp_path / "run").run()
+    assert float(rows[-1]["accuracy"]) > 0.7
+    state, _ = load_checkpoint(tmp_path / "run" / "checkpoint")
+    sigmas = [state[f"dense{i}.sigma"] for i in (1, 2, 3)]
+    if sigma_mode == "weight":
+        assert sigmas[0].size == 12 * 10
+    else:
+        assert all(s.size == 1 for s in sigmas)
+    if sigma_mode == "client":  # one sigma for the whole client, tied across layers
+        assert sigmas[0][0] == sigmas[1][0] == sigmas[2][0]
+    else:
+        assert len({float(s.reshape(-1)[0]) for s in sigmas}) == 3

@@ -132,7 +132,7 @@ class SparsityConfig(_Section):
 
 
 class DturboConfig(_Section):
-    sigma_mode: Literal["layer", "weight"] = "layer"
+    sigma_mode: Literal["layer", "weight", "client"] = "layer"
     sigma_init_ratio: float = Field(0.1, gt=0)
     beta: float = Field(1.0, ge=0)
     gamma_update: Literal["exact", "paper"] = "exact"

@@ -218,7 +218,8 @@ class Simulator:
 
     def _save_model(self, state: dict[str, Any]) -> None:
         model = self.server.global_model(state)
-        tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        # clone: tied parameters (sigma_mode = "client") must be separate tensors in a safetensors file
+        tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         tmp = self.out / "model.safetensors.tmp"
         save_torch(tensors, str(tmp), metadata={"model": self.cfg.model.name, "dataset": self.cfg.data.name})
         tmp.replace(self.out / "model.safetensors")

@@ -83,27 +83,38 @@ def build_model(
     input_shape: Sequence[int],
     num_classes: int,
     *,
-    sigma_mode: SigmaMode = "layer",
+    sigma_mode: str = "layer",
     sigma_init_ratio: float = 0.1,
     hidden: Sequence[int] = (200, 100),
     seed: int = 0,
 ) -> nn.Sequential:
     """Build a model with seeded initialisation. Each layer's sigma starts at
-    ``sigma_init_ratio`` times the layer's initial weight std."""
+    ``sigma_init_ratio`` times the layer's initial weight std.
+
+    ``sigma_mode``: "layer" (one sigma per layer, the default), "weight" (one per weight), or "client"
+    (the paper's single sigma shared by every layer: one Parameter tied across layers, started at
+    ``sigma_init_ratio`` times the mean of the layers' weight std)."""
     if name != "mlp" and len(input_shape) != 3:
         raise ValueError(f"model {name!r} needs image input (C, H, W), got input shape {tuple(input_shape)}")
     torch.manual_seed(seed)
+    layer_mode: SigmaMode = "layer" if sigma_mode == "client" else sigma_mode
     if name == "alexnet-small":
-        model = alexnet_small(input_shape, num_classes, sigma_mode)
+        model = alexnet_small(input_shape, num_classes, layer_mode)
     elif name == "lenet5":
-        model = lenet5(input_shape, num_classes, sigma_mode)
+        model = lenet5(input_shape, num_classes, layer_mode)
     elif name == "mlp":
-        model = mlp(input_shape, num_classes, sigma_mode, hidden)
+        model = mlp(input_shape, num_classes, layer_mode, hidden)
     else:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    layers = [layer for _, layer in bayesian_layers(model)]
     with torch.no_grad():
-        for _, layer in bayesian_layers(model):
+        for layer in layers:
             layer.sigma_param.fill_(softplus_inverse(sigma_init_ratio * layer_scale(layer)))
+    if sigma_mode == "client":
+        shared = nn.Parameter(torch.tensor(softplus_inverse(
+            sigma_init_ratio * sum(layer_scale(la) for la in layers) / len(layers))))
+        for layer in layers:
+            layer.sigma_param = shared  # one Parameter object: one gradient, one value for every layer
     return model
 
 
