@@ -1,0 +1,5 @@
+"""``python -m dturbo`` is the ``dturbo`` command."""
+
+from .cli import app
+
+app()
