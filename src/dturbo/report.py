@@ -24,8 +24,9 @@ def read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
     return cols
 
 
-def _save(fig: plt.Figure, path: Path) -> list[Path]:
-    fig.tight_layout()
+def _save(fig: plt.Figure, path: Path, tight: bool = True) -> list[Path]:
+    if tight:  # not with a colorbar spanning several axes: tight_layout cannot place it
+        fig.tight_layout()
     out = [path.with_suffix(".png"), path.with_suffix(".svg")]
     for p in out:
         fig.savefig(p, dpi=120)
@@ -76,11 +77,7 @@ def draw_heatmaps(run_dir: Path, out: Path, layer: str = HEATMAP_LAYER, panels: 
             ax.set_ylabel("output unit")
     fig.colorbar(im, ax=axes[0].tolist(), label="pi = P(s = 1) from Module B")
     fig.suptitle(f"Support message v(h->s) of {layer} (grid {pis[0].shape[0]}x{pis[0].shape[1]}) over rounds")
-    out_paths = [out / f"message_{layer}.png", out / f"message_{layer}.svg"]
-    for p in out_paths:
-        fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return out_paths
+    return _save(fig, out / f"message_{layer}", tight=False)
 
 
 def draw_masks(run_dir: Path, out: Path) -> list[Path]:
