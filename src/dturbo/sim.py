@@ -199,6 +199,7 @@ class Simulator:
                 **{k: _fmt(v) for k, v in result.metrics.items()},
             }
             rows.append(row)
+            self._log_events(rnd + 1, failed + result.rejected)
             self._save_messages(state, rnd + 1)
             self._write_rows(rows)
             save_checkpoint(self.checkpoint_dir, state, {
@@ -208,6 +209,12 @@ class Simulator:
                 self.on_round(row)
         self._save_model(state)
         return rows
+
+    def _log_events(self, round_no: int, events: list[str]) -> None:
+        """Why clients failed or were rejected (metrics.csv has the counts): one line each in events.log."""
+        if events:
+            with open(self.out / "events.log", "a") as f:
+                f.writelines(f"round {round_no}: {e}\n" for e in events)
 
     def _save_messages(self, state: dict[str, Any], round_no: int) -> None:
         """pi (B->A message) and masks of every layer this round, for the heat maps (Fig. 3)."""
