@@ -142,6 +142,11 @@ class Simulator:
             if len(rows) != done:
                 raise CheckpointError(f"metrics.csv has {len(rows)} rows for {done} checkpointed rounds")
             self._write_rows(rows)
+            events = self.out / "events.log"
+            if events.exists():  # drop the events of rounds that will be run again
+                kept = [ln for ln in events.read_text().splitlines(keepends=True)
+                        if ln.startswith("round ") and int(ln.split()[1].rstrip(":")) <= done]
+                atomic_write_bytes(events, "".join(kept).encode())
             return state, done, float(counters["cum_bits"]), rows
         if self.checkpoint_dir.exists() or self.metrics_path.exists():
             raise FileExistsError(f"{self.out} already holds a run; use --resume to continue it or another --out")
