@@ -112,6 +112,8 @@ class Simulator:
         self.out = Path(out)
         self.resume = resume
         self.on_round = on_round
+        if cfg.experiment.threads:  # before anything is built: reductions depend on the thread count
+            torch.set_num_threads(cfg.experiment.threads)
         self.fed = federation or build_federation(cfg)
         self.server, self.client = build_algorithm(cfg, self.fed)
         self.fingerprint = config_fingerprint(cfg.to_dict())
@@ -171,8 +173,6 @@ class Simulator:
     # ---------------------------------------------------------------- rounds
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
-        if cfg.experiment.threads:
-            torch.set_num_threads(cfg.experiment.threads)
         state, start, cum_bits, rows = self._prepare()
         acc = loss = float("nan")
         if rows:

@@ -12,6 +12,7 @@ instead of exactly 0 (SPEC 7 says "restarts from 0"; 2^-14 ~ 6e-5 is 0 for every
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -230,7 +231,7 @@ class DturboServer:
         metrics = self._server_step(new, round_idx)
         metrics["server_seconds"] = round(time.perf_counter() - t0, 3)
         client_metrics = np.stack([v[2] for v in valid])
-        nll = float(p @ client_metrics[:, 0])
+        nll = _exact_sum(p * client_metrics[:, 0])
         metrics["train_nll"] = nll
         metrics["neg_elbo"] = self.total_samples * nll + self.cfg.dturbo.beta * metrics["kl_w"] + metrics["kl_prior"]
         metrics["clients_ok"] = float(len(valid))
@@ -255,9 +256,9 @@ class DturboServer:
             pt_lo = state[f"{n}.pi_lo"] + evidence
             # E4 with the new q(s) and the aggregated moments.
             a_t, b_t = vbi.precision_posterior(expit(pt_lo), mu, sigma, **g, form=d.gamma_update)
-            kl_prior += float(vbi.module_a_negative_elbo(
+            kl_prior += _exact_sum(vbi.module_a_negative_elbo(
                 expit(state[f"{n}.pi_lo"]), expit(pt_lo), a_t, b_t, mu, sigma, **g
-            ).sum())
+            ))
             state[f"{n}.pt_lo"], state[f"{n}.a_t"], state[f"{n}.b_t"] = pt_lo, a_t, b_t
             eta.append(evidence)
             eta_next.append(vbi.support_evidence(a_t, b_t, **g))
@@ -295,7 +296,7 @@ class DturboServer:
             n = info.name
             mask = state[f"{n}.mask"]
             sigma = self._sigma_grid(state[f"{n}.sigma"].astype(np.float64), info)
-            kl_w += float(vbi.gaussian_kl(state[f"{n}.mu"][mask], sigma[mask], self.prior_std(state, info)[mask]).sum())
+            kl_w += _exact_sum(vbi.gaussian_kl(state[f"{n}.mu"][mask], sigma[mask], self.prior_std(state, info)[mask]))
             total += mask.size
             kept += int(mask.sum())
             layer_density[f"density_{n}"] = float(mask.mean())
@@ -304,7 +305,7 @@ class DturboServer:
             "kl_w": kl_w,
             "kl_prior": kl_prior,
             "spmp_iters": float(iters),
-            "field_mean": float(np.mean(fields)),
+            "field_mean": _exact_sum(fields) / len(fields),
             "scheduled_density": next_density if sp.mode == "target" else float("nan"),
             **layer_density,
         }
@@ -379,6 +380,12 @@ class DturboServer:
             out[f"{info.name}.pi"] = expit(state[f"{info.name}.pi_lo"]).astype(np.float16)
             out[f"{info.name}.mask"] = state[f"{info.name}.mask"].astype(np.uint8)
         return out
+
+
+def _exact_sum(values: np.ndarray) -> float:
+    """Correctly rounded sum: numpy's SIMD sums depend on memory alignment, and metrics must be
+    bit-identical between a resumed and an uninterrupted run."""
+    return math.fsum(np.asarray(values, dtype=np.float64).ravel().tolist())
 
 
 def _need(fields: dict[str, bytes], name: str) -> bytes:

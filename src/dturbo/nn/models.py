@@ -7,6 +7,7 @@ Fig. 3 is our ``dense2`` (120 -> 84, grid 84 x 120).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -119,5 +120,10 @@ def build_model(
 
 
 def layer_scale(layer: BayesianLayer) -> float:
-    """s_l of SPEC 2: the std of the layer's initial mean weights."""
-    return float(layer.weight_mu.detach().double().std())
+    """s_l of SPEC 2: the std of the layer's initial mean weights.
+
+    Summed exactly (math.fsum): a torch or numpy reduction depends on the thread count and memory
+    alignment in its last bit, and s_l sets the prior, so a resumed run must get the very same value."""
+    w = layer.weight_mu.detach().double().reshape(-1).tolist()
+    mean = math.fsum(w) / len(w)
+    return math.sqrt(math.fsum((x - mean) ** 2 for x in w) / max(len(w) - 1, 1))
