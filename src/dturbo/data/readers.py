@@ -2,14 +2,29 @@
 
 No downloads and no torchvision: files on disk only. Every problem raises :class:`DataError` naming the
 file and the fix. CIFAR's python version is a pickle; it is read with an unpickler that refuses every
-global except numpy's array reconstruction, so a malicious file cannot run code.
+global except numpy's array reconstruction (``_reconstruct``, ``ndarray``, ``dtype``), so a malicious file
+cannot run code.
+
+Layouts of a user's ``.npz`` (arrays ``x_train``, ``y_train``, ``x_test``, ``y_test``):
+
+* ``N,H,W``: one channel is added -> ``N,1,H,W``;
+* ``N,H,W,C`` (channels last) is detected when the last dimension is 1 or 3 **and** dimension 1 is not
+  1 or 3; it is transposed to ``N,C,H,W``. Every other 4-d array is taken as ``N,C,H,W`` already;
+* ``N,D``: flat features, kept flat (normalised per feature).
+
+Normalisation: ``uint8`` pixels are divided by 255 first, floats are used as given; then every channel
+(every feature for flat data) is shifted and scaled by the mean and standard deviation of the training
+set (after ``limit_train``), computed in float64. A constant channel (std 0) is only centred.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+import math
+import os
 import pickle
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,248 +32,401 @@ import numpy as np
 
 FASHION_MNIST_PATH = "/usr/share/datasets/fashion-mnist"
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+MNIST_URL = "http://yann.lecun.com/exdb/mnist/"
 DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "cifar100", "npz")
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 
 class DataError(ValueError):
-    """A dataset file is missing or malformed."""
+    """A dataset file is missing or malformed; the message names the file and the fix."""
 
 
 @dataclass
 class Dataset:
+    """A loaded, normalised dataset.
+
+    ``x_*`` are float32, ``(N, C, H, W)`` for images or ``(N, D)`` for flat data, normalised with
+    training-set statistics; ``y_*`` are int64 labels in ``[0, num_classes)``.
+    """
+
     name: str
-    x_train: np.ndarray  # float32 (N, C, H, W) or (N, D), normalised with training statistics
-    y_train: np.ndarray  # int64 (N,)
+    x_train: np.ndarray
+    y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
 
     @property
     def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample: ``(C, H, W)`` or ``(D,)``."""
         return tuple(int(s) for s in self.x_train.shape[1:])
 
 
 # ---------------------------------------------------------------- IDX
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
-def read_idx(path: str | Path) -> np.ndarray:
-    """Read an IDX file (gzip-compressed or raw), checking magic, type code, dimensions and length."""
+def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+    """Read an IDX file (gzip-compressed or raw) into an array of the file's own element type.
+
+    Checks the magic number (two zero bytes, a known type code, at least one dimension), the header
+    length, and that the payload holds exactly as many bytes as the dimensions require.
+    Raises :class:`DataError` otherwise.
+    """
     path = Path(path)
     try:
         raw = path.read_bytes()
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
-    except (OSError, EOFError, gzip.BadGzipFile) as err:
+    except (OSError, EOFError, zlib.error) as err:
         raise DataError(f"cannot read IDX file {path}: {err}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise DataError(f"{path} is not an IDX file (bad magic number)")
+        raise DataError(f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'empty'}; "
+                        f"expected 0000 + type code + ndim)")
     code, ndim = raw[2], raw[3]
-    if code not in _IDX_DTYPES or ndim == 0:
-        raise DataError(f"{path}: unsupported IDX type code 0x{code:02x} or ndim {ndim}")
+    if code not in _IDX_DTYPES:
+        raise DataError(f"{path}: bad magic number, unknown IDX type code 0x{code:02x}")
+    if ndim == 0:
+        raise DataError(f"{path}: bad magic number, IDX file with 0 dimensions")
     header = 4 + 4 * ndim
     if len(raw) < header:
-        raise DataError(f"{path}: truncated IDX header")
+        raise DataError(f"{path}: truncated IDX header ({len(raw)} bytes, {ndim} dimensions need {header})")
     dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
     dtype = np.dtype(_IDX_DTYPES[code])
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(dims) * dtype.itemsize
     if len(raw) - header != expected:
-        raise DataError(f"{path}: payload has {len(raw) - header} bytes, dimensions {dims} need {expected}")
+        raise DataError(f"{path}: payload has {len(raw) - header} bytes but dimensions {dims} need {expected} "
+                        f"(truncated or corrupt file; download it again)")
     return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
 
 
-def _find(folder: Path, stem: str) -> Path:
-    for name in (f"{stem}.gz", stem, stem.replace("-idx", ".idx"), stem.replace("-idx", ".idx") + ".gz"):
-        if (folder / name).exists():
+def _idx_layout(folder: Path) -> str:
+    files = ", ".join(f"{f}.gz" for f in _IDX_FILES)
+    return f"expected layout: {folder}/ holding {files} (gzipped or not)"
+
+
+def _find_idx(folder: Path, stem: str, how: str) -> Path:
+    dotted = stem.replace("-idx", ".idx")
+    for name in (f"{stem}.gz", stem, dotted, f"{dotted}.gz"):
+        if (folder / name).is_file():
             return folder / name
-    raise DataError(f"missing {stem}(.gz) in {folder}")
+    raise DataError(f"missing {folder / stem}.gz (or {stem}, {dotted}); {_idx_layout(folder)}. {how}")
 
 
 def _load_idx_pair(folder: Path, split: str, how: str) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        x = read_idx(_find(folder, f"{split}-images-idx3-ubyte"))
-        y = read_idx(_find(folder, f"{split}-labels-idx1-ubyte"))
-    except DataError as err:
-        raise DataError(f"{err}. {how}") from None
+    if not folder.is_dir():
+        raise DataError(f"{folder} is not a folder (missing {split}-images-idx3-ubyte.gz); "
+                        f"{_idx_layout(folder)}. {how}")
+    xp = _find_idx(folder, f"{split}-images-idx3-ubyte", how)
+    yp = _find_idx(folder, f"{split}-labels-idx1-ubyte", how)
+    x, y = read_idx(xp), read_idx(yp)
     if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-        raise DataError(f"{folder}: {split} images {x.shape} and labels {y.shape} do not match")
-    return x[:, None, :, :], y
+        raise DataError(f"{xp} {x.shape} and {yp} {y.shape} are not matching (N, H, W) images and (N,) labels. "
+                        f"{how}")
+    if y.dtype.kind not in "ui":
+        raise DataError(f"{yp}: labels must be integers, got {y.dtype}")
+    return x[:, None, :, :], y.astype(np.int64)
 
 
 # -------------------------------------------------------------- CIFAR
-class _NumpyOnlyUnpickler(pickle.Unpickler):
-    _ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"), ("_codecs", "encode"),
+def _allowed_globals() -> dict[tuple[str, str], object]:
+    reconstruct = np.ndarray.__reduce__(np.zeros(1))[0]  # numpy's _reconstruct, whatever module holds it
+    return {
+        ("numpy.core.multiarray", "_reconstruct"): reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): reconstruct,
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
     }
 
-    def find_class(self, module: str, name: str):  # noqa: ANN201
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise DataError(f"refusing to unpickle {module}.{name}: CIFAR files hold only numpy arrays and lists")
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """An unpickler for CIFAR's python batches: numpy arrays, dicts, lists, bytes and numbers only."""
+
+    _ALLOWED = _allowed_globals()
+
+    def find_class(self, module: str, name: str) -> object:
+        try:
+            return self._ALLOWED[(module, name)]
+        except KeyError:
+            raise DataError(
+                f"refusing to unpickle {module}.{name}: CIFAR python batches hold only numpy arrays, lists "
+                f"and bytes (is this file really from {CIFAR_URL}?)"
+            ) from None
 
 
 def _safe_unpickle(path: Path) -> dict:
     try:
-        with open(path, "rb") as f:
-            obj = _NumpyOnlyUnpickler(io.BytesIO(f.read()), encoding="bytes").load()
-    except DataError:
-        raise
+        data = path.read_bytes()
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err}") from None
+    try:
+        obj = _NumpyOnlyUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except DataError as err:
+        raise DataError(f"{path}: {err}") from None
     except Exception as err:  # any malformed pickle
-        raise DataError(f"{path} is not a readable CIFAR python batch: {err}") from None
+        raise DataError(f"{path} is not a readable CIFAR python batch ({type(err).__name__}: {err}); "
+                        f"download and extract it again") from None
     if not isinstance(obj, dict):
-        raise DataError(f"{path}: expected a dict, got {type(obj).__name__}")
+        raise DataError(f"{path}: expected a pickled dict, got {type(obj).__name__}")
     return obj
 
 
-def _cifar_records(raw: bytes, label_bytes: int, path: Path) -> tuple[np.ndarray, np.ndarray]:
-    rec = label_bytes + 3072
+@dataclass(frozen=True)
+class _CifarSpec:
+    title: str
+    bin_dir: str
+    py_dir: str
+    train: tuple[str, ...]
+    test: tuple[str, ...]
+    label_bytes: int  # binary record: label bytes before the 3072 pixels; the last one is the label used
+    label_key: bytes  # python version: dict key of the labels used
+    classes: int
+    tarball: str
+
+
+_CIFAR = {
+    "cifar10": _CifarSpec("CIFAR-10", "cifar-10-batches-bin", "cifar-10-batches-py",
+                          tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), 1, b"labels", 10,
+                          "cifar-10-binary.tar.gz"),
+    "cifar100": _CifarSpec("CIFAR-100", "cifar-100-binary", "cifar-100-python", ("train",), ("test",), 2,
+                           b"fine_labels", 100, "cifar-100-binary.tar.gz"),
+}
+
+
+def _cifar_how(spec: _CifarSpec) -> str:
+    return (f"Download {spec.tarball} from {CIFAR_URL} and extract it, then point `data.path` at the folder "
+            f"(the python version, {spec.py_dir}, works too)")
+
+
+def _cifar_layout(spec: _CifarSpec, path: Path) -> str:
+    names = spec.train + spec.test
+    return (f"expected {path / spec.bin_dir}/ holding {', '.join(n + '.bin' for n in names)} (binary version) "
+            f"or {path / spec.py_dir}/ holding {', '.join(names)} (python version); data.path may also be "
+            f"that folder itself")
+
+
+def _cifar_records(raw: bytes, spec: _CifarSpec, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    rec = spec.label_bytes + 3072
     if len(raw) == 0 or len(raw) % rec:
-        raise DataError(f"{path}: size {len(raw)} is not a multiple of the {rec}-byte CIFAR record")
+        raise DataError(f"{path}: size {len(raw)} is not a positive multiple of the {rec}-byte {spec.title} "
+                        f"record (truncated or wrong file); {_cifar_how(spec)}")
     arr = np.frombuffer(raw, np.uint8).reshape(-1, rec)
-    return arr[:, label_bytes:].reshape(-1, 3, 32, 32), arr[:, label_bytes - 1].astype(np.int64)
+    x = arr[:, spec.label_bytes:].reshape(-1, 3, 32, 32)  # R plane, G plane, B plane; each 32x32 row-major
+    return x, arr[:, spec.label_bytes - 1].astype(np.int64)
 
 
-def _locate(path: Path, names: tuple[str, ...]) -> Path | None:
-    for cand in (path, *(path / n for n in names)):
-        if cand.is_dir() and any((cand / f).exists() for f in ("data_batch_1", "data_batch_1.bin", "train",
-                                                              "train.bin", "test_batch", "test_batch.bin")):
-            return cand
-    return None
+def _cifar_pickle(path: Path, spec: _CifarSpec) -> tuple[np.ndarray, np.ndarray]:
+    d = _safe_unpickle(path)
+    if b"data" not in d or spec.label_key not in d:
+        raise DataError(f"{path}: missing b'data' or {spec.label_key!r} (keys: {sorted(map(repr, d))}); "
+                        f"is it a {spec.title} python batch?")
+    x, y = d[b"data"], d[spec.label_key]
+    if not isinstance(x, np.ndarray) or x.dtype.kind not in "ui" or x.ndim != 2 or x.shape[1] != 3072:
+        raise DataError(f"{path}: b'data' must be an (N, 3072) integer array, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    if x.size and (x.min() < 0 or x.max() > 255):
+        raise DataError(f"{path}: pixel values outside 0..255")
+    try:
+        y = np.asarray(y, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise DataError(f"{path}: {spec.label_key!r} is not a list of integers ({err})") from None
+    if y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"{path}: {len(x)} images but {spec.label_key!r} has shape {y.shape}")
+    return x.astype(np.uint8).reshape(-1, 3, 32, 32), y
+
+
+def _locate_cifar(path: Path, spec: _CifarSpec) -> tuple[Path, bool]:
+    """The folder holding the batches, and whether it is the binary version."""
+    names = spec.train + spec.test
+    if path.is_file():
+        hint = " (an archive: extract it first)" if path.name.endswith((".tar.gz", ".tgz", ".tar")) else ""
+        raise DataError(f"{path} is a file{hint}, not a folder; {_cifar_layout(spec, path.parent)}. "
+                        f"{_cifar_how(spec)}")
+    if not path.is_dir():
+        raise DataError(f"{path} does not exist (missing {path / spec.bin_dir / (names[0] + '.bin')}); "
+                        f"{_cifar_layout(spec, path)}. {_cifar_how(spec)}")
+    for folder in (path, path / spec.bin_dir, path / spec.py_dir):
+        if any((folder / f"{n}.bin").is_file() for n in names):
+            return folder, True
+        if any((folder / n).is_file() for n in names):
+            return folder, False
+    raise DataError(f"no {spec.title} files under {path} (missing {path / spec.bin_dir / (names[0] + '.bin')}); "
+                    f"{_cifar_layout(spec, path)}. {_cifar_how(spec)}")
 
 
 def _load_cifar(name: str, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    ten = name == "cifar10"
-    folder = _locate(path, ("cifar-10-batches-bin", "cifar-10-batches-py") if ten else
-                     ("cifar-100-binary", "cifar-100-python"))
-    how = (f"Download the {'CIFAR-10' if ten else 'CIFAR-100'} binary or python version from {CIFAR_URL}, "
-           f"extract it, and point data.path at the extracted folder")
-    if folder is None:
-        raise DataError(f"no {name} files under {path}. {how}")
-    train_files = [f"data_batch_{i}" for i in range(1, 6)] if ten else ["train"]
-    test_files = ["test_batch"] if ten else ["test"]
-    binary = (folder / f"{train_files[0]}.bin").exists()
+    spec = _CIFAR[name]
+    folder, binary = _locate_cifar(path, spec)
 
-    def load(files: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def load(files: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
         xs, ys = [], []
         for f in files:
             p = folder / (f + ".bin" if binary else f)
-            if not p.exists():
-                raise DataError(f"missing {p.name} in {folder}. {how}")
+            if not p.is_file():
+                raise DataError(f"missing {p}; {_cifar_layout(spec, folder.parent)}. {_cifar_how(spec)}")
             if binary:
-                x, y = _cifar_records(p.read_bytes(), 1 if ten else 2, p)
+                try:
+                    raw = p.read_bytes()
+                except OSError as err:
+                    raise DataError(f"cannot read {p}: {err}") from None
+                x, y = _cifar_records(raw, spec, p)
             else:
-                d = _safe_unpickle(p)
-                key = b"labels" if ten else b"fine_labels"
-                if b"data" not in d or key not in d:
-                    raise DataError(f"{p}: missing b'data' or {key!r}")
-                x = np.asarray(d[b"data"], dtype=np.uint8)
-                y = np.asarray(d[key], dtype=np.int64)
-                if x.ndim != 2 or x.shape[1] != 3072 or len(x) != len(y):
-                    raise DataError(f"{p}: data {x.shape} / labels {y.shape} are not CIFAR-shaped")
-                x = x.reshape(-1, 3, 32, 32)
+                x, y = _cifar_pickle(p, spec)
+            if len(y) and (y.min() < 0 or y.max() >= spec.classes):
+                raise DataError(f"{p}: labels outside [0, {spec.classes}); is it a {spec.title} file?")
             xs.append(x)
             ys.append(y)
         return np.concatenate(xs), np.concatenate(ys)
 
-    xtr, ytr = load(train_files)
-    xte, yte = load(test_files)
-    return xtr, ytr, xte, yte, 10 if ten else 100
+    xtr, ytr = load(spec.train)
+    xte, yte = load(spec.test)
+    return xtr, ytr, xte, yte, spec.classes
 
 
 # ---------------------------------------------------------------- npz
-def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    if not path.is_file():
-        raise DataError(f"no such .npz file: {path} (data.path must point at a file with x_train, y_train, "
-                        f"x_test, y_test)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in z.files]
-            if missing:
-                raise DataError(f"{path}: missing array(s) {', '.join(missing)}")
-            arrs = [z[k] for k in ("x_train", "y_train", "x_test", "y_test")]
-    except DataError:
-        raise
-    except Exception as err:
-        raise DataError(f"{path} is not a readable .npz file: {err}") from None
-    xtr, ytr, xte, yte = arrs
-    for x, y, split in ((xtr, ytr, "train"), (xte, yte, "test")):
-        if len(x) != len(y) or y.ndim != 1:
-            raise DataError(f"{path}: x_{split} has {len(x)} rows but y_{split} has shape {y.shape}")
-        if not np.issubdtype(y.dtype, np.integer):
-            raise DataError(f"{path}: y_{split} must hold integer class labels")
-        if len(y) and y.min() < 0:
-            raise DataError(f"{path}: y_{split} has negative labels")
-        if x.dtype.kind == "f" and not np.all(np.isfinite(x)):
-            raise DataError(f"{path}: x_{split} contains NaN or Inf")
-    if xtr.shape[1:] != xte.shape[1:]:
-        raise DataError(f"{path}: x_train {xtr.shape[1:]} and x_test {xte.shape[1:]} differ in shape")
-    num_classes = int(max(ytr.max(initial=0), yte.max(initial=0)) + 1)
-    return _to_nchw(xtr), ytr.astype(np.int64), _to_nchw(xte), yte.astype(np.int64), max(num_classes, 2)
-
-
-def _to_nchw(x: np.ndarray) -> np.ndarray:
-    """N,H,W -> N,1,H,W; N,H,W,C (C in {1,3} last and dim 1 not in {1,3}) -> N,C,H,W; N,C,H,W and N,D kept."""
+def _to_nchw(x: np.ndarray, path: Path, key: str) -> np.ndarray:
+    """N,H,W -> N,1,H,W; N,H,W,C (last dim in {1,3}, dim 1 not in {1,3}) -> N,C,H,W; N,C,H,W and N,D kept."""
     if x.ndim == 3:
         return x[:, None]
     if x.ndim == 4 and x.shape[3] in (1, 3) and x.shape[1] not in (1, 3):
         return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
     if x.ndim in (2, 4):
         return x
-    raise DataError(f"images must be N,H,W or N,C,H,W or N,H,W,C or flat N,D; got shape {x.shape}")
+    raise DataError(f"{path}: {key} must be N,H,W or N,C,H,W or N,H,W,C images or flat N,D; got shape {x.shape}")
+
+
+def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    need = f"data.path must point at a .npz file with arrays {', '.join(NPZ_KEYS)} (np.savez)"
+    if not path.is_file():
+        raise DataError(f"no such .npz file: {path}; {need}")
+    try:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise DataError(f"{path} holds a single array, not an .npz archive; {need}")
+        with z:
+            missing = [k for k in NPZ_KEYS if k not in z.files]
+            if missing:
+                raise DataError(f"{path}: missing array(s) {', '.join(missing)} (found {', '.join(z.files)}); {need}")
+            xtr, ytr, xte, yte = (z[k] for k in NPZ_KEYS)
+    except DataError:
+        raise
+    except Exception as err:  # not a zip, object arrays (pickles refused), corrupt members
+        raise DataError(f"{path} is not a readable .npz file ({type(err).__name__}: {err}); {need}") from None
+    for x, y, split in ((xtr, ytr, "train"), (xte, yte, "test")):
+        if y.ndim != 1:
+            raise DataError(f"{path}: y_{split} must be one label per row, shape (N,), got {y.shape}")
+        if x.ndim < 2 or len(x) != len(y):
+            raise DataError(f"{path}: x_{split} has shape {x.shape} ({len(x) if x.ndim else 0} rows) but "
+                            f"y_{split} has {len(y)} rows; they must match")
+        if len(y) == 0:
+            raise DataError(f"{path}: x_{split} has no rows")
+        if x.dtype.kind not in "buif":
+            raise DataError(f"{path}: x_{split} must be numeric (uint8 pixels or floats), got {x.dtype}")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{path}: y_{split} must hold integer class labels, got {y.dtype} "
+                            f"(save y.astype(np.int64))")
+        if y.min() < 0:
+            raise DataError(f"{path}: y_{split} has negative labels (min {y.min()}); labels must be 0..K-1")
+        if x.dtype.kind == "f" and not np.all(np.isfinite(x)):
+            raise DataError(f"{path}: x_{split} contains NaN or Inf")
+    if xtr.shape[1:] != xte.shape[1:]:
+        raise DataError(f"{path}: x_train samples {xtr.shape[1:]} and x_test samples {xte.shape[1:]} differ in shape")
+    num_classes = max(int(max(ytr.max(), yte.max())) + 1, 2)
+    return (_to_nchw(xtr, path, "x_train"), ytr.astype(np.int64), _to_nchw(xte, path, "x_test"),
+            yte.astype(np.int64), num_classes)
 
 
 # ------------------------------------------------------------- public
-def _subset(x: np.ndarray, y: np.ndarray, limit: int | None, rng: np.random.Generator):
+def _subset(x: np.ndarray, y: np.ndarray, limit: int | None, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     if limit is None or limit >= len(y):
         return x, y
     idx = np.sort(rng.choice(len(y), size=limit, replace=False))
     return x[idx], y[idx]
 
 
+_CHUNK = 8192  # rows per chunk: float64 temporaries stay small
+
+
+def _as_float(x: np.ndarray, scale: float) -> np.ndarray:
+    """(n, C, rest) float64 view of a chunk."""
+    return (x.astype(np.float64) / scale).reshape(len(x), x.shape[1], -1)
+
+
 def _normalise(xtr: np.ndarray, xte: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (per-feature for flat data) standardisation with float64 training statistics."""
     scale = 255.0 if xtr.dtype == np.uint8 else 1.0
-    xtr = xtr.astype(np.float64) / scale
-    xte = xte.astype(np.float64) / scale
-    axes = (0, 2, 3) if xtr.ndim == 4 else (0,)
-    mean = xtr.mean(axis=axes, keepdims=True)
-    std = xtr.std(axis=axes, keepdims=True)
-    std[std < 1e-12] = 1.0
-    return ((xtr - mean) / std).astype(np.float32), ((xte - mean) / std).astype(np.float32)
+    n = len(xtr)
+    count = n * (math.prod(xtr.shape[2:]) if xtr.ndim > 2 else 1)
+    total = np.zeros(xtr.shape[1])
+    for i in range(0, n, _CHUNK):
+        total += _as_float(xtr[i:i + _CHUNK], scale).sum(axis=(0, 2))
+    mean = total / count
+    sq = np.zeros_like(mean)
+    for i in range(0, n, _CHUNK):
+        sq += ((_as_float(xtr[i:i + _CHUNK], scale) - mean[:, None]) ** 2).sum(axis=(0, 2))
+    std = np.sqrt(sq / count)
+    std[std <= 1e-10 * np.maximum(1.0, np.abs(mean))] = 1.0  # constant channel: centre only
+
+    def apply(x: np.ndarray) -> np.ndarray:
+        out = np.empty(x.shape, np.float32)
+        for i in range(0, len(x), _CHUNK):
+            out[i:i + _CHUNK] = ((_as_float(x[i:i + _CHUNK], scale) - mean[:, None]) / std[:, None]).reshape(
+                out[i:i + _CHUNK].shape)
+        return out
+
+    return apply(xtr), apply(xte)
 
 
-def load_dataset(name: str, path: str | None = None, *, limit_train: int | None = None,
+def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit_train: int | None = None,
                  limit_test: int | None = None, seed: int = 0) -> Dataset:
-    """Load a dataset from disk, optionally a seeded random subset, normalised per channel with
-    training-set statistics."""
+    """Load a dataset from disk, normalised per channel with training-set statistics.
+
+    Args:
+        name: ``"fashion-mnist"``, ``"mnist"``, ``"cifar10"``, ``"cifar100"`` or ``"npz"``.
+        path: folder of IDX files (fashion-mnist defaults to ``/usr/share/datasets/fashion-mnist``);
+            for CIFAR the extracted binary or python folder, or its parent; for ``npz`` the file.
+        limit_train: keep a seeded random subset of this many training samples (before normalisation).
+        limit_test: the same for the test set.
+        seed: seed of the subsets.
+
+    Raises:
+        DataError: a file is missing or malformed, or the name is unknown.
+        ValueError: a limit is not positive.
+    """
+    for pname, lim in (("limit_train", limit_train), ("limit_test", limit_test)):
+        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, int | np.integer) or lim < 1):
+            raise ValueError(f"{pname} must be a positive integer or None, got {lim!r}")
     if name == "fashion-mnist":
-        folder = Path(path or FASHION_MNIST_PATH)
-        how = ("Install it with `apt-get install dataset-fashion-mnist` (Debian) or download the four IDX .gz "
-               "files from the zalandoresearch/fashion-mnist GitHub repository and point data.path at them")
+        folder = Path(path if path is not None else FASHION_MNIST_PATH)
+        how = ("Install it with `apt-get install dataset-fashion-mnist` (Debian, files in "
+               f"{FASHION_MNIST_PATH}) or download the four IDX .gz files from the zalandoresearch/fashion-mnist "
+               "GitHub repository, then point `data.path` at their folder")
         xtr, ytr = _load_idx_pair(folder, "train", how)
         xte, yte = _load_idx_pair(folder, "t10k", how)
         nc = 10
     elif name == "mnist":
+        how = (f"Download the four MNIST IDX files from {MNIST_URL} (or a mirror) and point `data.path` at "
+               f"their folder")
         if path is None:
-            raise DataError("dataset 'mnist' needs data.path: a folder with the four MNIST IDX files "
-                            "(train-images-idx3-ubyte.gz, ...), from the MNIST database")
-        how = "Point data.path at a folder with the four MNIST IDX files"
+            raise DataError(f"dataset 'mnist' has no default location on this machine and needs data.path: a "
+                            f"folder with {', '.join(f + '.gz' for f in _IDX_FILES)}. {how}")
         xtr, ytr = _load_idx_pair(Path(path), "train", how)
         xte, yte = _load_idx_pair(Path(path), "t10k", how)
         nc = 10
-    elif name in ("cifar10", "cifar100"):
+    elif name in _CIFAR:
         if path is None:
-            raise DataError(f"dataset {name!r} needs data.path: download it from {CIFAR_URL} and extract it")
+            raise DataError(f"dataset {name!r} needs data.path. {_cifar_how(_CIFAR[name])}")
         xtr, ytr, xte, yte, nc = _load_cifar(name, Path(path))
     elif name == "npz":
         if path is None:
-            raise DataError("dataset 'npz' needs data.path: a .npz file with x_train, y_train, x_test, y_test")
+            raise DataError(f"dataset 'npz' needs data.path: a .npz file with arrays {', '.join(NPZ_KEYS)}")
         xtr, ytr, xte, yte, nc = _load_npz(Path(path))
     else:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
-    if ytr.max(initial=0) >= nc or yte.max(initial=0) >= nc or ytr.min(initial=0) < 0:
-        raise DataError(f"{name}: labels outside [0, {nc})")
+    for y, split in ((ytr, "training"), (yte, "test")):
+        if len(y) and (y.min() < 0 or y.max() >= nc):
+            raise DataError(f"{name} at {path}: {split} labels outside [0, {nc})")
     rng = np.random.default_rng(seed)
     xtr, ytr = _subset(xtr, ytr.astype(np.int64), limit_train, rng)
     xte, yte = _subset(xte, yte.astype(np.int64), limit_test, rng)
