@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
 STATE_FILE = "state.safetensors"
 
@@ -57,12 +57,7 @@ def save_checkpoint(folder: Path, state: dict[str, Any], counters: dict[str, Any
     for k, v in arrays.items():
         if v.dtype.kind == "f" and not np.all(np.isfinite(v)):
             raise CheckpointError(f"refusing to save a checkpoint with non-finite values in {k!r}")
-    tmp = folder / (STATE_FILE + ".tmp")
-    save_file(arrays, str(tmp), metadata={"counters": json.dumps(counters)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / STATE_FILE)
-    fsync_dir(folder)
+    atomic_write_bytes(folder / STATE_FILE, save(arrays, metadata={"counters": json.dumps(counters)}))
 
 
 def load_checkpoint(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

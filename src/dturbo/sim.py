@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.numpy import save_file
-from safetensors.torch import save_file as save_torch
+from safetensors.numpy import save as save_numpy
+from safetensors.torch import save as save_torch
 from torch import nn
 
 from .algorithms.base import ClientData, ClientError
@@ -226,15 +226,14 @@ class Simulator:
         folder = self.out / "messages"
         folder.mkdir(exist_ok=True)
         path = folder / f"round_{round_no:04d}.safetensors"
-        save_file(self.server.support_messages(state), str(path))
+        atomic_write_bytes(path, save_numpy(self.server.support_messages(state)))
 
     def _save_model(self, state: dict[str, Any]) -> None:
         model = self.server.global_model(state)
         # clone: tied parameters (sigma_mode = "client") must be separate tensors in a safetensors file
         tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-        tmp = self.out / "model.safetensors.tmp"
-        save_torch(tensors, str(tmp), metadata={"model": self.cfg.model.name, "dataset": self.cfg.data.name})
-        tmp.replace(self.out / "model.safetensors")
+        meta = {"model": self.cfg.model.name, "dataset": self.cfg.data.name}
+        atomic_write_bytes(self.out / "model.safetensors", save_torch(tensors, metadata=meta))
 
 
 def _fmt(v: float) -> float | str:
