@@ -25,7 +25,7 @@ from torch import nn
 from .. import vbi
 from ..codec import decode_dense, decode_grid, decode_values, encode_dense, encode_grid, encode_values
 from ..config import Config, PriorConfig
-from ..nn.bayes import BayesianLayer, bayesian_layers
+from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale
 from ..prior import LayerPrior, grid_shape, layer_kind, resolve_prior
 from ..spmp import grid_bp
@@ -83,22 +83,17 @@ def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: n
         layer.mask.copy_(torch.from_numpy(mask.reshape(shape).astype(np.float32)))
         layer.weight_mu.copy_(torch.from_numpy(mu.reshape(shape).astype(np.float32)) * layer.mask)
         if layer.sigma_mode == "layer":
-            layer.sigma_param.copy_(_softplus_inv(torch.tensor(float(sigma.reshape(-1)[0]))))
+            layer.sigma_param.copy_(softplus_inverse_tensor(torch.tensor(float(sigma.reshape(-1)[0]))))
         else:
             # per-weight sigma: either the full grid (server) or the values on the support (client)
             full = np.full(mask.size, 1e-3)
             flat_mask = mask.reshape(-1)
             full[flat_mask] = sigma.reshape(-1)[flat_mask] if sigma.size == mask.size else sigma.reshape(-1)
-            layer.sigma_param.copy_(_softplus_inv(torch.from_numpy(full.reshape(shape)).float()))
+            layer.sigma_param.copy_(softplus_inverse_tensor(torch.from_numpy(full.reshape(shape)).float()))
         if bias is not None and layer.bias is not None:
             layer.bias.copy_(torch.from_numpy(bias.astype(np.float32)))
         if prior_std is not None:
             layer.prior_std.copy_(torch.from_numpy(prior_std.reshape(shape).astype(np.float32)))
-
-
-def _softplus_inv(y: torch.Tensor) -> torch.Tensor:
-    y = y.clamp_min(1e-12)
-    return y + torch.log(-torch.expm1(-y))
 
 
 class DturboServer:

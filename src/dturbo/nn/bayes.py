@@ -32,6 +32,13 @@ def softplus_inverse(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
+def softplus_inverse_tensor(y: torch.Tensor) -> torch.Tensor:
+    """Elementwise :func:`softplus_inverse`; values that arrive as 0 (a sigma that underflowed in 16-bit
+    transmission) are clamped to 1e-12 instead of raising."""
+    y = y.clamp_min(1e-12)
+    return y + torch.log(-torch.expm1(-y))
+
+
 class BayesianLayer(nn.Module):
     """Common part of the Bayesian Linear and Conv2d layers: mu, sigma, support mask, prior std."""
 
