@@ -557,8 +557,9 @@ VALID = [
     encode_sparse(np.eye(6)),
     encode_sparse(np.where(np.random.default_rng(9).random(300) < 0.05, 1.0, 0.0)),
     encode_message("k", [("f", b"\x01\x02"), ("g", encode_values(np.ones(3)))]),
+    codec.encode_quantized(np.arange(40) % 7, 7, [1.5]),
 ]
-DECODERS = [decode_grid, decode_values, decode_dense, decode_sparse, decode_message]
+DECODERS = [decode_grid, decode_values, decode_dense, decode_sparse, decode_message, codec.decode_quantized]
 LIMIT = 5000
 
 

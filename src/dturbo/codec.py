@@ -27,6 +27,8 @@ floats. dtype codes: 1 = float16, 2 = float32, 3 = float64.
     ``index[i] - index[i-1] - 1``) its low k bits, then all quotients ``v >> k`` in unary (q one-bits and a
     zero). Both halves are separate sub-streams so that decoding is vectorised.
 
+* **quantized** ``varint(levels) varint(n) varint(P) params(float32 * P) bits`` with n symbols of
+  ``ceil(log2 levels)`` bits each (FedPAQ's QSGD levels, log-scale prior stds).
 * **message** ``b"DT" version(1) len(1) kind varint(#fields) { len(1) name varint(len) payload }*``.
 
 Cluster coding (SPEC 9, "a cluster larger than 3x3 is regarded as an entirety"): the support (entries nonzero
@@ -68,15 +70,18 @@ __all__ = [
     "decode_dense",
     "decode_grid",
     "decode_message",
+    "decode_quantized",
     "decode_sparse",
     "decode_values",
     "encode_dense",
     "encode_grid",
     "encode_message",
+    "encode_quantized",
     "encode_sparse",
     "encode_values",
     "grid_cost",
     "message_breakdown",
+    "payload_bits",
 ]
 
 MAGIC = b"DT"
@@ -783,13 +788,9 @@ def grid_cost(matrix: np.ndarray, *, min_cluster: int = 3, dtype: str = "float16
     return out
 
 
-def decode_grid(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
-    """Inverse of :func:`encode_grid` (SPEC 9): a (K, M) float32 matrix (float64 for a float64 payload).
-
-    Bounds: K*M <= ``max_elements`` (default :data:`DEFAULT_MAX_ELEMENTS`) is checked before anything is
-    allocated; rectangles must lie inside the grid and not overlap, scattered positions must be sorted, distinct
-    and outside every rectangle, and the bytes must hold exactly the bit stream and values announced."""
-    r = _Reader(data)
+def _read_grid_head(r: _Reader, max_elements: int | None) -> tuple[Any, ...]:
+    """Parse a grid's header and rectangle records (cursor left after the header):
+    (dtype, scheme, K, M, scattered count, record bits, (r0, c0, h, w), values held by rectangles)."""
     dt, scheme = _read_flags(r)
     k = r.varint(limit=_MAX_DIM, what="rows")
     m = r.varint(limit=_MAX_DIM, what="columns")
@@ -812,7 +813,18 @@ def decode_grid(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
     areas = h * w
     if float(areas.sum(dtype=np.float64)) + count > min(n, max_vals):  # (float: no int64 overflow)
         raise CodecError("rectangles and points hold more values than the grid or the bytes")
-    n_rv = int(areas.sum())
+    return dt, scheme, k, m, count, rec_bits, (r0, c0, h, w), int(areas.sum())
+
+
+def decode_grid(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_grid` (SPEC 9): a (K, M) float32 matrix (float64 for a float64 payload).
+
+    Bounds: K*M <= ``max_elements`` (default :data:`DEFAULT_MAX_ELEMENTS`) is checked before anything is
+    allocated; rectangles must lie inside the grid and not overlap, scattered positions must be sorted, distinct
+    and outside every rectangle, and the bytes must hold exactly the bit stream and values announced."""
+    r = _Reader(data)
+    dt, scheme, k, m, count, rec_bits, (r0, c0, h, w), n_rv = _read_grid_head(r, max_elements)
+    n, n_rect, areas = k * m, r0.size, h * w
     value_bytes = (n_rv + count) * dt.itemsize
     stream = r.take(r.left - value_bytes)
     br = _BitReader(stream)
@@ -839,6 +851,93 @@ def decode_grid(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
         out[flat] = vals[:n_rv]
     out[scattered] = vals[n_rv:]
     return out.reshape(k, m)
+
+
+# =================================================================== quantized
+_MAX_LEVELS = 1 << 32
+_MAX_PARAMS = 16
+
+
+def encode_quantized(symbols: np.ndarray, levels: int, params: Sequence[float] = ()) -> bytes:
+    """Integer symbols in ``0..levels-1`` packed at ``ceil(log2 levels)`` bits each (fixed-length code), with a few
+    float32 parameters that give them meaning (a QSGD norm; the range of a log-scale quantiser):
+    ``varint(levels) varint(n) varint(#params) params(float32) bits``. SPEC 9: bits = real bytes."""
+    sym = np.asarray(symbols).reshape(-1)
+    levels = int(levels)
+    if not 2 <= levels <= _MAX_LEVELS:
+        raise ValueError(f"levels must be in 2..{_MAX_LEVELS}, got {levels}")
+    if sym.size and (sym.dtype.kind not in "iu" or sym.min() < 0 or sym.max() >= levels):
+        raise ValueError(f"symbols must be integers in 0..{levels - 1}")
+    p = np.asarray(params, dtype=np.float64).reshape(-1)
+    if p.size > _MAX_PARAMS:
+        raise ValueError(f"at most {_MAX_PARAMS} parameters")
+    head = _varint(levels) + _varint(sym.size) + _varint(p.size) + _cast_values(p, 2).tobytes()
+    bw = _BitWriter()
+    bw.fields(sym.reshape(-1, 1), [_bits_for(levels)])
+    return head + bw.getvalue()
+
+
+def decode_quantized(data: bytes, *, max_elements: int | None = None) -> tuple[np.ndarray, int, np.ndarray]:
+    """Inverse of :func:`encode_quantized`: (symbols as int64, levels, float32 params). Bounds-checked: the
+    symbol count must fit the bytes present and ``max_elements``; every symbol must be below ``levels``."""
+    r = _Reader(data)
+    levels = r.varint(limit=_MAX_LEVELS, what="level count")
+    if levels < 2:
+        raise CodecError(f"level count {levels} < 2")
+    width = _bits_for(levels)
+    n = r.varint(limit=8 * r.left // width, what="symbol count")
+    _check_limit(n, max_elements, "quantized vector")
+    n_params = r.varint(limit=_MAX_PARAMS, what="parameter count")
+    params = _read_values(r, _DTYPES[2], n_params)
+    br = _BitReader(r.take(r.left))
+    sym = br.fields(n, [width])[:, 0]
+    br.finish()
+    if sym.size and sym.max() >= levels:
+        raise CodecError(f"symbol {int(sym.max())} out of range for {levels} levels")
+    return sym, levels, params
+
+
+# ================================================================== accounting
+PAYLOAD_LAYOUTS = ("header", "values", "dense", "sparse", "grid", "quantized")
+
+
+def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
+    """Bits of one encoded payload split into ``headers`` (types, shapes, counts, padding-free metadata),
+    ``positions`` (where the nonzeros are: bitmaps, index lists, Rice gaps, rectangle records, with the bit
+    stream's padding) and ``values``; they sum to ``8 * len(payload)``. ``layout`` names the encoder that made it
+    (``header``: a payload that is metadata as a whole, e.g. round and sample counters)."""
+    total = 8 * len(payload)
+    r = _Reader(payload)
+    if layout == "header":
+        head = total
+    elif layout == "values":
+        dt = _read_dtype_code(r.byte())
+        r.varint(limit=r.left // dt.itemsize if r.left else 0)
+        head = 8 * r.pos
+    elif layout == "dense":
+        _read_dtype_code(r.byte())
+        _decode_shape(r)
+        head = 8 * r.pos
+    elif layout == "sparse":
+        dt, _ = _read_flags(r)
+        _decode_shape(r)
+        count = r.varint(limit=r.left // dt.itemsize)
+        head = 8 * r.pos
+        values = 8 * count * dt.itemsize
+        return {"headers": head, "positions": total - head - values, "values": values}
+    elif layout == "grid":
+        dt, _, _, _, count, _, _, n_rv = _read_grid_head(r, _MAX_DIM)
+        head = 8 * r.pos
+        values = 8 * (n_rv + count) * dt.itemsize
+        return {"headers": head, "positions": total - head - values, "values": values}
+    elif layout == "quantized":
+        r.varint(limit=_MAX_LEVELS)
+        r.varint(limit=8 * r.left)
+        r.varint(limit=_MAX_PARAMS)
+        head = 8 * r.pos
+    else:
+        raise ValueError(f"layout must be one of {', '.join(PAYLOAD_LAYOUTS)}, got {layout!r}")
+    return {"headers": head, "positions": 0, "values": total - head}
 
 
 # ===================================================================== message

@@ -28,7 +28,7 @@ class ExperimentConfig(_Section):
     name: str = "experiment"
     seed: int = Field(0, ge=0)
     rounds: int = Field(10, ge=1, le=100_000)
-    algorithm: Literal["dturbo"] = "dturbo"
+    algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm"] = "dturbo"
     eval_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and the last)")
     threads: int = Field(0, ge=0, description="torch threads; 0 keeps torch's default")
 
@@ -46,6 +46,11 @@ class FederationConfig(_Section):
     alpha: float = Field(0.5, gt=0)
     clients_per_round: int | None = Field(None, ge=1, description="None: every client every round")
     min_partition_size: int = Field(10, ge=1)
+    min_clients: int = Field(1, ge=1, description="fewest valid client updates a round may aggregate")
+    on_too_few: Literal["retry", "stop"] = Field(
+        "retry", description="a round with fewer than min_clients valid updates is run again, or the run stops"
+    )
+    max_retries: int = Field(3, ge=0, description="attempts after the first before the run stops")
 
     @model_validator(mode="after")
     def _per_round_le_clients(self) -> FederationConfig:
@@ -53,12 +58,29 @@ class FederationConfig(_Section):
             raise ValueError(
                 f"clients_per_round ({self.clients_per_round}) cannot exceed clients ({self.clients})"
             )
+        if self.min_clients > self.clients:
+            raise ValueError(f"min_clients ({self.min_clients}) cannot exceed clients ({self.clients})")
         return self
 
 
+class FaultsConfig(_Section):
+    """Fault injection in the simulator (seeded, so a resumed run meets the same faults).
+
+    Each selected client, each round, independently: does not answer (``drop_prob``); answers with corrupted
+    bytes (``corrupt_prob``: truncated, garbage, a flipped header byte, oversized, another message kind); or is
+    a straggler: its round takes ``slowdown`` times its nominal time, slowdown ~ lognormal(0, straggler_sigma),
+    and an answer slower than ``deadline`` (a slowdown factor) misses the round."""
+
+    drop_prob: Probability = Field(0.0, ge=0, le=1)
+    corrupt_prob: Probability = Field(0.0, ge=0, le=1)
+    straggler_sigma: float = Field(0.0, ge=0)
+    deadline: float | None = Field(None, gt=0, description="max slowdown factor; None: wait for everyone")
+
+
 class ModelConfig(_Section):
-    name: Literal["alexnet-small", "lenet5", "mlp"] = "alexnet-small"
-    hidden: list[int] = Field(default_factory=lambda: [200, 100])
+    name: Literal["alexnet-small", "lenet5", "mlp", "mobilenet-v1"] = "alexnet-small"
+    hidden: list[int] = Field(default_factory=lambda: [200, 100], description="mlp only")
+    width: float = Field(1.0, gt=0, le=4, description="mobilenet-v1 width multiplier")
 
     @field_validator("hidden")
     @classmethod
@@ -137,10 +159,40 @@ class DturboConfig(_Section):
     beta: float = Field(1.0, ge=0)
     gamma_update: Literal["exact", "paper"] = "exact"
     support_threshold: Probability = Field(0.5, gt=0, lt=1)
-    prior_std_dtype: Literal["float16", "float32"] = "float16"
+    prior_std_dtype: Literal["float16", "float32", "log8"] = Field(
+        "float16", description="how sigma_prior on S is sent (SPEC 9): float16/32, or 8-bit log-scale levels"
+    )
     sparsity: SparsityConfig = Field(default_factory=SparsityConfig)
     spmp: SpmpConfig = Field(default_factory=SpmpConfig)
     prior: PriorsConfig = Field(default_factory=PriorsConfig)
+
+
+class FedAvgConfig(_Section):
+    """FedAvg: every client each round (or federation.clients_per_round), weights averaged by n_t."""
+
+    dtype: Literal["float16", "float32"] = Field("float16", description="transmission dtype, both directions")
+
+
+class FedPaqConfig(_Section):
+    """FedPAQ (REFERENCE.md): r = federation.clients_per_round clients, tau = the local steps of [train],
+    the QSGD quantiser with ``levels`` = s levels on the update; unquantised download."""
+
+    levels: int = Field(32767, ge=0, le=2**31 - 1, description="QSGD s; 0 = no quantisation (dtype values)")
+    dtype: Literal["float16", "float32"] = Field("float16", description="download, and the upload when levels = 0")
+    weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
+
+
+class DssmConfig(_Section):
+    """DSSM (REFERENCE.md): clients sampled with fraction c_t = c0 * exp(-decay * t) (count floored at
+    min_clients), per-layer top-k upload with ratio gamma of the update (or of the weights); dense download."""
+
+    c0: Probability = Field(1.0, gt=0, le=1)
+    decay: float = Field(0.1, ge=0)
+    min_clients: int = Field(2, ge=1)
+    gamma: Probability = Field(0.1, gt=0, le=1)
+    mode: Literal["update", "weights"] = "update"
+    dtype: Literal["float16", "float32"] = "float16"
+    weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
 
 
 class Config(_Section):
@@ -150,6 +202,10 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     dturbo: DturboConfig = Field(default_factory=DturboConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    fedavg: FedAvgConfig = Field(default_factory=FedAvgConfig)
+    fedpaq: FedPaqConfig = Field(default_factory=FedPaqConfig)
+    dssm: DssmConfig = Field(default_factory=DssmConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)

@@ -23,14 +23,34 @@ from safetensors.numpy import save as save_numpy
 from safetensors.torch import save as save_torch
 from torch import nn
 
-from .algorithms.base import ClientData, ClientError
+from .algorithms.base import (
+    LEDGER_PARTS,
+    ClientAlgorithm,
+    ClientData,
+    ClientError,
+    MessageError,
+    ServerAlgorithm,
+    message_bits,
+)
+from .algorithms.dssm import DssmClient, DssmServer
 from .algorithms.dturbo import DturboClient, DturboServer
+from .algorithms.fedavg import FedAvgClient, FedAvgServer
+from .algorithms.fedpaq import FedPaqClient, FedPaqServer
 from .checkpoint import CheckpointError, atomic_write_bytes, config_fingerprint, load_checkpoint, save_checkpoint
+from .codec import decode_message, encode_message
 from .config import Config
 from .data import Dataset, load_dataset, partition_dirichlet, partition_iid
 from .nn.models import build_model
 
 BASE_COLUMNS = ["round", "accuracy", "loss", "density", "up_bits", "down_bits", "cum_bits", "seconds"]
+# The bit ledger (SPEC 9): up and down apart, each split into headers, positions and values.
+LEDGER_COLUMNS = [f"{d}_{part}_bits" for d in ("up", "down") for part in LEDGER_PARTS]
+ALGORITHMS = {
+    "dturbo": (DturboServer, DturboClient),
+    "fedavg": (FedAvgServer, FedAvgClient),
+    "fedpaq": (FedPaqServer, FedPaqClient),
+    "dssm": (DssmServer, DssmClient),
+}
 
 
 @dataclass
@@ -69,17 +89,19 @@ def model_factory(cfg: Config, dataset: Dataset) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         return build_model(
             cfg.model.name, dataset.input_shape, dataset.num_classes, sigma_mode=cfg.dturbo.sigma_mode,
-            sigma_init_ratio=cfg.dturbo.sigma_init_ratio, hidden=cfg.model.hidden, seed=cfg.experiment.seed,
+            sigma_init_ratio=cfg.dturbo.sigma_init_ratio, hidden=cfg.model.hidden, width=cfg.model.width,
+            seed=cfg.experiment.seed,
         )
 
     return make
 
 
-def build_algorithm(cfg: Config, fed: Federation) -> tuple[DturboServer, DturboClient]:
+def build_algorithm(cfg: Config, fed: Federation) -> tuple[ServerAlgorithm, ClientAlgorithm]:
     factory = model_factory(cfg, fed.dataset)
-    if cfg.experiment.algorithm == "dturbo":
-        return DturboServer(cfg, factory, fed.total_samples), DturboClient(cfg, factory)
-    raise ValueError(f"unknown algorithm {cfg.experiment.algorithm!r}")
+    if cfg.experiment.algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {cfg.experiment.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    server_cls, client_cls = ALGORITHMS[cfg.experiment.algorithm]
+    return server_cls(cfg, factory, fed.total_samples), client_cls(cfg, factory)
 
 
 @torch.no_grad()
@@ -93,14 +115,6 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
         loss += float(F.cross_entropy(logits, y[i : i + batch_size], reduction="sum"))
         correct += int((logits.argmax(1) == y[i : i + batch_size]).sum())
     return correct / len(y), loss / len(y)
-
-
-def sample_clients(cfg: Config, round_idx: int) -> list[int]:
-    n, k = cfg.federation.clients, cfg.federation.clients_per_round
-    if k is None or k >= n:
-        return list(range(n))
-    rng = np.random.default_rng([cfg.experiment.seed, round_idx, 0x5A])
-    return sorted(rng.choice(n, size=k, replace=False).tolist())
 
 
 class Simulator:
@@ -179,19 +193,12 @@ class Simulator:
             acc, loss = float(rows[-1]["accuracy"]), float(rows[-1]["loss"])
         for rnd in range(start, cfg.experiment.rounds):
             t0 = time.perf_counter()
-            participants = sample_clients(cfg, rnd)
-            down = self.server.downlink(state, rnd)
-            uplinks: list[bytes] = []
-            failed: list[str] = []
-            for cid in participants:
-                try:
-                    uplinks.append(self.client.fit(down, self.fed.clients[cid], cid))
-                except ClientError as err:
-                    failed.append(f"client {cid}: {err}")
-            up_bits = 8 * sum(len(u) for u in uplinks)
-            down_bits = 8 * len(down) * len(participants)
-            result = self.server.aggregate(state, uplinks, rnd)
+            result, traffic, counts, events = self._round(state, rnd)
+            up_bits, down_bits = traffic["up_bits"], traffic["down_bits"]
+            ledger = {k: v for k, v in traffic.items() if k in LEDGER_COLUMNS}
+            participants = counts.pop("participants")
             state = result.state
+            check_finite(state, rnd + 1)
             cum_bits += up_bits + down_bits
             last = rnd == cfg.experiment.rounds - 1
             if (rnd + 1) % cfg.experiment.eval_every == 0 or last:
@@ -200,11 +207,13 @@ class Simulator:
                 "round": rnd + 1, "accuracy": acc, "loss": loss, "density": result.metrics.pop("density"),
                 "up_bits": up_bits, "down_bits": down_bits, "cum_bits": cum_bits,
                 "seconds": round(time.perf_counter() - t0, 3),
-                "clients_failed": len(failed),
+                **ledger,
+                "participants": participants,
+                **counts,
                 **{k: _fmt(v) for k, v in result.metrics.items()},
             }
             rows.append(row)
-            self._log_events(rnd + 1, failed + result.rejected)
+            self._log_events(rnd + 1, events)
             self._save_messages(state, rnd + 1)
             self._write_rows(rows)
             save_checkpoint(self.checkpoint_dir, state, {
@@ -215,6 +224,99 @@ class Simulator:
         self._save_model(state)
         return rows
 
+    def _round(self, state: dict[str, Any], rnd: int) -> tuple[Any, dict[str, int], dict[str, int], list[str]]:
+        """One round, run again (``federation.on_too_few = "retry"``) while fewer than ``min_clients`` updates
+        are valid. Returns (result, bits by column, client counts, events). Bits of every attempt count: they
+        were sent. Raises TooFewClientsError when the round cannot be completed; nothing saved is touched."""
+        fed = self.cfg.federation
+        traffic = dict.fromkeys(["up_bits", "down_bits", *LEDGER_COLUMNS], 0)
+        events: list[str] = []
+        counts: dict[str, int] = {}
+        for attempt in range(fed.max_retries + 1):
+            participants = self.server.select_clients(rnd)
+            faults = draw_faults(self.cfg, rnd, attempt, participants)
+            down = self.server.downlink(state, rnd)
+            uplinks: list[bytes] = []
+            senders: list[int] = []
+            tally = dict.fromkeys(["clients_failed", "clients_dropped", "clients_late", "clients_corrupted"], 0)
+            for cid in participants:
+                if faults.get(cid) == "drop":
+                    tally["clients_dropped"] += 1
+                    events.append(f"client {cid}: did not answer (injected drop)")
+            answers = self.fit_clients(down, [c for c in participants if faults.get(c) != "drop"], rnd)
+            for cid, up in answers.items():
+                fault = faults.get(cid)
+                if isinstance(up, ClientLost):
+                    tally["clients_dropped"] += 1
+                    events.append(f"client {cid}: did not answer ({up})")
+                    continue
+                if isinstance(up, ClientError):
+                    tally["clients_failed"] += 1
+                    events.append(f"client {cid}: {up}")
+                    continue
+                if fault == "late":
+                    tally["clients_late"] += 1
+                    events.append(f"client {cid}: answered after the deadline (injected straggler), ignored")
+                    continue
+                if fault is not None:  # "corrupt:<how>"
+                    tally["clients_corrupted"] += 1
+                    up = corrupt(up, fault.split(":", 1)[1], rnd, cid)
+                uplinks.append(up)
+                senders.append(cid)
+            for key, bits in self._ledger(down, len(participants), uplinks).items():
+                traffic[key] += bits
+            traffic["up_bits"] += 8 * sum(len(u) for u in uplinks)
+            traffic["down_bits"] += 8 * len(down) * len(participants)
+            try:
+                result = self.server.aggregate(state, uplinks, rnd)
+                valid, why = int(result.metrics["clients_ok"]), ""
+            except MessageError as err:  # not a single valid update
+                result, valid, why = None, 0, f": {err}"
+            if result is not None:  # "uplink i: why" -> "client <id>: rejected: why"
+                for msg in result.rejected:
+                    head, _, why = msg.partition(": ")
+                    idx = int(head.split()[1]) if head.startswith("uplink ") else -1
+                    events.append(f"client {senders[idx]}: upload rejected: {why}" if 0 <= idx < len(senders) else msg)
+            counts = {"participants": len(participants), **tally, "retries": attempt}
+            if result is not None and valid >= fed.min_clients:
+                return result, traffic, counts, events
+            events.append(f"attempt {attempt + 1}: {valid} valid client updates, fewer than "
+                          f"federation.min_clients = {fed.min_clients}{why}")
+            if fed.on_too_few == "stop":
+                break
+        self._log_events(rnd + 1, events)
+        raise TooFewClientsError(
+            f"round {rnd + 1}: fewer than federation.min_clients = {fed.min_clients} valid client updates after "
+            f"{attempt + 1} attempt(s) (see {self.out / 'events.log'}); the checkpoint of round {rnd} is intact: "
+            f"fix the cause and continue with --resume"
+        )
+
+    def fit_clients(self, down: bytes, clients: list[int], rnd: int) -> dict[int, bytes | ClientError]:
+        """Send the downlink to ``clients`` and collect their uploads (bytes), or the reason one has none:
+        ClientError (it failed, e.g. diverged) or ClientLost (it never answered). In process here; a
+        transport (Flower) overrides this and nothing else, so both runners make the same run directory."""
+        answers: dict[int, bytes | ClientError] = {}
+        for cid in clients:
+            try:
+                answers[cid] = self.client.fit(down, self.fed.clients[cid], cid)
+            except ClientError as err:
+                answers[cid] = err
+        return answers
+
+    def _ledger(self, down: bytes, receivers: int, uplinks: list[bytes]) -> dict[str, int]:
+        """Bits by direction and part (SPEC 9); an uplink that does not even frame counts as headers."""
+        out = dict.fromkeys(LEDGER_COLUMNS, 0)
+        for part, bits in message_bits(down, self.server.layouts).items():
+            out[f"down_{part}_bits"] = bits * receivers
+        for data in uplinks:
+            try:
+                parts = message_bits(data, self.server.layouts)
+            except ValueError:  # malformed: the server rejects it; its bytes still crossed the wire
+                parts = {"headers": 8 * len(data)}
+            for part, bits in parts.items():
+                out[f"up_{part}_bits"] += bits
+        return out
+
     def _log_events(self, round_no: int, events: list[str]) -> None:
         """Why clients failed or were rejected (metrics.csv has the counts): one line each in events.log."""
         if events:
@@ -223,6 +325,8 @@ class Simulator:
 
     def _save_messages(self, state: dict[str, Any], round_no: int) -> None:
         """pi (B->A message) and masks of every layer this round, for the heat maps (Fig. 3)."""
+        if not hasattr(self.server, "support_messages"):
+            return
         folder = self.out / "messages"
         folder.mkdir(exist_ok=True)
         path = folder / f"round_{round_no:04d}.safetensors"
@@ -232,8 +336,71 @@ class Simulator:
         model = self.server.global_model(state)
         # clone: tied parameters (sigma_mode = "client") must be separate tensors in a safetensors file
         tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-        meta = {"model": self.cfg.model.name, "dataset": self.cfg.data.name}
+        meta = {"model": self.cfg.model.name, "dataset": self.cfg.data.name, "algorithm": self.cfg.experiment.algorithm}
         atomic_write_bytes(self.out / "model.safetensors", save_torch(tensors, metadata=meta))
+
+
+class ClientLost(ClientError):
+    """A client did not answer at all (its node went away, a timeout): no upload, no reason from it."""
+
+
+class TooFewClientsError(RuntimeError):
+    """A round could not gather ``federation.min_clients`` valid client updates."""
+
+
+class PoisonedStateError(RuntimeError):
+    """The server state took a NaN or Inf; the run stops before it can be checkpointed."""
+
+
+def check_finite(state: dict[str, Any], round_no: int) -> None:
+    """Refuse to go on (and to checkpoint) with a NaN / Inf anywhere in the server state."""
+    bad = [k for k, v in state.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v))]
+    if bad:
+        raise PoisonedStateError(f"round {round_no}: the server state holds NaN/Inf in {', '.join(bad[:5])}; "
+                                 f"stopping before the checkpoint is written (round {round_no - 1}'s is intact)")
+
+
+CORRUPTIONS = ("truncate", "garbage", "header_flip", "oversize", "wrong_kind")
+
+
+def draw_faults(cfg: Config, rnd: int, attempt: int, participants: list[int]) -> dict[int, str]:
+    """Injected faults of one round attempt (``[faults]``), a pure function of (seed, round, attempt): client id
+    -> "drop" | "late" | "corrupt:<how>"; clients without a fault are absent."""
+    f = cfg.faults
+    if not (f.drop_prob or f.corrupt_prob or (f.deadline is not None and f.straggler_sigma)):
+        return {}
+    rng = np.random.default_rng([cfg.experiment.seed, rnd, attempt, 0xFA17])
+    n = len(participants)
+    u_drop, u_corrupt, how = rng.random(n), rng.random(n), rng.integers(0, len(CORRUPTIONS), n)
+    slowdown = np.exp(f.straggler_sigma * rng.standard_normal(n))
+    out = {}
+    for i, cid in enumerate(participants):
+        if u_drop[i] < f.drop_prob:
+            out[cid] = "drop"
+        elif f.deadline is not None and slowdown[i] > f.deadline:
+            out[cid] = "late"
+        elif u_corrupt[i] < f.corrupt_prob:
+            out[cid] = f"corrupt:{CORRUPTIONS[how[i]]}"
+    return out
+
+
+def corrupt(data: bytes, how: str, rnd: int, cid: int) -> bytes:
+    """A hostile or broken client's bytes, derived from a valid upload (seeded by round and client)."""
+    rng = np.random.default_rng([rnd, cid, 0xBAD])
+    if how == "truncate":
+        return data[: int(rng.integers(0, len(data)))]
+    if how == "garbage":
+        return rng.integers(0, 256, len(data), dtype=np.uint8).tobytes()
+    if how == "header_flip":
+        buf = bytearray(data)
+        buf[int(rng.integers(0, min(4, len(buf))))] ^= 1 << int(rng.integers(0, 8))  # magic, version, kind
+        return bytes(buf)
+    if how == "oversize":
+        return data + bytes(4 * len(data))
+    if how == "wrong_kind":
+        kind, fields = decode_message(data)
+        return encode_message("evil/" + kind, fields)
+    raise ValueError(f"unknown corruption {how!r}")
 
 
 def _fmt(v: float) -> float | str:

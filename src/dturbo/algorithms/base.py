@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..codec import decode_message, decode_values, encode_message, encode_values
+from ..codec import decode_message, decode_values, encode_message, encode_values, payload_bits
 
 # A server state is a flat mapping of names to numpy arrays plus scalars, so that it can be
 # checkpointed to safetensors without pickle.
@@ -47,7 +47,12 @@ class RoundResult:
 
 
 class ServerAlgorithm(Protocol):
+    # message kind -> field-name suffix -> payload layout (codec.PAYLOAD_LAYOUTS), for the bit ledger
+    layouts: dict[str, dict[str, str]]
+
     def init(self) -> State: ...
+
+    def select_clients(self, round_idx: int) -> list[int]: ...
 
     def downlink(self, state: State, round_idx: int) -> bytes: ...
 
@@ -94,3 +99,33 @@ def client_generator(seed: int, round_idx: int, client_id: int) -> torch.Generat
     g = torch.Generator()
     g.manual_seed(int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1)))
     return g
+
+
+def sample_uniform(seed: int, round_idx: int, n: int, k: int | None) -> list[int]:
+    """k of n clients uniformly without replacement, a pure function of (seed, round); all when k is None or >= n."""
+    if k is None or k >= n:
+        return list(range(n))
+    rng = np.random.default_rng([seed, round_idx, 0x5A])
+    return sorted(rng.choice(n, size=k, replace=False).tolist())
+
+
+LEDGER_PARTS = ("headers", "positions", "values")
+
+
+def message_bits(data: bytes, layouts: dict[str, dict[str, str]]) -> dict[str, int]:
+    """Bits of one framed message by part (SPEC 9 ledger): ``headers`` (framing, field names, types, shapes,
+    counters), ``positions`` and ``values``; they sum to ``8 * len(data)``. ``layouts`` maps the message kind
+    and each field's name suffix (``dense1.mu`` -> ``mu``) to the encoder that made the payload."""
+    kind, fields = decode_message(data)
+    table = layouts.get(kind)
+    if table is None:
+        raise MessageError(f"no ledger layout for message kind {kind!r}")
+    out = dict.fromkeys(LEDGER_PARTS, 0)
+    out["headers"] = 8 * (len(data) - sum(len(p) for _, p in fields))  # framing
+    for name, payload in fields:
+        suffix = name.rsplit(".", 1)[-1]
+        if suffix not in table:
+            raise MessageError(f"no ledger layout for field {name!r} of {kind!r}")
+        for part, bits in payload_bits(payload, table[suffix]).items():
+            out[part] += bits
+    return out

@@ -23,7 +23,16 @@ from scipy.special import expit
 from torch import nn
 
 from .. import vbi
-from ..codec import decode_dense, decode_grid, decode_values, encode_dense, encode_grid, encode_values
+from ..codec import (
+    decode_dense,
+    decode_grid,
+    decode_quantized,
+    decode_values,
+    encode_dense,
+    encode_grid,
+    encode_quantized,
+    encode_values,
+)
 from ..config import Config, PriorConfig
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale
@@ -38,12 +47,45 @@ from .base import (
     fields_dict,
     frame,
     pack_scalars,
+    sample_uniform,
     unpack_scalars,
 )
 from .local import train_local
 
 REENTRY_VALUE = float(2.0**-14)
 DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
+
+
+LOG8_LEVELS = 256
+
+
+def encode_prior_std(values: np.ndarray, dtype: str) -> bytes:
+    """sigma_prior on S (E5) for the downlink: float16 / float32 values, or ``log8``: 8-bit levels uniform in
+    log(sigma_prior) between the vector's min and max (two float32 parameters), a relative error of at most
+    (log max - log min) / 510 -- SPEC 9's "documented cheaper quantisation"; a prior scale needs no more."""
+    if dtype != "log8":
+        return encode_values(values.astype(np.float32), dtype=dtype)
+    logs = np.log(np.asarray(values, dtype=np.float64).reshape(-1))
+    lo, hi = (float(logs.min()), float(logs.max())) if logs.size else (0.0, 0.0)
+    lo, hi = float(np.float32(lo)), float(np.float32(hi))  # the receiver sees the float32 parameters
+    span = hi - lo
+    sym = np.zeros(logs.size, np.int64) if span <= 0 else np.rint((logs - lo) / span * (LOG8_LEVELS - 1))
+    return encode_quantized(np.clip(sym, 0, LOG8_LEVELS - 1).astype(np.int64), LOG8_LEVELS, [lo, hi])
+
+
+def decode_prior_std(payload: bytes, dtype: str, count: int) -> np.ndarray:
+    """Inverse of :func:`encode_prior_std`; ``count`` values are expected."""
+    if dtype != "log8":
+        out = decode_values(payload, max_elements=count)
+    else:
+        sym, levels, params = decode_quantized(payload, max_elements=count)
+        if levels != LOG8_LEVELS or params.shape != (2,) or not np.all(np.isfinite(params)):
+            raise MessageError("prior_std: expected 256 log levels and a finite range")
+        lo, hi = (float(v) for v in params)
+        out = np.exp(lo + sym.astype(np.float64) / (LOG8_LEVELS - 1) * (hi - lo))
+    if out.shape != (count,):
+        raise MessageError(f"prior_std has {out.size} values, the support has {count}")
+    return out
 
 
 def density_schedule(round_idx: int, *, target: float, warmup: int, ramp: int) -> float:
@@ -104,6 +146,15 @@ class DturboServer:
         self.model_factory = model_factory
         self.total_samples = int(total_samples)
         self.layers = _layer_infos(model_factory(), cfg)
+        ps_layout = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
+        self.layouts = {
+            DOWN_KIND: {"meta": "header", "mu": "grid", "sigma": "values", "prior_std": ps_layout, "bias": "dense"},
+            UP_KIND: {"meta": "header", "mu": "values", "sigma": "values", "bias": "dense", "metrics": "header"},
+        }
+
+    def select_clients(self, round_idx: int) -> list[int]:
+        f = self.cfg.federation
+        return sample_uniform(self.cfg.experiment.seed, round_idx, f.clients, f.clients_per_round)
 
     # ----------------------------------------------------------------- state
     def init(self) -> State:
@@ -147,8 +198,8 @@ class DturboServer:
             mask = state[f"{n}.mask"]
             fields[f"{n}.mu"] = encode_grid(state[f"{n}.mu"] * mask)
             fields[f"{n}.sigma"] = self._encode_sigma(state[f"{n}.sigma"], mask)
-            fields[f"{n}.prior_std"] = encode_values(
-                self.prior_std(state, info)[mask].astype(np.float32), dtype=self.cfg.dturbo.prior_std_dtype
+            fields[f"{n}.prior_std"] = encode_prior_std(
+                self.prior_std(state, info)[mask], self.cfg.dturbo.prior_std_dtype
             )
             fields[f"{n}.bias"] = encode_dense(state[f"{n}.bias"], dtype="float16")
         return frame(DOWN_KIND, fields)
@@ -160,10 +211,13 @@ class DturboServer:
         return encode_values(sigma.reshape(mask.shape)[mask].astype(np.float32), dtype="float16")
 
     # ------------------------------------------------------------- aggregate
-    def decode_uplink(self, state: State, data: bytes) -> tuple[int, dict[str, np.ndarray], np.ndarray]:
+    def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None
+                      ) -> tuple[int, dict[str, np.ndarray], np.ndarray]:
         """Decode and validate one client's upload; raises MessageError / CodecError with a reason."""
         fields = fields_dict(data, UP_KIND, max_bytes=self._max_uplink_bytes(state))
         meta = unpack_scalars(_need(fields, "meta"), 3)
+        if round_idx is not None and meta[0] != round_idx:
+            raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
         n_t = meta[2]
         if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= self.total_samples):
             raise MessageError(f"invalid sample count n_t={n_t}")
@@ -201,7 +255,7 @@ class DturboServer:
         rejected: list[str] = []
         for i, data in enumerate(uplinks):
             try:
-                valid.append(self.decode_uplink(state, data))
+                valid.append(self.decode_uplink(state, data, round_idx))
             except ValueError as err:  # MessageError and CodecError
                 rejected.append(f"uplink {i}: {err}")
         if not valid:
@@ -413,7 +467,7 @@ class DturboClient:
             k = int(mask.sum())
             sigma = decode_values(_need(fields, f"{n}.sigma"))
             ps = np.ones(info.grid)
-            ps[mask] = decode_values(_need(fields, f"{n}.prior_std"), max_elements=k)
+            ps[mask] = decode_prior_std(_need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
             bias = decode_dense(_need(fields, f"{n}.bias")).reshape(-1)
             _load_layer(layer, mu, mask, sigma, bias if layer.bias is not None else None, ps)
             masks.append(mask)

@@ -16,7 +16,7 @@ from torch import nn
 
 from .bayes import BayesConv2d, BayesianLayer, BayesLinear, SigmaMode, bayesian_layers, softplus_inverse
 
-MODEL_NAMES = ("alexnet-small", "lenet5", "mlp")
+MODEL_NAMES = ("alexnet-small", "lenet5", "mlp", "mobilenet-v1")
 
 
 def _act() -> nn.Module:
@@ -68,6 +68,45 @@ def lenet5(input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode) 
     return nn.Sequential(feats)
 
 
+# MobileNetV1 (Howard et al. 2017) for 32x32 inputs: (output channels, stride) of the 13 depthwise-separable
+# blocks; the first convolution has stride 1 (CIFAR variant) instead of 2 (ImageNet).
+MOBILENET_BLOCKS = ((64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
+                    (512, 1), (512, 1), (512, 1), (512, 1), (512, 1), (1024, 2), (1024, 1))
+
+
+def _norm(channels: int) -> nn.Module:
+    # Normalisation without parameters or running statistics: every trained parameter is then a weight or a
+    # bias of a Bayesian layer and travels in the messages (BatchNorm's statistics would need an aggregation
+    # rule of their own in federated training).
+    return nn.GroupNorm(min(32, channels), channels, affine=False)
+
+
+def mobilenet_v1(
+    input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode, width: float = 1.0
+) -> nn.Sequential:
+    """MobileNetV1 with width multiplier ``width``: conv 3x3, 13 blocks of depthwise 3x3 (grid C x 9, SPEC 2)
+    + pointwise 1x1 convolutions, each followed by GroupNorm and ReLU, global average pooling, one dense layer.
+    Layer names: ``conv1``, ``dw1``/``pw1`` .. ``dw13``/``pw13``, ``dense1``."""
+    kw = {"sigma_mode": sigma_mode}
+
+    def ch(c: int) -> int:
+        return max(8, int(round(c * width)))
+
+    c_in = ch(32)
+    layers: OrderedDict[str, nn.Module] = OrderedDict(
+        conv1=BayesConv2d(int(input_shape[0]), c_in, 3, padding=1, **kw), norm1=_norm(c_in), act1=nn.ReLU(),
+    )
+    for i, (c, stride) in enumerate(MOBILENET_BLOCKS, start=1):
+        c_out = ch(c)
+        layers[f"dw{i}"] = BayesConv2d(c_in, c_in, 3, stride=stride, padding=1, groups=c_in, **kw)
+        layers[f"dw{i}_norm"], layers[f"dw{i}_act"] = _norm(c_in), nn.ReLU()
+        layers[f"pw{i}"] = BayesConv2d(c_in, c_out, 1, **kw)
+        layers[f"pw{i}_norm"], layers[f"pw{i}_act"] = _norm(c_out), nn.ReLU()
+        c_in = c_out
+    layers.update(pool=nn.AdaptiveAvgPool2d(1), flatten=nn.Flatten(), dense1=BayesLinear(c_in, num_classes, **kw))
+    return nn.Sequential(layers)
+
+
 def mlp(input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode, hidden: Sequence[int]) -> nn.Sequential:
     """Multi-layer perceptron on the flattened input, leaky ReLU(0.1) between layers."""
     sizes = [int(torch.tensor(input_shape).prod()), *map(int, hidden), num_classes]
@@ -87,6 +126,7 @@ def build_model(
     sigma_mode: str = "layer",
     sigma_init_ratio: float = 0.1,
     hidden: Sequence[int] = (200, 100),
+    width: float = 1.0,
     seed: int = 0,
 ) -> nn.Sequential:
     """Build a model with seeded initialisation. Each layer's sigma starts at
@@ -94,7 +134,7 @@ def build_model(
 
     ``sigma_mode``: "layer" (one sigma per layer, the default), "weight" (one per weight), or "client"
     (the paper's single sigma shared by every layer: one Parameter tied across layers, started at
-    ``sigma_init_ratio`` times the mean of the layers' weight std)."""
+    ``sigma_init_ratio`` times the mean of the layers' weight std). ``width``: MobileNet's width multiplier."""
     if name != "mlp" and len(input_shape) != 3:
         raise ValueError(f"model {name!r} needs image input (C, H, W), got input shape {tuple(input_shape)}")
     torch.manual_seed(seed)
@@ -105,6 +145,8 @@ def build_model(
         model = lenet5(input_shape, num_classes, layer_mode)
     elif name == "mlp":
         model = mlp(input_shape, num_classes, layer_mode, hidden)
+    elif name == "mobilenet-v1":
+        model = mobilenet_v1(input_shape, num_classes, layer_mode, width)
     else:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     layers = [layer for _, layer in bayesian_layers(model)]

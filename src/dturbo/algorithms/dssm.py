@@ -1,0 +1,66 @@
+"""DSSM (Ji et al. 2022; REFERENCE.md): dynamic sampling + selective masking.
+
+Round t samples ``max(round(c0 * exp(-decay * t) * n), min_clients)`` clients uniformly. After local training a
+client keeps, per layer, the top-k entries by magnitude (k = floor(gamma * size), at least 1) of its update
+(``mode = "update"``, default) or of its weights (``mode = "weights"``, the variant of the D-Turbo-VBI authors'
+demo) and uploads them as a sparse tensor with positions. The server rebuilds the sparse vectors, averages them
+over the participants (no error feedback) and, in update mode, adds the mean to the global model; the download
+is dense.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..codec import decode_sparse, encode_sparse
+from ..config import Config
+from .base import sample_uniform
+from .point import PointClient, PointLayer, PointServer
+
+
+def dssm_count(round_idx: int, n: int, c0: float, decay: float, min_clients: int) -> int:
+    """Participants of round ``round_idx``: c_t = c0 * exp(-decay * t), floored at ``min_clients``."""
+    return min(n, max(int(round(c0 * math.exp(-decay * round_idx) * n)), min_clients))
+
+
+def top_k(v: np.ndarray, ratio: float) -> np.ndarray:
+    """v with all but its k = max(1, floor(ratio * size)) largest-magnitude entries set to 0 (stable ties)."""
+    k = max(1, int(math.floor(ratio * v.size)))
+    if k >= v.size:
+        return v.copy()
+    keep = np.argsort(-np.abs(v), kind="stable")[:k]
+    out = np.zeros_like(v)
+    out[keep] = v[keep]
+    return out
+
+
+class DssmServer(PointServer):
+    name = "dssm"
+    up_layout = "sparse"
+
+    def configure(self, cfg: Config) -> None:
+        self.semantics = cfg.dssm.mode
+        self.weighting = cfg.dssm.weighting
+
+    @property
+    def dtype(self) -> str:
+        return self.cfg.dssm.dtype
+
+    def select_clients(self, round_idx: int) -> list[int]:
+        d, n = self.cfg.dssm, self.cfg.federation.clients
+        k = dssm_count(round_idx, n, d.c0, d.decay, d.min_clients)
+        return sample_uniform(self.cfg.experiment.seed, round_idx, n, k)
+
+    def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
+        return decode_sparse(payload, max_elements=info.size).reshape(-1)
+
+
+class DssmClient(PointClient):
+    name = "dssm"
+
+    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
+        d = self.cfg.dssm
+        v = local - start if d.mode == "update" else local
+        return encode_sparse(top_k(v, d.gamma), dtype=d.dtype)
