@@ -40,7 +40,7 @@ def run(
 ) -> None:
     """Run a federated experiment (in one process) into OUT."""
     from .data import DataError
-    from .sim import Simulator
+    from .sim import PoisonedStateError, Simulator, TooFewClientsError
 
     try:
         cfg = load_config(config, set_ or [])
@@ -71,7 +71,8 @@ def run(
             sim = Simulator(cfg, out, resume=resume, on_round=on_round)
             task = progress.add_task("rounds", total=cfg.experiment.rounds, info="", completed=0)
             rows = sim.run()
-    except (ConfigError, DataError, CheckpointError, FileExistsError, ValueError) as err:
+    except (ConfigError, DataError, CheckpointError, FileExistsError, ValueError, TooFewClientsError,
+            PoisonedStateError) as err:
         _fail(str(err))
         return
     if rows:
@@ -89,15 +90,57 @@ def run(
 def report(
     runs: Annotated[list[Path], typer.Argument(help="run directories")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="where figures go (default: RUN/figures)")] = None,
+    target: Annotated[list[float] | None, typer.Option(
+        help="accuracy (0-1) for the 'bits to reach' columns; repeatable (default: the lowest final accuracy)")] = None,
+    inference: Annotated[bool, typer.Option(help="time a forward pass of 3000 test samples per run")] = True,
 ) -> None:
-    """Draw the figures of one or more run directories."""
-    from .report import draw_run
+    """Draw the figures of one run, or compare several: accuracy vs bits, table (Markdown + CSV), heat maps."""
+    from .report import compare, draw_run
 
     for run_dir in runs:
         if not (run_dir / "metrics.csv").exists():
             _fail(f"{run_dir} holds no run (no metrics.csv)")
-        for path in draw_run(run_dir, out / run_dir.name if out else None):
+        if not (run_dir / "config.toml").exists():
+            _fail(f"{run_dir} holds no config.toml")
+    for t in target or []:
+        if not 0 < t <= 1:
+            _fail(f"--target {t}: an accuracy between 0 and 1")
+    if len(runs) == 1 and out is None:
+        for path in draw_run(runs[0]):
             console.print(f"figure: {path}")
+        return
+    try:
+        summaries, files = compare(runs, out or Path("report"), targets=target or None, inference=inference)
+    except (ConfigError, ValueError) as err:
+        _fail(str(err))
+        return
+    for path in files:
+        console.print(f"wrote {path}")
+    console.print(Path(out or "report", "comparison.md").read_text(), soft_wrap=True)
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="run directory (config.toml + model.safetensors)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="folder for the exported model")],
+    compaction: Annotated[bool, typer.Option(help="remove all-zero rows, columns and channels")] = True,
+) -> None:
+    """Export a run's global model as a compact inference model (safetensors + JSON, no pickle); load it with
+    dturbo.export.load(OUT)."""
+    from .export import ExportError, export_run
+
+    try:
+        exported = export_run(run_dir, out, compaction=compaction)
+    except ExportError as err:
+        _fail(str(err))
+        return
+    for r in exported.layers:
+        console.print(f"{r['name']:>8}: {'x'.join(map(str, r['shape_before']))} -> "
+                      f"{'x'.join(map(str, r['shape_after']))}  density {r['density_before']:.3f} -> "
+                      f"{r['density_after']:.3f}")
+    totals = exported.spec()["totals"]
+    console.print(f"wrote {out}: {totals['weights_after']} of {totals['weights_before']} weights kept, "
+                  f"{totals['nonzeros']} nonzero")
 
 
 def main() -> None:  # pragma: no cover

@@ -1,0 +1,726 @@
+"""Export a run's global model as a compact inference model, and load it back (issue 4).
+
+``dturbo export RUN --out MODEL`` reads ``RUN/config.toml`` and ``RUN/model.safetensors`` and writes
+``MODEL/model.safetensors`` (tensors) and ``MODEL/model.json`` (the layer list, shapes, statistics): no pickle
+and no training code. :func:`load` turns them into an ordinary :class:`torch.nn.Module` in eval mode made of
+``torch.nn`` layers (plus the sparse kernels of :mod:`dturbo.kernels` where they are faster).
+
+What export does to the weights (the effective weight is ``weight_mu * mask``; exact zeros count as pruned):
+
+* **Compaction across layers.** Between two layers joined only by channel-wise operations (activation,
+  max-pooling, adaptive average pooling, flatten), a unit (conv channel or dense neuron) is removed from both
+  when
+
+  - the next layer does not use it (its input columns, or the ``H*W`` columns of a flattened channel, or its
+    conv input channel, are all zero): removing it changes nothing; or
+  - its own weights are all zero: it is then the constant ``act(bias)`` everywhere (max-pooling or average
+    pooling a constant gives that constant), and its contribution is folded into the next layer's bias:
+    exactly for a dense next layer, and for a conv next layer without padding. With padding the constant is
+    not uniform at the borders, so such a channel is removed only if ``act(bias) == 0``, else kept.
+
+  This is repeated until nothing changes, so removals travel forward and backward through the network. Input
+  features (or channels) that the first layer never uses are dropped by an index selection at the input.
+  The logits (last layer's rows) are never removed. Grouped convolutions and normalisation layers stop the
+  propagation (a channel feeds a group statistic there), so e.g. MobileNet is exported dense apart from this.
+* **In-layer sparsity** that remains in a dense layer is handled at :func:`load` time: per layer, a short
+  timing at the batch size in use picks a block-sparse, "panel" or CSR kernel where it beats dense
+  (:func:`dturbo.kernels.choose_linear_kernel`). Convolutions stay dense (im2col + sparse matmul never wins on
+  CPU), but each is run by oneDNN or by PyTorch's native kernels, whichever a timing on its real input finds
+  faster (oneDNN is slow for thin layers, e.g. a first layer on one-channel images or a layer cut down to
+  a few channels). ``channels_last`` and ``torch.compile`` are used where a timing shows they help, and can
+  be forced on or off. Every choice is recorded in the loaded model (``kernels``, ``info``).
+
+The exported model computes the masked dense model's function: outputs agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as save_tensors
+from torch import nn
+
+from .checkpoint import atomic_write_bytes
+from .kernels import (
+    CONV_KERNELS,
+    KERNELS,
+    choose_conv_kernel,
+    choose_linear_kernel,
+    conv_as,
+    dense_linear,
+    make_linear,
+    time_call,
+)
+
+FORMAT = "dturbo-export"
+VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+SPEC_FILE = "model.json"
+# Input shape of one sample for the built-in datasets; other data ("npz") is read to learn it.
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {
+    "fashion-mnist": (1, 28, 28), "mnist": (1, 28, 28), "cifar10": (3, 32, 32), "cifar100": (3, 32, 32),
+}
+# Drop unused input features only when that removes at least this fraction (the gather costs a copy).
+MIN_INPUT_DROP = 0.05
+
+_PARAM_TYPES = ("conv2d", "linear")
+_CHANNELWISE = ("leaky_relu", "relu", "maxpool2d", "adaptive_avg_pool2d", "flatten")
+_OP_TYPES = (*_PARAM_TYPES, *_CHANNELWISE, "group_norm", "input_select")
+
+
+class ExportError(ValueError):
+    """A run directory or an exported model cannot be read or has a layout export does not know."""
+
+
+@dataclass
+class Op:
+    """One operation of the exported network: its JSON attributes and (for conv/linear) its tensors."""
+
+    type: str
+    name: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    index: torch.Tensor | None = None  # input_select: kept input positions (int64)
+
+
+@dataclass
+class Exported:
+    """An exported network in memory: its operations plus statistics per parametric layer."""
+
+    ops: list[Op]
+    input_shape: tuple[int, ...]
+    num_classes: int
+    layers: list[dict[str, Any]]
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def spec(self) -> dict[str, Any]:
+        """The JSON description (everything but the tensors)."""
+        ops = []
+        for op in self.ops:
+            entry = {"type": op.type, "name": op.name, **op.attrs}
+            if op.type in _PARAM_TYPES:
+                entry["bias"] = op.bias is not None
+            ops.append(entry)
+        total_before = sum(r["params_before"] for r in self.layers)
+        total_after = sum(r["params_after"] for r in self.layers)
+        nonzeros = sum(r["nonzeros"] for r in self.layers)
+        return {
+            "format": FORMAT, "version": VERSION, "source": self.source, "input_shape": list(self.input_shape),
+            "num_classes": self.num_classes, "ops": ops, "layers": self.layers,
+            "totals": {"weights_before": total_before, "weights_after": total_after, "nonzeros": nonzeros,
+                       "density_before": nonzeros / max(total_before, 1),
+                       "density_after": nonzeros / max(total_after, 1)},
+        }
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors to store, named ``<op>.weight``, ``<op>.bias``, ``<op>.index``."""
+        out: dict[str, torch.Tensor] = {}
+        for op in self.ops:
+            for key in ("weight", "bias", "index"):
+                t = getattr(op, key)
+                if t is not None:
+                    out[f"{op.name}.{key}"] = t.detach().contiguous().clone()
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- reading a run
+def read_run(run_dir: str | Path) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
+    """(config, model tensors, metadata) of a run directory; :class:`ExportError` naming the problem."""
+    from .config import ConfigError, load_config
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"run directory {run_dir} does not exist")
+    if not (run_dir / "config.toml").is_file():
+        raise ExportError(f"{run_dir} holds no run: config.toml is missing")
+    try:
+        cfg = load_config(run_dir / "config.toml")
+    except ConfigError as err:
+        raise ExportError(f"{run_dir}/config.toml: {err}") from None
+    state, meta = _read_safetensors(run_dir / "model.safetensors", what="the run's model file")
+    return cfg, state, meta
+
+
+def _read_safetensors(path: Path, *, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise ExportError(f"{what} {path} is missing")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ExportError(f"{what} {path} is corrupt or not a safetensors file: {err}") from None
+    return state, meta
+
+
+def _input_shape(cfg: Any, state: dict[str, torch.Tensor], model_name: str) -> tuple[int, ...]:
+    """One sample's shape: from the dataset name, else from the weights (mlp), else by reading the data."""
+    name = cfg.data.name
+    if name in INPUT_SHAPES:
+        return INPUT_SHAPES[name]
+    if model_name == "mlp" and "dense1.weight_mu" in state:
+        return (int(state["dense1.weight_mu"].shape[1]),)
+    from .data import DataError, load_dataset
+
+    try:
+        ds = load_dataset(name, cfg.data.path, limit_train=1, limit_test=1, seed=cfg.experiment.seed)
+    except (DataError, ValueError) as err:
+        raise ExportError(f"cannot tell the input shape of data {name!r} without reading it: {err}") from None
+    return ds.input_shape
+
+
+def _num_classes(state: dict[str, torch.Tensor]) -> int:
+    """Output size of the classifier: the dense layer with the highest number (every model ends in one)."""
+    dense = [(int(m.group(1)), k) for k in state if (m := re.fullmatch(r"dense(\d+)\.weight_mu", k))]
+    if not dense:
+        raise ExportError("the model file holds no 'denseN.weight_mu' tensors: not a dturbo model")
+    return int(state[max(dense)[1]].shape[0])
+
+
+# ------------------------------------------------------------------------------------------- model -> ops
+def ops_from_state(
+    model_name: str, state: dict[str, torch.Tensor], input_shape: tuple[int, ...], num_classes: int, *,
+    hidden: list[int] | tuple[int, ...] = (200, 100), width: float = 1.0,
+) -> list[Op]:
+    """The operations of model ``model_name`` with effective weights ``weight_mu * mask`` from ``state``.
+
+    The architecture comes from :func:`dturbo.nn.models.build_model`; every Bayesian layer's ``weight_mu``
+    (and ``bias``) must be in ``state`` with its shape; a missing ``mask`` counts as all ones."""
+    from .nn.bayes import BayesConv2d, BayesLinear
+    from .nn.models import build_model
+
+    try:
+        model = build_model(model_name, input_shape, num_classes, hidden=hidden, width=width)
+    except ValueError as err:
+        raise ExportError(f"unknown model layout: {err}") from None
+    ops: list[Op] = []
+    for name, m in model.named_children():
+        if isinstance(m, BayesConv2d | BayesLinear):
+            w, b = _effective(name, m, state)
+            if isinstance(m, BayesConv2d):
+                attrs = {"in_channels": m.in_channels, "out_channels": m.out_channels,
+                         "kernel_size": m.kernel_size, "stride": m.stride, "padding": m.padding,
+                         "groups": m.groups}
+                ops.append(Op("conv2d", name, attrs, w, b))
+            else:
+                ops.append(Op("linear", name, {"in_features": m.in_features, "out_features": m.out_features}, w, b))
+        elif isinstance(m, nn.LeakyReLU):
+            ops.append(Op("leaky_relu", name, {"negative_slope": float(m.negative_slope)}))
+        elif isinstance(m, nn.ReLU):
+            ops.append(Op("relu", name))
+        elif isinstance(m, nn.MaxPool2d):
+            ops.append(Op("maxpool2d", name, {"kernel_size": m.kernel_size, "stride": m.stride,
+                                             "padding": m.padding, "dilation": m.dilation,
+                                             "ceil_mode": bool(m.ceil_mode)}))
+        elif isinstance(m, nn.AdaptiveAvgPool2d):
+            ops.append(Op("adaptive_avg_pool2d", name, {"output_size": m.output_size}))
+        elif isinstance(m, nn.Flatten) and m.start_dim == 1 and m.end_dim == -1:
+            ops.append(Op("flatten", name))
+        elif isinstance(m, nn.GroupNorm) and not m.affine:
+            ops.append(Op("group_norm", name, {"num_groups": m.num_groups, "num_channels": m.num_channels,
+                                              "eps": float(m.eps)}))
+        else:
+            raise ExportError(f"unknown model layout: layer {name!r} of model {model_name!r} is a "
+                              f"{type(m).__name__}, which export does not support")
+    return ops
+
+
+def _effective(name: str, layer: nn.Module, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    shape = tuple(layer.weight_mu.shape)
+    mu = state.get(f"{name}.weight_mu")
+    if mu is None:
+        raise ExportError(f"the model file has no tensor '{name}.weight_mu': it does not match the model layout")
+    if tuple(mu.shape) != shape:
+        raise ExportError(f"'{name}.weight_mu' has shape {tuple(mu.shape)}, the model layout needs {shape}")
+    mask = state.get(f"{name}.mask")
+    if mask is not None and tuple(mask.shape) != shape:
+        raise ExportError(f"'{name}.mask' has shape {tuple(mask.shape)}, the model layout needs {shape}")
+    w = mu.float() if mask is None else mu.float() * mask.float()
+    w = torch.where(w == 0, torch.zeros_like(w), w)  # -0.0 -> 0.0
+    bias = None
+    if layer.bias is not None:
+        bias = state.get(f"{name}.bias")
+        if bias is None:
+            raise ExportError(f"the model file has no tensor '{name}.bias': it does not match the model layout")
+        if tuple(bias.shape) != (shape[0],):
+            raise ExportError(f"'{name}.bias' has shape {tuple(bias.shape)}, the model layout needs {(shape[0],)}")
+        bias = bias.float().clone()
+    for t, what in ((w, "weight_mu * mask"), (bias, "bias")):
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ExportError(f"layer {name!r}: {what} holds NaN or Inf values")
+    return w.contiguous(), bias
+
+
+# ------------------------------------------------------------------------------------------------ compaction
+def _units_view(op: Op, units: int) -> torch.Tensor:
+    """The consumer's weight as (out, units, per-unit) for its input units."""
+    w = op.weight
+    assert w is not None
+    return w.reshape(w.shape[0], units, -1)
+
+
+def _constant(bias: torch.Tensor | None, between: list[Op], units: int) -> torch.Tensor:
+    """The value a unit with all-zero weights takes after the channel-wise ops ``between``."""
+    c = torch.zeros(units) if bias is None else bias.clone()
+    for op in between:
+        if op.type == "leaky_relu":
+            c = F.leaky_relu(c, op.attrs["negative_slope"])
+        elif op.type == "relu":
+            c = F.relu(c)
+    return c
+
+
+def _link_units(prod: Op, cons: Op, between: list[Op]) -> int | None:
+    """How many units join producer and consumer, or None when units cannot be carried across."""
+    if any(op.type not in _CHANNELWISE for op in between):
+        return None
+    if prod.type == "conv2d" and prod.attrs["groups"] != 1:
+        return None
+    if cons.type == "conv2d" and cons.attrs["groups"] != 1:
+        return None
+    assert prod.weight is not None and cons.weight is not None
+    units = int(prod.weight.shape[0])
+    flatten = any(op.type == "flatten" for op in between)
+    if cons.type == "conv2d":
+        if prod.type != "conv2d" or flatten or cons.weight.shape[1] != units:
+            return None
+    elif prod.type == "conv2d" and not flatten:
+        return None
+    elif cons.weight.shape[1] % units:
+        return None
+    return units
+
+
+def _absorbs_constants(cons: Op) -> bool:
+    if cons.type == "linear":
+        return True
+    pad = cons.attrs["padding"]
+    return pad == "valid" or pad == 0 or (isinstance(pad, list | tuple) and not any(pad))
+
+
+def _compact_link(prod: Op, cons: Op, between: list[Op], units: int) -> bool:
+    """Remove the removable units between ``prod`` and ``cons``; True if any was removed."""
+    assert prod.weight is not None and cons.weight is not None
+    cview = _units_view(cons, units)
+    unused = ~(cview != 0).any(2).any(0)
+    zero_rows = ~(prod.weight.reshape(units, -1) != 0).any(1)
+    const = _constant(prod.bias, between, units)
+    if _absorbs_constants(cons):
+        constant_ok = zero_rows
+    else:
+        constant_ok = zero_rows & (const == 0)
+    remove = unused | constant_ok
+    if bool(remove.all()):  # keep one unit: zero-width layers are not worth the special cases
+        remove[0] = False
+    if not bool(remove.any()):
+        return False
+    fold = remove & ~unused & (const != 0)
+    if bool(fold.any()):
+        contrib = (cview[:, fold].sum(2) * const[fold]).sum(1)
+        cons.bias = contrib if cons.bias is None else cons.bias + contrib
+    keep = ~remove
+    prod.weight = prod.weight[keep].contiguous()
+    if prod.bias is not None:
+        prod.bias = prod.bias[keep].contiguous()
+    new = cview[:, keep]
+    cons.weight = (new.reshape(cons.weight.shape[0], -1) if cons.type == "linear"
+                   else new.reshape(cons.weight.shape[0], int(keep.sum()), *cons.weight.shape[2:])).contiguous()
+    return True
+
+
+def compact(ops: list[Op]) -> list[Op]:
+    """Remove units across layers until nothing changes (see the module docstring); returns the new ops
+    (the given ones are modified in place), with an ``input_select`` op where the first layer's unused
+    inputs are dropped, and each op's shape attributes updated."""
+    params = [i for i, op in enumerate(ops) if op.type in _PARAM_TYPES]
+    links = []
+    for a, b in zip(params[:-1], params[1:], strict=True):
+        between = ops[a + 1 : b]
+        units = _link_units(ops[a], ops[b], between)
+        if units is not None:
+            links.append((ops[a], ops[b], between))
+    changed = True
+    while changed:
+        changed = False
+        for prod, cons, between in links:
+            units = _link_units(prod, cons, between)
+            if units is not None and _compact_link(prod, cons, between, units):
+                changed = True
+    out = _select_inputs(ops, params[0]) if params else ops
+    for op in out:
+        if op.type == "conv2d":
+            assert op.weight is not None
+            op.attrs["out_channels"] = int(op.weight.shape[0])
+            op.attrs["in_channels"] = int(op.weight.shape[1]) * op.attrs["groups"]
+        elif op.type == "linear":
+            assert op.weight is not None
+            op.attrs["out_features"], op.attrs["in_features"] = (int(s) for s in op.weight.shape)
+    return out
+
+
+def _select_inputs(ops: list[Op], first: int) -> list[Op]:
+    """Drop input features (flat input) or channels (image input) that the first layer never uses."""
+    op = ops[first]
+    before = ops[:first]
+    assert op.weight is not None
+    if op.type == "conv2d":
+        if before or op.attrs["groups"] != 1:
+            return ops
+        used = (op.weight != 0).any(0).any(-1).any(-1)
+    else:
+        if [o.type for o in before] not in ([], ["flatten"]):
+            return ops
+        used = (op.weight != 0).any(0)
+    if not bool(used.any()):
+        used[0] = True
+    if float((~used).float().mean()) < MIN_INPUT_DROP:
+        return ops
+    index = torch.nonzero(used).flatten().to(torch.int64)
+    op.weight = op.weight[:, used].contiguous()
+    sel = Op("input_select", f"{op.name}_input", {"dim": 1, "size": int(used.numel())}, index=index)
+    return [*before, sel, *ops[first:]]
+
+
+# --------------------------------------------------------------------------------------------------- export
+def export_state(
+    model_name: str, state: dict[str, torch.Tensor], input_shape: tuple[int, ...], *, num_classes: int | None = None,
+    hidden: list[int] | tuple[int, ...] = (200, 100), width: float = 1.0, compaction: bool = True,
+    source: dict[str, Any] | None = None,
+) -> Exported:
+    """Export a model state (the keys of a run's ``model.safetensors``) in memory.
+
+    ``compaction=False`` keeps every unit (the masked dense network in the same module types, for
+    comparisons)."""
+    ncls = num_classes if num_classes is not None else _num_classes(state)
+    ops = ops_from_state(model_name, state, tuple(input_shape), ncls, hidden=hidden, width=width)
+    before = {op.name: (tuple(op.weight.shape), int(op.weight.numel())) for op in ops if op.weight is not None}
+    if compaction:
+        ops = compact(ops)
+    layers = []
+    for op in ops:
+        if op.weight is None:
+            continue
+        shape0, numel0 = before[op.name]
+        nnz = int((op.weight != 0).sum())
+        layers.append({
+            "name": op.name, "type": op.type, "shape_before": list(shape0), "shape_after": list(op.weight.shape),
+            "params_before": numel0, "params_after": int(op.weight.numel()), "nonzeros": nnz,
+            "density_before": nnz / max(numel0, 1), "density_after": nnz / max(int(op.weight.numel()), 1),
+        })
+    return Exported(ops, tuple(int(s) for s in input_shape), ncls, layers, dict(source or {}))
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compaction: bool = True) -> Exported:
+    """Export run ``run_dir``'s global model; write it to ``out_dir`` when given (see :func:`save`)."""
+    cfg, state, meta = read_run(run_dir)
+    model_name = meta.get("model", cfg.model.name)
+    if model_name != cfg.model.name:
+        raise ExportError(f"{run_dir}: model.safetensors holds a {model_name!r} but config.toml says "
+                          f"{cfg.model.name!r}")
+    source = {"run_dir": str(Path(run_dir).resolve()), "model": model_name,
+              "dataset": meta.get("dataset", cfg.data.name), "algorithm": meta.get("algorithm", "")}
+    exported = export_state(model_name, state, _input_shape(cfg, state, model_name), num_classes=_num_classes(state),
+                            hidden=cfg.model.hidden, width=cfg.model.width, compaction=compaction, source=source)
+    if out_dir is not None:
+        save(exported, out_dir)
+    return exported
+
+
+def save(exported: Exported, out_dir: str | Path) -> Path:
+    """Write ``model.safetensors`` and ``model.json`` into ``out_dir`` (created; each file atomically)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / WEIGHTS_FILE, save_tensors(exported.tensors(), metadata={"format": FORMAT}))
+    atomic_write_bytes(out / SPEC_FILE, (json.dumps(exported.spec(), indent=1) + "\n").encode())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- load
+class IndexSelect(nn.Module):
+    """Keep positions ``index`` of dimension ``dim`` of the input."""
+
+    def __init__(self, index: torch.Tensor, dim: int = 1) -> None:
+        super().__init__()
+        self.dim = dim
+        self.register_buffer("index", index.to(torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(self.dim, self.index)
+
+
+class InferenceModel(nn.Module):
+    """An exported network: ``net`` (an :class:`torch.nn.Sequential` of torch layers) plus the execution
+    settings chosen at load: ``kernels`` (per linear/conv layer), ``channels_last``, ``compiled``, and
+    ``info`` (timings and reasons)."""
+
+    def __init__(self, net: nn.Sequential, spec: dict[str, Any]) -> None:
+        super().__init__()
+        self.net = net
+        self.spec = spec
+        self.input_shape = tuple(spec["input_shape"])
+        self.kernels: dict[str, str] = {}
+        self.channels_last = False
+        self.compiled = False
+        self.info: dict[str, Any] = {}
+        self._compiled_fn: Any = None
+        self._compiled_cache: Any = None
+        self._conv_variants: dict[str, dict[str, nn.Module]] = {}
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """The input in the memory format the network runs in."""
+        if self.channels_last and x.dim() == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.prepare(x)
+        if self._compiled_fn is not None:
+            return self._compiled_fn(x)
+        return self.net(x)
+
+    def set_channels_last(self, on: bool) -> None:
+        """Convert the conv weights (and the inputs at each call) to channels_last, or back."""
+        fmt = torch.channels_last if on else torch.contiguous_format
+        for m in self.net.modules():
+            if isinstance(m, nn.Conv2d):
+                m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+        self.channels_last = on
+
+    def set_conv_kernels(self, kinds: dict[str, str]) -> None:
+        """Run convolution ``name`` with kernel ``kinds[name]`` (see :data:`dturbo.kernels.CONV_KERNELS`); the
+        module of each kind is kept, so switching back needs no recompilation."""
+        for name, kind in kinds.items():
+            variants = self._conv_variants.setdefault(name, {})
+            current = getattr(self.net, name)
+            variants.setdefault(self.kernels.get(name, "default"), current)
+            if kind not in variants:
+                variants[kind] = conv_as(kind, current)
+            setattr(self.net, name, variants[kind])
+            self.kernels[name] = kind
+
+    def set_compiled(self, on: bool) -> None:
+        """Run ``net`` through ``torch.compile`` (compiled lazily at the first call; kept when switched off
+        and on again), or eagerly."""
+        if on and self._compiled_cache is None:
+            # object.__setattr__: not registered as a submodule (it wraps ``net``, already one)
+            object.__setattr__(self, "_compiled_cache", torch.compile(self.net))
+        object.__setattr__(self, "_compiled_fn", self._compiled_cache if on else None)
+        self.compiled = on
+
+
+def _read_spec(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if not model_dir.is_dir():
+        raise ExportError(f"exported model directory {model_dir} does not exist")
+    spec_path = model_dir / SPEC_FILE
+    if not spec_path.is_file():
+        raise ExportError(f"{model_dir} holds no exported model: {SPEC_FILE} is missing")
+    try:
+        spec = json.loads(spec_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ExportError(f"{spec_path} is corrupt (not JSON): {err}") from None
+    if not isinstance(spec, dict) or spec.get("format") != FORMAT:
+        raise ExportError(f"{spec_path} is not a dturbo export (format {FORMAT!r} expected)")
+    if spec.get("version") != VERSION:
+        raise ExportError(f"{spec_path} has format version {spec.get('version')!r}; this dturbo reads {VERSION}")
+    for key in ("ops", "input_shape", "num_classes"):
+        if key not in spec:
+            raise ExportError(f"{spec_path} lacks the key {key!r}")
+    tensors, _ = _read_safetensors(model_dir / WEIGHTS_FILE, what="the exported weights file")
+    return spec, tensors
+
+
+def _tensor(tensors: dict[str, torch.Tensor], key: str, shape: tuple[int, ...] | None) -> torch.Tensor:
+    t = tensors.get(key)
+    if t is None:
+        raise ExportError(f"the exported weights file has no tensor {key!r}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ExportError(f"tensor {key!r} has shape {tuple(t.shape)}, {SPEC_FILE} says {shape}")
+    return t
+
+
+def _build_net(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[nn.Sequential, list[tuple]]:
+    """The eager network with dense linear layers, and (name, weight, bias) of each linear layer."""
+    mods: dict[str, nn.Module] = {}
+    linears = []
+    if not isinstance(spec["ops"], list) or not all(isinstance(e, dict) for e in spec["ops"]):
+        raise ExportError(f"{SPEC_FILE}: 'ops' must be a list of objects")
+    for entry in spec["ops"]:
+        t, name = entry.get("type"), entry.get("name")
+        if t not in _OP_TYPES or not isinstance(name, str) or name in mods:
+            raise ExportError(f"{SPEC_FILE}: unknown or duplicate operation {t!r} named {name!r}")
+        try:
+            if t == "conv2d":
+                cin, cout, k, g = entry["in_channels"], entry["out_channels"], entry["kernel_size"], entry["groups"]
+                ks = tuple(k) if isinstance(k, list) else (k, k)
+                w = _tensor(tensors, f"{name}.weight", (cout, cin // g, *ks))
+                conv = nn.Conv2d(cin, cout, ks, stride=entry["stride"], padding=entry["padding"], groups=g,
+                                 bias=entry["bias"])
+                with torch.no_grad():
+                    conv.weight.copy_(w)
+                    if entry["bias"]:
+                        conv.bias.copy_(_tensor(tensors, f"{name}.bias", (cout,)))
+                mods[name] = conv
+            elif t == "linear":
+                fi, fo = entry["in_features"], entry["out_features"]
+                w = _tensor(tensors, f"{name}.weight", (fo, fi)).float()
+                b = _tensor(tensors, f"{name}.bias", (fo,)).float() if entry["bias"] else None
+                mods[name] = dense_linear(w, b)
+                linears.append((name, w, b))
+            elif t == "leaky_relu":
+                mods[name] = nn.LeakyReLU(entry["negative_slope"])
+            elif t == "relu":
+                mods[name] = nn.ReLU()
+            elif t == "maxpool2d":
+                mods[name] = nn.MaxPool2d(entry["kernel_size"], entry["stride"], entry["padding"], entry["dilation"],
+                                          ceil_mode=entry["ceil_mode"])
+            elif t == "adaptive_avg_pool2d":
+                mods[name] = nn.AdaptiveAvgPool2d(entry["output_size"])
+            elif t == "flatten":
+                mods[name] = nn.Flatten()
+            elif t == "group_norm":
+                mods[name] = nn.GroupNorm(entry["num_groups"], entry["num_channels"], eps=entry["eps"], affine=False)
+            elif t == "input_select":
+                mods[name] = IndexSelect(_tensor(tensors, f"{name}.index", None), entry["dim"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ExportError(f"{SPEC_FILE}: operation {name!r} ({t}) is malformed: {err!r}") from None
+    return nn.Sequential(OrderedDict(mods)), linears
+
+
+def load(
+    model_dir: str | Path, *, batch_size: int = 256, kernels: str = "auto", channels_last: bool | None = None,
+    compile: bool | None = None, conv: str = "auto", device: str | torch.device = "cpu",
+) -> InferenceModel:
+    """Load an exported model as an :class:`InferenceModel` (a ``torch.nn.Module``) in eval mode.
+
+    Args:
+        model_dir: the folder written by ``dturbo export``.
+        batch_size: the batch size the model will mostly run at; the kernel and setting timings use it.
+        kernels: ``"auto"`` (time the candidate kernels per linear layer, keep the fastest: sparse only where
+            it beats dense) or one of ``dense``/``panel``/``bsr``/``csr`` for every linear layer.
+        channels_last: ``None`` (auto: for networks with convolutions, time both memory formats and keep the
+            faster), ``True`` or ``False``.
+        compile: ``None`` (auto: for networks with convolutions, compile with ``torch.compile`` and keep it if a
+            timing shows it faster; falls back to eager when compilation fails), ``True`` or ``False``.
+        conv: ``"auto"`` (per convolution, time oneDNN against PyTorch's native CPU kernels on the layer's
+            real input, keep native only where faster: it is for thin layers), ``"default"`` (oneDNN on a
+            CPU) or ``"native"``.
+        device: where the model runs (``"cpu"`` or ``"cuda"``).
+
+    The choices are in the returned model's ``kernels``, ``channels_last``, ``compiled`` and ``info``.
+
+    Raises:
+        ExportError: the folder, its JSON or its tensors are missing, corrupt or inconsistent.
+    """
+    model_dir = Path(model_dir)
+    if kernels != "auto" and kernels not in KERNELS:
+        raise ValueError(f"kernels must be 'auto' or one of {', '.join(KERNELS)}, got {kernels!r}")
+    if conv != "auto" and conv not in CONV_KERNELS:
+        raise ValueError(f"conv must be 'auto' or one of {', '.join(CONV_KERNELS)}, got {conv!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    dev = torch.device(device)
+    spec, tensors = _read_spec(model_dir)
+    net, linears = _build_net(spec, tensors)
+    model = InferenceModel(net, spec)
+    layer_info: dict[str, dict[str, Any]] = {}
+    for name, w, b in linears:
+        if kernels == "auto":
+            layer, kind, times = choose_linear_kernel(w.to(dev), None if b is None else b.to(dev), batch_size,
+                                                      device=dev)
+        else:
+            layer = make_linear(kernels, w.to(dev), None if b is None else b.to(dev), batch_size)
+            kind, times = kernels, {}
+        setattr(net, name, layer)
+        model.kernels[name] = kind
+        layer_info[name] = {"kernel": kind, "times_ms": times}
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    model.info = {"batch_size": batch_size, "device": str(dev), "layers": layer_info}
+    has_conv = any(isinstance(m, nn.Conv2d) for m in net.modules())
+    x = _example_input(model, batch_size, dev)
+    if channels_last is None:
+        channels_last = _channels_last_faster(model, x) if has_conv else False
+    model.set_channels_last(bool(channels_last))
+    _choose_convs(model, x, conv)
+    if compile or (compile is None and has_conv):
+        _settle_compile(model, x, auto=compile is None, conv=conv)
+    return model
+
+
+@torch.no_grad()
+def _settle_compile(model: InferenceModel, x: torch.Tensor, *, auto: bool, conv: str) -> None:
+    """Compile, or (``auto``) time eager against compiled and keep the faster. Inductor fuses oneDNN convolutions
+    with what follows while a native one breaks the graph, so where the per-layer choice picked native kernels
+    the compiled model is also timed with oneDNN everywhere."""
+    convs = {n: k for n, k in model.kernels.items() if k in CONV_KERNELS}
+    variants: list[tuple[str, dict[str, str], bool]] = [("compiled", convs, True)]
+    if conv == "auto" and "native" in convs.values():
+        variants.append(("compiled-default-convs", dict.fromkeys(convs, "default"), True))
+    if auto:
+        variants.insert(0, ("eager", convs, False))
+    timings: dict[str, float] = {}
+    for label, kinds, comp in variants:
+        model.set_conv_kernels(kinds)
+        model.set_compiled(comp)
+        try:
+            if len(variants) == 1:
+                model(x)  # compile now, not at the user's first call
+            else:
+                timings[label] = 1000 * time_call(lambda: model(x), x.device, repeats=5, warmup=1)
+        except Exception as err:  # noqa: BLE001 (inductor raises many kinds; any means: run eagerly)
+            model.info["compile_error"] = f"{type(err).__name__}: {err}"
+            model.set_compiled(False)
+            model.set_conv_kernels(convs)
+            return
+    if timings:
+        best = min(timings, key=lambda k: timings[k])
+        _, kinds, comp = next(v for v in variants if v[0] == best)
+        model.set_conv_kernels(kinds)
+        model.set_compiled(comp)
+        model.info["compile"] = {"times_ms": timings, "chosen": best}
+
+
+@torch.no_grad()
+def _choose_convs(model: InferenceModel, x: torch.Tensor, conv: str) -> None:
+    """Set each convolution's kernel: ``conv`` for all, or (``"auto"``) per layer by timing on its real input."""
+    h = model.prepare(x)
+    for name, m in list(model.net.named_children()):
+        if isinstance(m, nn.Conv2d):
+            if conv == "auto":
+                _, kind, times = choose_conv_kernel(m, h)
+                model.info["layers"][name] = {"kernel": kind, "times_ms": times}
+            else:
+                kind = conv
+            model.set_conv_kernels({name: kind})
+            m = getattr(model.net, name)
+        h = m(h)
+
+
+def _example_input(model: InferenceModel, batch_size: int, dev: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, *model.input_shape, generator=gen).to(dev)
+
+
+def _channels_last_faster(model: InferenceModel, x: torch.Tensor) -> bool:
+    """Time the model with channels_last off and on (at ``x``'s batch size); leave it on iff faster."""
+    timings: dict[str, float] = {}
+    with torch.no_grad():
+        for on in (False, True):
+            model.set_channels_last(on)
+            timings["on" if on else "off"] = 1000 * time_call(lambda: model(x), x.device, repeats=5, warmup=1)
+    chosen = timings["on"] < timings["off"]
+    model.info["channels_last"] = {"times_ms": timings, "chosen": chosen}
+    model.set_channels_last(chosen)
+    return chosen
+

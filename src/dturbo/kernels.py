@@ -1,0 +1,302 @@
+"""Inference kernels for the layers of an exported model, and the timing that picks one per layer.
+
+Convolutions: ``default`` (oneDNN on a CPU) or ``native`` (PyTorch's own CPU kernels, faster for thin
+layers), see :class:`NativeConv2d` and :func:`choose_conv_kernel`. Linear layers, below.
+
+A layer's weight has already been compacted (all-zero rows and columns removed, see :mod:`dturbo.export`);
+what is left is in-layer sparsity. The kernels (REFERENCE.md, "Inference on CPU"):
+
+* ``dense``: :class:`torch.nn.Linear` on the compacted weight (zeros included): one GEMM.
+* ``panel``: the rows are cut into bands of 32; per band, one dense GEMM per run of input columns that hold
+  a nonzero (gaps of up to ``max_gap`` zero columns are bridged). Clustered sparsity makes few, large runs.
+* ``bsr``: block-sparse rows (8x8 blocks, int32 indices) through ``torch.addmm`` with the activations kept
+  features x batch (``F.linear`` with a sparse weight is slow). Pays off at small batches.
+* ``csr``: compressed sparse rows with int32 indices; only ever wins at batch 1.
+
+Which one is fastest depends on the batch size and the machine, so :func:`choose_linear_kernel` times them
+briefly and keeps a sparse kernel only where it beats dense by a margin. The sparse kernels are excluded from
+``torch.compile`` (it would break the graph there anyway); the dense layers around them are compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+KERNELS = ("dense", "panel", "bsr", "csr")
+# Above this density (of the compacted weight) a sparse kernel is not even tried.
+SPARSE_MAX_DENSITY = 0.6
+# A sparse kernel must be at least this much faster than dense to be chosen (timing noise, and the
+# compiled dense path often gains a little more than the eager timing shows).
+MARGIN = 0.9
+
+
+class PanelLinear(nn.Module):
+    """y = x W^T + b from dense GEMMs over bands of ``band`` output rows and the column runs each band needs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, band: int = 32, max_gap: int = 8) -> None:
+        super().__init__()
+        out_f, in_f = weight.shape
+        self.in_features, self.out_features = int(in_f), int(out_f)
+        self.spans: list[tuple[int, int, int, int]] = []
+        self._piece_names: list[str] = []
+        for r0 in range(0, out_f, band):
+            r1 = min(out_f, r0 + band)
+            used = (weight[r0:r1] != 0).any(0).tolist()
+            for c0, c1 in column_runs(used, max_gap):
+                name = f"piece{len(self.spans)}"
+                # stored (columns x rows): the right operand of x[:, c0:c1] @ piece, contiguous
+                self.register_buffer(name, weight[r0:r1, c0:c1].t().contiguous())
+                self.spans.append((r0, r1, c0, c1))
+                self._piece_names.append(name)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        if self.bias is None:
+            out = x.new_zeros(x.shape[0], self.out_features)
+        else:
+            out = self.bias.expand(x.shape[0], self.out_features).contiguous()
+        for (r0, r1, c0, c1), name in zip(self.spans, self._piece_names, strict=True):
+            out[:, r0:r1].addmm_(x[:, c0:c1], self._buffers[name])
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, pieces={len(self.spans)}"
+
+
+def column_runs(used: list[bool], max_gap: int) -> list[tuple[int, int]]:
+    """Half-open runs ``(c0, c1)`` covering every True of ``used``; runs separated by at most ``max_gap``
+    False entries are merged."""
+    runs: list[tuple[int, int]] = []
+    for c, u in enumerate(used):
+        if not u:
+            continue
+        if runs and c - runs[-1][1] <= max_gap:
+            runs[-1] = (runs[-1][0], c + 1)
+        else:
+            runs.append((c, c + 1))
+    return runs
+
+
+class _SparseAddmmLinear(nn.Module):
+    """Common part of the BSR and CSR kernels: ``addmm(bias, W_sparse, x^T)^T`` on a padded weight."""
+
+    in_features: int
+    out_features: int
+    padded_in: int
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        if self.padded_in == self.in_features:
+            xt = x.t()
+        else:
+            xt = x.new_zeros(self.padded_in, x.shape[0])
+            xt[: self.in_features].copy_(x.t())
+        y = torch.addmm(self.bias_col, self.weight, xt)  # (padded out, batch)
+        return y[: self.out_features].t().reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.weight.values().numel()}"
+
+
+class BsrLinear(_SparseAddmmLinear):
+    """Block-sparse weight (``block`` x ``block`` blocks; the shape is padded to a multiple of ``block``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, block: int = 8) -> None:
+        super().__init__()
+        out_f, in_f = weight.shape
+        self.in_features, self.out_features, self.block = int(in_f), int(out_f), block
+        po, pi = math.ceil(out_f / block) * block, math.ceil(in_f / block) * block
+        self.padded_in = pi
+        wp = weight.new_zeros(po, pi)
+        wp[:out_f, :in_f] = weight
+        with warnings.catch_warnings():  # "sparse BSR support is in beta state"
+            warnings.simplefilter("ignore", UserWarning)
+            b = wp.to_sparse_bsr((block, block))
+            w = torch.sparse_bsr_tensor(b.crow_indices().to(torch.int32), b.col_indices().to(torch.int32),
+                                        b.values().contiguous(), size=b.shape, check_invariants=False)
+        self.register_buffer("weight", w)
+        bc = weight.new_zeros(po, 1)
+        if bias is not None:
+            bc[:out_f, 0] = bias
+        self.register_buffer("bias_col", bc)
+
+
+class CsrLinear(_SparseAddmmLinear):
+    """Compressed-sparse-row weight with int32 indices."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        out_f, in_f = weight.shape
+        self.in_features, self.out_features = int(in_f), int(out_f)
+        self.padded_in = int(in_f)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            c = weight.to_sparse_csr()
+            w = torch.sparse_csr_tensor(c.crow_indices().to(torch.int32), c.col_indices().to(torch.int32),
+                                        c.values().contiguous(), size=c.shape, check_invariants=False)
+        self.register_buffer("weight", w)
+        bc = weight.new_zeros(out_f, 1)
+        if bias is not None:
+            bc[:, 0] = bias
+        self.register_buffer("bias_col", bc)
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ordinary :class:`torch.nn.Linear` holding ``weight`` and ``bias``."""
+    out_f, in_f = weight.shape
+    layer = nn.Linear(int(in_f), int(out_f), bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+def panel_gap(batch_size: int) -> int:
+    """Zero columns a panel run may bridge: one GEMM call costs about as much as a few thousand multiply-adds
+    per row, i.e. many columns at a small batch and about one at a large batch."""
+    return max(1, min(64, 2048 // max(batch_size, 1)))
+
+
+def make_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, batch_size: int = 256) -> nn.Module:
+    """The linear layer ``kind`` (one of :data:`KERNELS`) for ``weight`` (out x in) and ``bias``; ``batch_size``
+    tunes the panel kernel's run merging."""
+    if kind == "dense":
+        return dense_linear(weight, bias)
+    if kind == "panel":
+        return PanelLinear(weight, bias, max_gap=panel_gap(batch_size))
+    if kind == "bsr":
+        return BsrLinear(weight, bias)
+    if kind == "csr":
+        return CsrLinear(weight, bias)
+    raise ValueError(f"unknown linear kernel {kind!r}; choose one of {', '.join(KERNELS)}")
+
+
+class NativeConv2d(nn.Conv2d):
+    """A convolution run by PyTorch's own CPU kernels instead of oneDNN (mkldnn). oneDNN is slow for thin
+    layers (few input and output channels, e.g. a first layer on one-channel images, or any layer that export
+    has cut down to a few channels): 3000 28x28 images through a 1->2 channel 7x7 conv take ~90 ms with oneDNN
+    and ~25 ms without on a 2-core CPU. The switch is process-global for the duration of the call."""
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        previous = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return super().forward(x)
+        finally:
+            torch._C._set_mkldnn_enabled(previous)
+
+
+# "default": PyTorch's own choice (oneDNN on a CPU, cuDNN on CUDA); "native": PyTorch's CPU kernels, no oneDNN.
+CONV_KERNELS = ("default", "native")
+
+
+def conv_as(kind: str, conv: nn.Conv2d) -> nn.Conv2d:
+    """``conv`` (its parameters shared) as the conv kernel ``kind`` (one of :data:`CONV_KERNELS`)."""
+    if kind not in CONV_KERNELS:
+        raise ValueError(f"unknown conv kernel {kind!r}; choose one of {', '.join(CONV_KERNELS)}")
+    target = NativeConv2d if kind == "native" else nn.Conv2d
+    if type(conv) is target:
+        return conv
+    new = target(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,  # type: ignore[arg-type]
+                 conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta")
+    new.weight, new.bias = conv.weight, conv.bias
+    return new.train(conv.training)
+
+
+@torch.no_grad()
+def choose_conv_kernel(conv: nn.Conv2d, x: torch.Tensor) -> tuple[nn.Conv2d, str, dict[str, float]]:
+    """Time ``conv`` on its input ``x`` with the default kernel (oneDNN) and with PyTorch's native CPU kernels;
+    keep native only where it is faster by :data:`MARGIN`. Off the CPU (or without oneDNN) nothing is timed."""
+    if x.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return conv_as("default", conv), "default", {}
+    times: dict[str, float] = {}
+    for kind in CONV_KERNELS:
+        layer = conv_as(kind, conv)
+        times[kind] = 1000 * time_call(lambda layer=layer: layer(x), x.device, repeats=5, warmup=1)
+    kind = "native" if times["native"] < MARGIN * times["default"] else "default"
+    return conv_as(kind, conv), kind, times
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def time_call(fn: Callable[[], object], device: torch.device, *, repeats: int = 7, warmup: int = 2,
+              budget_s: float = 1.0) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls; stops early once the
+    calls have taken ``budget_s`` (at least 3 timed calls). CUDA calls are timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times: list[float] = []
+    spent = 0.0
+    for i in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1000.0
+        else:
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+        if spent > budget_s and i >= 2:
+            break
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def choose_linear_kernel(
+    weight: torch.Tensor, bias: torch.Tensor | None, batch_size: int, *, kernels: tuple[str, ...] = KERNELS,
+    device: torch.device | None = None,
+) -> tuple[nn.Module, str, dict[str, float]]:
+    """Time the candidate kernels for one layer at ``batch_size`` and return (layer, kernel name, times in ms).
+
+    Sparse kernels are tried only below :data:`SPARSE_MAX_DENSITY`; each must reproduce the dense output
+    (to 1e-4 relative) and beat dense by :data:`MARGIN` to be chosen. ``kernels`` limits the candidates
+    (``("dense",)`` times nothing)."""
+    device = device or weight.device
+    dense = dense_linear(weight, bias).to(device).eval()
+    density = float((weight != 0).float().mean()) if weight.numel() else 1.0
+    sparse = [k for k in kernels if k != "dense"]
+    if not sparse or density > SPARSE_MAX_DENSITY or weight.numel() == 0:
+        return dense, "dense", {}
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, weight.shape[1], generator=gen).to(device)
+    ref = dense(x)
+    scale = float(ref.abs().max()) + 1.0
+    times = {"dense": 1000 * time_call(lambda: dense(x), device)}
+    best, best_name = dense, "dense"
+    for name in sparse:
+        try:
+            layer = make_linear(name, weight, bias, batch_size).to(device).eval()
+            if (layer(x) - ref).abs().max() > 1e-4 * scale:
+                continue
+        except (RuntimeError, NotImplementedError):  # a format this torch build lacks on this device
+            continue
+        times[name] = 1000 * time_call(lambda layer=layer: layer(x), device)
+        if times[name] < MARGIN * times["dense"] and times[name] < times[best_name]:
+            best, best_name = layer, name
+    return best, best_name, times
+
