@@ -32,5 +32,5 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   pip_install "torch==2.13.0"
 fi
 echo "[setup] installing dturbo and its test extras"
-pip_install -e ".[test]"
+pip_install -e ".[test,flower]"
 .venv/bin/python -c "import dturbo, torch; print(f'[setup] dturbo {dturbo.__version__}, torch {torch.__version__}')"

@@ -1,0 +1,21 @@
+"""Run dturbo's algorithms on Flower (``pip install 'dturbo[flower]'``; flwr is pinned to 1.41.0).
+
+The Flower layer is glue only. :class:`~dturbo.flower.server_app.FlowerSimulator` is the in-process
+:class:`~dturbo.sim.Simulator` with its one transport hook, ``fit_clients``, sending the downlink bytes to
+the SuperNodes as Flower Messages and returning their upload bytes; client selection, faults, the bit ledger,
+aggregation, evaluation and the run directory stay in the Simulator. The ClientApp
+(:mod:`dturbo.flower.client_app`) rebuilds the same configuration, data partition and client algorithm from
+the configuration text the server sends, so the same bytes cross and ``metrics.csv`` equals the one of
+``dturbo run`` for the same configuration and seed.
+
+Modules (each imports flwr; this package itself does not):
+
+* :mod:`dturbo.flower.wire`: how bytes and task information travel inside a Message;
+* :mod:`dturbo.flower.server_app`: the ServerApp (``dturbo.flower.server_app:app``);
+* :mod:`dturbo.flower.client_app`: the ClientApp (``dturbo.flower.client_app:app``);
+* :mod:`dturbo.flower.inprocess`: a Grid that hands messages straight to the ClientApp (tests, debugging).
+
+See docs/flower.md for deployment across machines.
+"""
+
+FLWR_VERSION = "1.41.0"

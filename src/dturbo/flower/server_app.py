@@ -1,0 +1,218 @@
+"""The Flower ServerApp: the dturbo Simulator with Flower as its transport (``dturbo.flower.server_app:app``).
+
+Run config (``[tool.flwr.app.config]`` in pyproject.toml, overridden with ``flwr run --run-config``):
+
+* ``config``: path of the dturbo TOML configuration (on the machine running the ServerApp);
+* ``out``: the run directory, the same files as ``dturbo run --out`` writes (relative paths are taken from
+  the ServerApp process's working directory: pass absolute ones);
+* ``resume`` (default false): continue the run directory's checkpoint, as ``dturbo run --resume``;
+* ``round-timeout`` (seconds, default 3600; 0 = wait for every reply): a client that has not answered by
+  then counts as dropped for the round;
+* ``connect-timeout`` (seconds, default 120): how long the first round waits for a SuperNode of every
+  client id to connect (the round then goes on with those that did; the others count as dropped).
+
+Client id <-> node id: each SuperNode's node config names its ``partition-id``, which IS the client id; the
+server learns it with a ``query.partition`` message to every node it does not know yet (at the first round,
+and later when a node joins or comes back under a new node id).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from flwr.app import DEFAULT_TTL, ConfigRecord, Context, Message, MessageType, RecordDict, UserConfig
+from flwr.serverapp import Grid, ServerApp
+
+from ..algorithms.base import ClientError
+from ..config import Config, load_config
+from ..sim import ClientLost, Simulator
+from . import wire
+
+log = logging.getLogger("flwr")
+
+app = ServerApp()
+
+DEFAULTS: dict[str, Any] = {"resume": False, "round-timeout": 3600.0, "connect-timeout": 120.0}
+
+
+class FlowerSimulator(Simulator):
+    """:class:`~dturbo.sim.Simulator` whose clients are Flower SuperNodes reached through a Grid.
+
+    Only :meth:`fit_clients` differs: the downlink bytes go to each selected client's SuperNode in a train
+    Message and the upload bytes come back in its reply. A Flower error reply or a missing reply becomes a
+    :class:`~dturbo.algorithms.base.ClientError` / :class:`~dturbo.sim.ClientLost`, which the Simulator
+    counts (``clients_failed`` / ``clients_dropped``) and logs (events.log) as for the in-process clients.
+    """
+
+    def __init__(self, cfg: Config, out: Path, grid: Grid, *, resume: bool = False,
+                 round_timeout: float | None = None, connect_timeout: float = 120.0, query_timeout: float = 60.0,
+                 poll_interval: float = 1.0, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+        super().__init__(cfg, out, resume=resume, on_round=on_round)
+        self.grid = grid
+        self.round_timeout = round_timeout
+        self.connect_timeout = connect_timeout
+        self.query_timeout = query_timeout
+        self.poll_interval = poll_interval
+        self.config_text = cfg.to_toml()
+        self.node_of: dict[int, int] = {}  # client id (= partition-id) -> node id
+        self._ignored: set[int] = set()  # nodes that answered with no usable partition-id
+        self._connected = False
+
+    # ------------------------------------------------------------ discovery
+    def discover(self, wanted: Iterable[int], wait: float) -> None:
+        """Map client ids to node ids: ask every connected node not known yet for its partition-id, polling
+        up to ``wait`` seconds until every id in ``wanted`` has a node. Nodes gone offline are forgotten."""
+        wanted = set(wanted)
+        deadline = time.monotonic() + wait
+        while True:
+            online = set(self.grid.get_node_ids())
+            for cid, node in list(self.node_of.items()):
+                if node not in online:
+                    log.info("client %d: node %d is no longer connected", cid, node)
+                    del self.node_of[cid]
+            known = set(self.node_of.values()) | self._ignored
+            new = sorted(n for n in online if n not in known)
+            if new:
+                self._query_partitions(new)
+            if wanted <= self.node_of.keys() or time.monotonic() >= deadline:
+                missing = sorted(wanted - self.node_of.keys())
+                if missing:
+                    log.warning("no SuperNode connected for client(s) %s", missing)
+                return
+            time.sleep(self.poll_interval)
+
+    def _query_partitions(self, nodes: list[int]) -> None:
+        msgs = [Message(RecordDict({wire.PARTITION: ConfigRecord({})}), dst_node_id=n,
+                        message_type=wire.PARTITION_QUERY, ttl=self.query_timeout)
+                for n in nodes]
+        clients = self.cfg.federation.clients
+        for reply in self.grid.send_and_receive(msgs, timeout=self.query_timeout):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log.warning("node %d did not tell its partition-id: %s", node, reply.error.reason)
+                continue
+            try:
+                record = reply.content.config_records[wire.PARTITION]
+                pid, num = int(record[wire.PARTITION_ID]), int(record[wire.NUM_PARTITIONS])
+            except (KeyError, TypeError, ValueError) as err:
+                log.warning("node %d: malformed partition reply (%s); ignored", node, err)
+                self._ignored.add(node)
+                continue
+            if not 0 <= pid < clients or num not in (-1, clients):
+                log.warning("node %d: partition-id=%d num-partitions=%d does not fit federation.clients = %d; "
+                            "ignored", node, pid, num, clients)
+                self._ignored.add(node)
+            elif pid in self.node_of and self.node_of[pid] != node:
+                log.warning("node %d also claims partition-id=%d (node %d has it); ignored",
+                            node, pid, self.node_of[pid])
+                self._ignored.add(node)
+            else:
+                self.node_of[pid] = node
+                log.info("client %d <-> node %d", pid, node)
+
+    # ------------------------------------------------------------ transport
+    def fit_clients(self, down: bytes, clients: list[int], rnd: int) -> dict[int, bytes | ClientError]:
+        """Send the downlink to the SuperNodes of ``clients``; their upload bytes, in the order of ``clients``
+        (the aggregation sums in this order, as in process), or why a client has none."""
+        self.discover(clients, 0.0 if self._connected else self.connect_timeout)
+        self._connected = True
+        ttl = self.round_timeout or DEFAULT_TTL
+        sent: dict[int, int] = {}  # node id -> client id
+        msgs = []
+        for cid in clients:
+            node = self.node_of.get(cid)
+            if node is None:
+                continue
+            task = ConfigRecord({"round": rnd, "client": cid, "config": self.config_text})
+            content = RecordDict({wire.DOWN: wire.bytes_record(down), wire.TASK: task})
+            msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
+                                group_id=str(rnd + 1), ttl=ttl))
+            sent[node] = cid
+        got: dict[int, bytes | ClientError] = {}
+        if msgs:
+            for reply in self.grid.send_and_receive(msgs, timeout=self.round_timeout):
+                cid = sent.get(reply.metadata.src_node_id)
+                if cid is not None:
+                    got[cid] = self._answer(reply, cid, rnd)
+        out: dict[int, bytes | ClientError] = {}
+        for cid in clients:
+            if cid in got:
+                out[cid] = got[cid]
+            elif cid in self.node_of:
+                within = f" within {self.round_timeout:g} s" if self.round_timeout else ""
+                out[cid] = ClientLost(f"no reply from node {self.node_of[cid]}{within}")
+            else:
+                out[cid] = ClientLost(f"no SuperNode with partition-id={cid} is connected")
+        return out
+
+    def _answer(self, reply: Message, cid: int, rnd: int) -> bytes | ClientError:
+        if reply.has_error():
+            err = reply.error
+            if err.code in wire.LOST_CODES:
+                self.node_of.pop(cid, None)  # rediscovered when it comes back
+                return ClientLost(f"Flower error {err.code}: {err.reason}")
+            return ClientError(f"ClientApp failed (Flower error {err.code}): {err.reason}")
+        content = reply.content
+        if wire.FAILURE in content.config_records:
+            return ClientError(str(content.config_records[wire.FAILURE]["reason"]))
+        try:
+            task = wire.task_record(content)
+            if int(task["client"]) != cid or int(task["round"]) != rnd:
+                raise wire.WireError(f"reply is for client {task['client']}, round {task['round']}")
+            return wire.record_bytes(content, wire.UP)
+        except (wire.WireError, KeyError, TypeError, ValueError) as err:
+            return ClientError(f"malformed reply: {err}")
+
+
+def server_settings(run_config: UserConfig) -> dict[str, Any]:
+    """The ServerApp's settings from its run config (see the module docstring), checked."""
+    missing = [k for k in ("config", "out") if not str(run_config.get(k, "")).strip()]
+    if missing:
+        raise ValueError(f"run config needs {' and '.join(missing)} (e.g. flwr run . <superlink> --run-config "
+                         "\"config='/abs/experiment.toml' out='/abs/runs/name'\")")
+    settings = {**DEFAULTS, **{k: run_config[k] for k in DEFAULTS if k in run_config}}
+    out = {
+        "config": Path(str(run_config["config"])).expanduser().resolve(),
+        "out": Path(str(run_config["out"])).expanduser().resolve(),
+        "resume": settings["resume"] in (True, "true", "True", 1),
+    }
+    for key in ("round-timeout", "connect-timeout"):
+        try:
+            value = float(settings[key])
+        except (TypeError, ValueError):
+            raise ValueError(f"run config {key} must be a number of seconds, got {settings[key]!r}") from None
+        if value < 0:
+            raise ValueError(f"run config {key} must be >= 0, got {value}")
+        out[key] = value
+    return out
+
+
+def run_server(grid: Grid, run_config: UserConfig, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run the experiment of ``run_config`` over ``grid`` into its run directory; the metrics rows.
+    ``kwargs`` go to :class:`FlowerSimulator` (e.g. ``poll_interval``)."""
+    s = server_settings(run_config)
+    cfg = load_config(s["config"])
+    rounds = cfg.experiment.rounds
+    log.info("dturbo %s: %s, %d clients, %d rounds -> %s", cfg.experiment.name, cfg.experiment.algorithm,
+             cfg.federation.clients, rounds, s["out"])
+
+    def on_round(row: dict[str, Any]) -> None:
+        log.info("round %s/%d: accuracy %.4f, density %.4f, cum bits %.0f, participants %s (%s s)", row["round"],
+                 rounds, float(row["accuracy"]), float(row["density"]), float(row["cum_bits"]),
+                 row["participants"], row["seconds"])
+
+    sim = FlowerSimulator(cfg, s["out"], grid, resume=s["resume"], round_timeout=s["round-timeout"] or None,
+                          connect_timeout=s["connect-timeout"], on_round=on_round, **kwargs)
+    rows = sim.run()
+    log.info("dturbo: run directory %s complete", s["out"])
+    return rows
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """ServerApp entry point: run the experiment named in the run config."""
+    run_server(grid, context.run_config)

@@ -1,0 +1,81 @@
+"""What crosses Flower: the codec's bytes as a uint8 array, the task as a ConfigRecord.
+
+A train instruction (message type ``train``) carries
+
+* ``down``: an ArrayRecord with one Array ``bytes``, the downlink message as a 1-D uint8 array;
+* ``task``: a ConfigRecord with ``round`` (0-based), ``client`` (the client id = the SuperNode's
+  ``partition-id``) and ``config`` (the whole experiment configuration as TOML text, so that server and
+  client use exactly the same configuration).
+
+Its reply carries ``up`` (the upload bytes, same layout) and ``task`` (``client``, ``round``), or, when the
+client algorithm reports a :class:`~dturbo.algorithms.base.ClientError` (e.g. its training diverged),
+``failure``: a ConfigRecord with ``client`` and ``reason``. Any other exception in the ClientApp becomes a
+Flower error reply (``Message.error``), made by Flower's runtime.
+
+A discovery query (message type ``query.partition``) asks a SuperNode for its ``partition-id`` (and
+``num-partitions`` when its node config names it); its reply carries them in the ConfigRecord
+``partition``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.common.constant import ErrorCode
+
+TRAIN = "train"
+PARTITION_QUERY = "query.partition"
+PARTITION_ACTION = "partition"
+
+DOWN, UP, TASK, FAILURE, PARTITION = "down", "up", "task", "failure", "partition"
+BYTES = "bytes"
+
+PARTITION_ID, NUM_PARTITIONS, DATA_PATH = "partition-id", "num-partitions", "data-path"
+
+# Flower error replies that mean "the node never answered" (-> ClientLost); every other code means the
+# ClientApp ran and failed (-> ClientError).
+LOST_CODES = frozenset({ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE})
+
+
+class WireError(ValueError):
+    """A Flower message does not have the layout of :mod:`dturbo.flower.wire`."""
+
+
+def bytes_record(data: bytes) -> ArrayRecord:
+    """``data`` as an ArrayRecord holding one 1-D uint8 Array named ``bytes``."""
+    return ArrayRecord({BYTES: Array(np.frombuffer(data, dtype=np.uint8))})
+
+
+def record_bytes(content: RecordDict, name: str) -> bytes:
+    """The bytes that :func:`bytes_record` packed into ``content[name]``."""
+    if name not in content.array_records:
+        raise WireError(f"message has no ArrayRecord {name!r} (has {sorted(content.keys())})")
+    record = content.array_records[name]
+    if BYTES not in record:
+        raise WireError(f"ArrayRecord {name!r} has no Array {BYTES!r}")
+    arr = record[BYTES].numpy()
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise WireError(f"{name}.{BYTES} must be a 1-D uint8 array, got {arr.dtype} {arr.shape}")
+    return arr.tobytes()
+
+
+def task_record(content: RecordDict) -> ConfigRecord:
+    """The ``task`` ConfigRecord of a train message or reply."""
+    if TASK not in content.config_records:
+        raise WireError(f"message has no ConfigRecord {TASK!r}")
+    return content.config_records[TASK]
+
+
+def partition_of(context: Context) -> tuple[int, int | None]:
+    """(partition-id, num-partitions or None) from a SuperNode's node config."""
+    cfg = context.node_config
+    if PARTITION_ID not in cfg:
+        raise WireError(f"this SuperNode's node config has no {PARTITION_ID!r}; start it with "
+                        f"--node-config \"{PARTITION_ID}=<client id> {NUM_PARTITIONS}=<clients>\"")
+    pid = cfg[PARTITION_ID]
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 0:
+        raise WireError(f"node config {PARTITION_ID} must be a non-negative integer, got {pid!r}")
+    num = cfg.get(NUM_PARTITIONS)
+    if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 1):
+        raise WireError(f"node config {NUM_PARTITIONS} must be a positive integer, got {num!r}")
+    return pid, num

@@ -1,0 +1,410 @@
+"""The same algorithms on Flower: the ServerApp/ClientApp make the same run directory as ``dturbo run``.
+
+In process (an InProcessGrid hands each message to the ClientApp callable) for equality with the Simulator,
+faults (a client that raises, a node that never replies or goes away, too few clients and resume); and one
+real deployment on loopback: a SuperLink and three SuperNodes started here, ``flwr run`` on this repository.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomli_w
+import torch
+
+pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flower]')")
+
+from flwr.app import Context, Message, RecordDict  # noqa: E402
+
+from dturbo.algorithms.base import ClientError  # noqa: E402
+from dturbo.checkpoint import load_checkpoint  # noqa: E402
+from dturbo.config import load_config  # noqa: E402
+from dturbo.flower import client_app as client_module  # noqa: E402
+from dturbo.flower import wire  # noqa: E402
+from dturbo.flower.inprocess import InProcessGrid, run_inprocess  # noqa: E402
+from dturbo.flower.server_app import server_settings  # noqa: E402
+from dturbo.sim import ClientLost, Simulator, TooFewClientsError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = {"seconds", "server_seconds"}
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "toy.npz"
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 12)).astype(np.float32)
+    y = (x[:, :3].sum(1) > 0).astype(np.int64) + 2 * (x[:, 3] > 0)
+    np.savez(path, x_train=x, y_train=y, x_test=x[:200], y_test=y[:200])
+    return path
+
+
+def write_config(folder: Path, toy: Path, algorithm: str = "dturbo", rounds: int = 3, clients: int = 4,
+                 **sections: dict) -> Path:
+    cfg: dict = {
+        "experiment": {"seed": 3, "rounds": rounds, "threads": 1, "algorithm": algorithm},
+        "data": {"name": "npz", "path": str(toy)},
+        "federation": {"clients": clients, "alpha": 1.0},
+        "model": {"name": "mlp", "hidden": [16]},
+        "train": {"local_steps": 5, "lr": 0.01},
+        "dturbo": {"beta": 0.01, "sparsity": {"target_density": 0.4, "warmup_rounds": 1, "ramp_rounds": 2}},
+        "dssm": {"min_clients": 2},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{algorithm}.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    return path
+
+
+def rows_of(out: Path) -> list[dict[str, str]]:
+    with open(out / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+def assert_same_model(a: Path, b: Path) -> None:
+    """The same tensors (bitwise) and metadata; the file bytes may differ (safetensors' header order)."""
+    from safetensors import safe_open
+
+    with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
+        assert fa.metadata() == fb.metadata() and sorted(fa.keys()) == sorted(fb.keys())
+        for k in fa.keys():
+            assert torch.equal(fa.get_tensor(k), fb.get_tensor(k)), k
+
+
+def assert_same_metrics(a: Path, b: Path) -> None:
+    """Every column equal (the same bytes crossed, the same floats came out), timing columns aside."""
+    ra, rb = rows_of(a), rows_of(b)
+    assert [list(r) for r in ra] == [list(r) for r in rb]
+    assert len(ra) == len(rb) > 0
+    for x, y in zip(ra, rb, strict=True):
+        bits = {k: (x[k], y[k]) for k in x if k.endswith("bits") and x[k] != y[k]}
+        assert not bits, f"round {x['round']}: bit columns differ: {bits}"
+        others = {k: (x[k], y[k]) for k in x if x[k] != y[k]}
+        assert not others, f"round {x['round']}: {others}"
+
+
+# ------------------------------------------------------------------ in process
+@pytest.mark.parametrize("algorithm", ["dturbo", "fedavg", "fedpaq", "dssm"])
+def test_inprocess_flower_run_equals_simulator(tmp_path, toy, algorithm):
+    path = write_config(tmp_path, toy, algorithm)
+    Simulator(load_config(path), tmp_path / "sim").run()
+    grid = run_inprocess(path, tmp_path / "flower")
+    assert_same_metrics(tmp_path / "sim", tmp_path / "flower")
+    sim, flower = tmp_path / "sim", tmp_path / "flower"
+    assert (sim / "config.toml").read_text() == (flower / "config.toml").read_text()
+    assert_same_model(sim / "model.safetensors", flower / "model.safetensors")
+    state_a, counters_a = load_checkpoint(sim / "checkpoint")
+    state_b, counters_b = load_checkpoint(flower / "checkpoint")
+    assert counters_a == counters_b and state_a.keys() == state_b.keys()
+    assert all(np.array_equal(state_a[k], state_b[k]) for k in state_a)
+    if algorithm == "dturbo":  # the heat-map messages too
+        msgs = sorted((sim / "messages").iterdir())
+        assert msgs and [m.name for m in msgs] == sorted(m.name for m in (flower / "messages").iterdir())
+        for m in msgs:
+            assert_same_model(m, flower / "messages" / m.name)
+    # one discovery query per node, then one train message per selected client and round
+    kinds = [k for _, k in grid.delivered]
+    assert kinds.count(wire.PARTITION_QUERY) == 4
+    assert kinds.count("train") == sum(int(r["participants"]) for r in rows_of(tmp_path / "sim"))
+
+
+class Scripted(Simulator):
+    """The in-process reference with the same client failures as the Flower run of the fault test."""
+
+    def __init__(self, *args, outcomes: dict[tuple[int, int], ClientError], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.outcomes = outcomes
+
+    def fit_clients(self, down, clients, rnd):
+        answers = super().fit_clients(down, [c for c in clients if (rnd, c) not in self.outcomes], rnd)
+        return {c: self.outcomes[(rnd, c)] if (rnd, c) in self.outcomes else answers[c] for c in clients}
+
+
+def test_failing_and_silent_clients_are_dropped_and_recorded(tmp_path, toy, monkeypatch):
+    """Round 2: client 0's algorithm fails (ClientError), client 1's ClientApp raises, client 2's node never
+    replies: the round completes with client 3 alone, exactly as the Simulator does with those failures."""
+    path = write_config(tmp_path, toy, "dturbo", rounds=3)
+    diverge = {"on": False}
+    real_runtime = client_module.client_runtime
+
+    class Diverging:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def fit(self, down, data, cid):
+            if diverge["on"] and cid == 0:
+                raise ClientError("local training diverged (loss is NaN)")
+            return self.inner.fit(down, data, cid)
+
+    def runtime(*args, **kwargs):
+        rt = real_runtime(*args, **kwargs)
+        return client_module.ClientRuntime(rt.cfg, rt.federation, Diverging(rt.client))
+
+    monkeypatch.setattr(client_module, "client_runtime", runtime)
+
+    def flaky(msg: Message, context: Context) -> Message:
+        pid = context.node_config[wire.PARTITION_ID]
+        if msg.metadata.message_type == "train" and int(msg.content["task"]["round"]) == 1 and pid == 1:
+            raise RuntimeError("disk on fire")
+        return client_module.app(msg, context)
+
+    def intercept(pid: int, msg: Message) -> str | None:
+        train_round = int(msg.content["task"]["round"]) if msg.metadata.message_type == "train" else -1
+        diverge["on"] = train_round == 1
+        return "silent" if (train_round, pid) == (1, 2) else None
+
+    grid = InProcessGrid(flaky, 4, intercept=intercept)
+    run_inprocess(path, tmp_path / "flower", grid=grid)
+
+    outcomes = {(1, 0): ClientError("x"), (1, 1): ClientError("x"), (1, 2): ClientLost("x")}
+    Scripted(load_config(path), tmp_path / "sim", outcomes=outcomes).run()
+    assert_same_metrics(tmp_path / "sim", tmp_path / "flower")
+
+    rows = rows_of(tmp_path / "flower")
+    assert [(r["clients_failed"], r["clients_dropped"], r["clients_ok"]) for r in rows] == [
+        ("0", "0", "4.0"), ("2", "1", "1.0"), ("0", "0", "4.0")]
+    events = (tmp_path / "flower" / "events.log").read_text().splitlines()
+    assert events == [
+        "round 2: client 0: local training diverged (loss is NaN)",
+        f"round 2: client 1: ClientApp failed (Flower error 2): {RuntimeError}:<'disk on fire'>",
+        f"round 2: client 2: did not answer (no reply from node {grid.node_id(2)} within 3600 s)",
+    ]
+    # nothing saved is lost: every round checkpointed, the model written
+    _, counters = load_checkpoint(tmp_path / "flower" / "checkpoint")
+    assert counters["rounds_done"] == 3
+    assert (tmp_path / "flower" / "model.safetensors").stat().st_size > 0
+
+
+def test_node_that_leaves_and_rejoins_under_a_new_id(tmp_path, toy):
+    """A node gone before a round counts as dropped; one that disappears while the round's message waits
+    (Flower's NODE_UNAVAILABLE reply) too; a node back under a new node id is found again by its partition-id."""
+    path = write_config(tmp_path, toy, "fedavg", rounds=4)
+
+    def intercept(pid: int, msg: Message) -> str | None:
+        rnd = int(msg.content["task"]["round"]) if msg.metadata.message_type == "train" else -1
+        if (rnd, pid) == (0, 3):
+            grid.offline.add(3)  # leaves after answering round 1
+        if (rnd, pid) == (1, 0):
+            grid.reconnect(3)  # back during round 2, under a new node id
+        return "offline" if (rnd, pid) == (2, 1) else None
+
+    grid = InProcessGrid(client_module.app, 4, intercept=intercept)
+    old_node = grid.node_id(3)
+    run_inprocess(path, tmp_path / "flower", grid=grid)
+    assert grid.node_id(3) != old_node
+    rows = rows_of(tmp_path / "flower")
+    assert [int(r["clients_dropped"]) for r in rows] == [0, 1, 1, 0]
+    assert [float(r["clients_ok"]) for r in rows] == [4, 3, 3, 4]
+    events = (tmp_path / "flower" / "events.log").read_text().splitlines()
+    assert events == [
+        "round 2: client 3: did not answer (no SuperNode with partition-id=3 is connected)",
+        f"round 3: client 1: did not answer (Flower error 5: node {grid.node_id(1)} is offline)",
+    ]
+    kinds = [k for _, k in grid.delivered]
+    assert kinds.count(wire.PARTITION_QUERY) == 6  # 4 at the start, node 3 again, node 1 again
+    assert (tmp_path / "flower" / "model.safetensors").exists()
+
+
+def test_too_few_clients_keeps_the_checkpoint_and_resume_finishes_the_same_run(tmp_path, toy):
+    path = write_config(tmp_path, toy, "dturbo", rounds=3,
+                        federation={"min_clients": 2, "on_too_few": "stop"})
+    Simulator(load_config(path), tmp_path / "sim").run()
+
+    def silent_in_round_2(pid: int, msg: Message) -> str | None:
+        is_train = msg.metadata.message_type == "train"
+        return "silent" if is_train and int(msg.content["task"]["round"]) == 1 and pid != 0 else None
+
+    out = tmp_path / "flower"
+    grid = InProcessGrid(client_module.app, 4, intercept=silent_in_round_2)
+    with pytest.raises(TooFewClientsError, match="round 2"):
+        run_inprocess(path, out, grid=grid)
+    _, counters = load_checkpoint(out / "checkpoint")
+    assert counters["rounds_done"] == 1 and len(rows_of(out)) == 1
+    assert "fewer than federation.min_clients = 2" in (out / "events.log").read_text()
+
+    run_inprocess(path, out, resume=True)  # every node healthy again
+    assert_same_metrics(tmp_path / "sim", out)
+    assert_same_model(tmp_path / "sim" / "model.safetensors", out / "model.safetensors")
+
+
+def test_run_config_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="config and out"):
+        server_settings({})
+    with pytest.raises(ValueError, match="round-timeout"):
+        server_settings({"config": "a.toml", "out": "o", "round-timeout": -1.0})
+    s = server_settings({"config": "a.toml", "out": "o", "resume": True, "round-timeout": 0.0})
+    assert s["config"].is_absolute() and s["resume"] is True and s["round-timeout"] == 0.0
+
+
+def test_node_config_and_bytes_on_the_wire():
+    data = bytes(range(256)) * 3
+    assert wire.record_bytes(RecordDict({"up": wire.bytes_record(data)}), "up") == data
+    with pytest.raises(wire.WireError, match="no ArrayRecord"):
+        wire.record_bytes(RecordDict(), "up")
+    ctx = Context(run_id=1, node_id=5, node_config={}, state=None, run_config={})
+    with pytest.raises(wire.WireError, match="partition-id"):
+        wire.partition_of(ctx)
+    ctx.node_config = {"partition-id": 2, "num-partitions": 4}
+    assert wire.partition_of(ctx) == (2, 4)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pathspec, inside flwr's FAB build
+def test_pyproject_is_a_valid_flower_app():
+    import tomllib
+
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.common.config import validate_config
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    ok, errors, _ = validate_config(config, check_module=True, project_dir=ROOT)
+    assert ok, errors
+    assert "federations" not in config["tool"]["flwr"]  # flwr would migrate (rewrite) pyproject.toml
+    assert config["project"]["optional-dependencies"]["flower"] == ["flwr==1.41.0"]
+    fab = build_fab_from_disk(ROOT)
+    assert len(fab) < 200_000
+
+
+# ------------------------------------------------------------------ real deployment on loopback
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    """pid's children, grandchildren, ... (from /proc), deepest last."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is not: it only waits for its parent, maybe an init that never reaps)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate the processes started here and everything they started (flower-superexec, flwr-*app)."""
+    pids = []
+    for p in procs:
+        pids += [p.pid, *_descendants(p.pid)]  # the whole tree first: orphans would be reparented
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            for p in procs:
+                p.poll()  # reap our own children
+            time.sleep(0.1)
+    for p in procs:
+        p.poll()
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+@pytest.mark.slow
+def test_deployment_on_loopback_equals_simulator(tmp_path, toy):
+    """A SuperLink and 3 SuperNodes (subprocesses), `flwr run` of this repository's app: 2 rounds of
+    D-Turbo-VBI with the same metrics as the in-process Simulator."""
+    bindir = Path(sys.executable).parent
+    tools = {name: shutil.which(name, path=str(bindir)) for name in ("flower-superlink", "flower-supernode", "flwr")}
+    if not all(tools.values()):
+        pytest.skip(f"Flower's commands are missing next to {sys.executable}: {tools}")
+    path = write_config(tmp_path, toy, "dturbo", rounds=2, clients=3)
+    Simulator(load_config(path), tmp_path / "sim").run()
+
+    home = tmp_path / "flwr-home"
+    link_port, *node_ports = _free_ports(4)
+    home.mkdir()
+    (home / "config.toml").write_text(tomli_w.dumps(
+        {"superlink": {"default": "loopback", "loopback": {"address": f"127.0.0.1:{link_port}", "insecure": True}}}))
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "FLWR_HOME": str(home),
+           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen] = []
+    log_files = []
+
+    def start(name: str, args: list[str]) -> subprocess.Popen:
+        log_files.append(log := open(logs / f"{name}.log", "w"))
+        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+
+    def all_logs() -> str:
+        return "\n".join(f"==== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.iterdir()))
+
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    try:
+        link = start("superlink", [tools["flower-superlink"], "--insecure", "--disable-runtime-dependency-installation",
+                                   "--host", "127.0.0.1", "--port", str(link_port)])
+        _wait_port(link_port, link)
+        for pid, port in enumerate(node_ports):
+            start(f"supernode{pid}", [tools["flower-supernode"], "--insecure", "--superlink",
+                                      f"127.0.0.1:{link_port}", "--port", str(port), "--node-config",
+                                      f"partition-id={pid} num-partitions=3"])
+        run_config = f"config='{path}' out='{out}' round-timeout=120.0 connect-timeout=60.0"
+        try:
+            res = subprocess.run([tools["flwr"], "run", str(ROOT), "loopback", "--run-config", run_config, "--stream"],
+                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired as err:
+            pytest.fail(f"flwr run did not finish in 240 s\n{err.stdout}\n{all_logs()}")
+        seconds = time.monotonic() - t0
+        assert res.returncode == 0, f"{res.stdout}\n{res.stderr}\n{all_logs()}"
+        assert (out / "model.safetensors").exists(), f"{res.stdout}\n{res.stderr}\n{all_logs()}"
+    finally:
+        _stop(procs)
+        for f in log_files:
+            f.close()
+    assert_same_metrics(tmp_path / "sim", out)
+    assert_same_model(tmp_path / "sim" / "model.safetensors", out / "model.safetensors")
+    assert "round 2/2" in res.stdout + res.stderr
+    print(f"deployment: 2 rounds in {seconds:.0f} s")
