@@ -1,8 +1,9 @@
 """The same algorithms on Flower: the ServerApp/ClientApp make the same run directory as ``dturbo run``.
 
 In process (an InProcessGrid hands each message to the ClientApp callable) for equality with the Simulator,
-faults (a client that raises, a node that never replies or goes away, too few clients and resume); and one
-real deployment on loopback: a SuperLink and three SuperNodes started here, ``flwr run`` on this repository.
+faults (a client that raises, a node that never replies or goes away, too few clients and resume); and real
+deployments on loopback: a SuperLink and three SuperNodes started here, ``flwr run`` on this repository, once
+undisturbed and once with a SuperNode killed in the middle of the run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -316,12 +319,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Terminate the processes started here and everything they started (flower-superexec, flwr-*app)."""
+def _stop(procs: list[subprocess.Popen], signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGKILL)) -> None:
+    """Terminate the processes started here and everything they started (flower-superexec, flwr-*app), or
+    with ``signals=(SIGKILL,)`` kill them outright. One already reaped is skipped: its pid may be another's now."""
     pids = []
     for p in procs:
-        pids += [p.pid, *_descendants(p.pid)]  # the whole tree first: orphans would be reparented
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if p.poll() is None:
+            pids += [p.pid, *_descendants(p.pid)]  # the whole tree first: orphans would be reparented
+    for sig in signals:
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -336,6 +341,18 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.poll()
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP pid and its descendants, again for any started meanwhile: a frozen tree starts nothing new."""
+    frozen: set[int] = set()
+    while new := {pid, *_descendants(pid)} - frozen:
+        for p in new:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        frozen |= new
+
+
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -348,63 +365,160 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 
 
-@pytest.mark.slow
-def test_deployment_on_loopback_equals_simulator(tmp_path, toy):
-    """A SuperLink and 3 SuperNodes (subprocesses), `flwr run` of this repository's app: 2 rounds of
-    D-Turbo-VBI with the same metrics as the in-process Simulator."""
+class Loopback:
+    """A SuperLink and SuperNodes (partition-id 0, 1, ...) on 127.0.0.1: subprocesses started here, ``--insecure``
+    on free ports, each logging to ``folder/logs/<name>.log``; :meth:`flwr_run` starts this repository's app."""
+
+    def __init__(self, folder: Path, tools: dict[str, str], nodes: int) -> None:
+        self.tools = tools
+        self.folder = folder
+        self.logdir = folder / "logs"
+        self.logdir.mkdir()
+        self.link_port, *self.node_ports = _free_ports(nodes + 1)
+        home = folder / "flwr-home"
+        home.mkdir()
+        (home / "config.toml").write_text(tomli_w.dumps({"superlink": {
+            "default": "loopback", "loopback": {"address": f"127.0.0.1:{self.link_port}", "insecure": True}}}))
+        bindir = Path(tools["flwr"]).parent
+        self.env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "FLWR_HOME": str(home),
+                    "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+                    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}
+        self.procs: list[subprocess.Popen] = []
+        self.nodes: list[subprocess.Popen] = []  # by partition-id
+        self._files: list = []
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        self._files.append(log := open(self.logdir / f"{name}.log", "w"))
+        proc = subprocess.Popen(args, cwd=self.folder, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def up(self) -> None:
+        link = self.start("superlink", [self.tools["flower-superlink"], "--insecure",
+                                        "--disable-runtime-dependency-installation",
+                                        "--host", "127.0.0.1", "--port", str(self.link_port)])
+        _wait_port(self.link_port, link)
+        for pid, port in enumerate(self.node_ports):
+            self.nodes.append(self.start(f"supernode{pid}", [
+                self.tools["flower-supernode"], "--insecure", "--superlink", f"127.0.0.1:{self.link_port}",
+                "--port", str(port), "--node-config", f"partition-id={pid} num-partitions={len(self.node_ports)}"]))
+
+    def flwr_run(self, config: Path, out: Path, **run_config: float) -> subprocess.Popen:
+        """``flwr run`` of this repository's app (``--stream``: its log is ``flwr-run.log``); run_config keys
+        with ``_`` for ``-`` (round_timeout=...)."""
+        items = {"config": str(config), "out": str(out), **{k.replace("_", "-"): v for k, v in run_config.items()}}
+        return self.start("flwr-run", [self.tools["flwr"], "run", str(ROOT), "loopback", "--run-config",
+                                       " ".join(f"{k}={v!r}" for k, v in items.items()), "--stream"])
+
+    def wait(self, proc: subprocess.Popen, timeout: float, what: str) -> int:
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{what} did not finish in {timeout} s\n{self.logs()}")
+
+    def kill_node(self, pid: int) -> None:
+        """SIGKILL SuperNode ``pid`` with its whole process tree (SuperExec, a ClientApp if one runs): gone without
+        a word to the SuperLink, as when its machine dies."""
+        _freeze(self.nodes[pid].pid)
+        _stop([self.nodes[pid]], signals=(signal.SIGKILL,))
+
+    def log(self, name: str) -> str:
+        return (self.logdir / f"{name}.log").read_text()
+
+    def logs(self) -> str:
+        return "\n".join(f"==== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logdir.iterdir()))
+
+    def close(self) -> None:
+        _stop(self.procs)
+        for f in self._files:
+            f.close()
+
+
+@contextmanager
+def loopback(folder: Path, nodes: int = 3) -> Iterator[Loopback]:
+    """A running :class:`Loopback` with ``nodes`` SuperNodes; every process it started is stopped on exit."""
     bindir = Path(sys.executable).parent
     tools = {name: shutil.which(name, path=str(bindir)) for name in ("flower-superlink", "flower-supernode", "flwr")}
     if not all(tools.values()):
         pytest.skip(f"Flower's commands are missing next to {sys.executable}: {tools}")
+    net = Loopback(folder, tools, nodes)
+    try:
+        net.up()
+        yield net
+    finally:
+        net.close()
+
+
+@pytest.mark.slow
+def test_deployment_on_loopback_equals_simulator(tmp_path, toy):
+    """A SuperLink and 3 SuperNodes (subprocesses), `flwr run` of this repository's app: 2 rounds of
+    D-Turbo-VBI with the same metrics as the in-process Simulator."""
     path = write_config(tmp_path, toy, "dturbo", rounds=2, clients=3)
     Simulator(load_config(path), tmp_path / "sim").run()
-
-    home = tmp_path / "flwr-home"
-    link_port, *node_ports = _free_ports(4)
-    home.mkdir()
-    (home / "config.toml").write_text(tomli_w.dumps(
-        {"superlink": {"default": "loopback", "loopback": {"address": f"127.0.0.1:{link_port}", "insecure": True}}}))
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "FLWR_HOME": str(home),
-           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    procs: list[subprocess.Popen] = []
-    log_files = []
-
-    def start(name: str, args: list[str]) -> subprocess.Popen:
-        log_files.append(log := open(logs / f"{name}.log", "w"))
-        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc
-
-    def all_logs() -> str:
-        return "\n".join(f"==== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.iterdir()))
-
     out = tmp_path / "run"
     t0 = time.monotonic()
-    try:
-        link = start("superlink", [tools["flower-superlink"], "--insecure", "--disable-runtime-dependency-installation",
-                                   "--host", "127.0.0.1", "--port", str(link_port)])
-        _wait_port(link_port, link)
-        for pid, port in enumerate(node_ports):
-            start(f"supernode{pid}", [tools["flower-supernode"], "--insecure", "--superlink",
-                                      f"127.0.0.1:{link_port}", "--port", str(port), "--node-config",
-                                      f"partition-id={pid} num-partitions=3"])
-        run_config = f"config='{path}' out='{out}' round-timeout=120.0 connect-timeout=60.0"
-        try:
-            res = subprocess.run([tools["flwr"], "run", str(ROOT), "loopback", "--run-config", run_config, "--stream"],
-                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired as err:
-            pytest.fail(f"flwr run did not finish in 240 s\n{err.stdout}\n{all_logs()}")
+    with loopback(tmp_path) as net:
+        rc = net.wait(net.flwr_run(path, out, round_timeout=120.0, connect_timeout=60.0), 240, "flwr run")
         seconds = time.monotonic() - t0
-        assert res.returncode == 0, f"{res.stdout}\n{res.stderr}\n{all_logs()}"
-        assert (out / "model.safetensors").exists(), f"{res.stdout}\n{res.stderr}\n{all_logs()}"
-    finally:
-        _stop(procs)
-        for f in log_files:
-            f.close()
+    assert rc == 0 and (out / "model.safetensors").exists(), net.logs()
     assert_same_metrics(tmp_path / "sim", out)
     assert_same_model(tmp_path / "sim" / "model.safetensors", out / "model.safetensors")
-    assert "round 2/2" in res.stdout + res.stderr
+    assert "round 2/2" in net.log("flwr-run")
     print(f"deployment: 2 rounds in {seconds:.0f} s")
+
+
+ROUND_TIMEOUT = 30.0  # a healthy round takes 15-20 s here with 3 ClientApps on 2 busy cores
+
+
+@pytest.mark.slow
+def test_deployment_supernode_killed_mid_round(tmp_path, toy):
+    """SuperNode 2 SIGKILLed (with its SuperExec and any ClientApp) in the middle of a real deployment of 3 rounds:
+    rounds 2 and 3 complete with clients 0 and 1, client 2 counted and logged as dropped, nothing saved is lost.
+
+    The kill comes as soon as round 1's row is in metrics.csv, i.e. when the ServerApp sends round 2's messages:
+    SuperNode 2 normally has not pulled its message yet (an idle SuperNode polls every 3 s; the test prints which
+    moment it hit), so the message waits at the SuperLink until ``round-timeout``. Had it been pulled, its
+    ClientApp died with the node and no reply comes either: the same outcome. In round 3 the SuperLink may still
+    list the node (it misses heartbeats only after 60 s): then that message times out too, or comes back as
+    Flower's NODE_UNAVAILABLE; once unlisted, the node is not even sent one. Each way client 2 "did not answer".
+    The result equals the in-process Simulator's with client 2 lost in rounds 2 and 3: round 1 as without any
+    loss, then the aggregation over clients 0 and 1 (p_t renormalised over them), the same model and checkpoint.
+    """
+    path = write_config(tmp_path, toy, "dturbo", rounds=3, clients=3)
+    lost = ClientLost("SuperNode killed")
+    Scripted(load_config(path), tmp_path / "ref", outcomes={(1, 2): lost, (2, 2): lost}).run()
+    out = tmp_path / "run"
+    metrics = out / "metrics.csv"
+    t0 = time.monotonic()
+    with loopback(tmp_path) as net:
+        run = net.flwr_run(path, out, round_timeout=ROUND_TIMEOUT, connect_timeout=60.0)
+        deadline = time.monotonic() + 240
+        while len((saved := metrics.read_text() if metrics.exists() else "").splitlines()) < 2:
+            if run.poll() is not None:
+                pytest.fail(f"flwr run exited with {run.returncode} before round 1 ended\n{net.logs()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"round 1 did not end in 240 s\n{net.logs()}")
+            time.sleep(0.1)
+        net.kill_node(2)
+        killed = time.monotonic()
+        _, round2, after = net.log("supernode2").partition("ROUND 2]")
+        moment = ("while its ClientApp ran round 2" if "flwr-clientapp" in after else
+                  "after it pulled round 2's message" if round2 else "before it pulled round 2's message")
+        assert len(saved.splitlines()) == 2, f"killed too late: round 2 had ended\n{saved}"
+        rc = net.wait(run, 2 * ROUND_TIMEOUT + 120, "flwr run after the kill")
+        seconds = time.monotonic() - t0
+    logs = net.logs()
+    assert rc == 0, logs
+    rows = rows_of(out)
+    assert [(r["round"], r["participants"], r["clients_ok"], r["clients_dropped"], r["clients_failed"])
+            for r in rows] == [("1", "3", "3.0", "0", "0"), ("2", "3", "2.0", "1", "0"), ("3", "3", "2.0", "1", "0")], (
+        f"{rows}\n{(out / 'events.log').read_text() if (out / 'events.log').exists() else ''}\n{logs}")
+    events = (out / "events.log").read_text().splitlines()
+    assert [e.split(": did not answer (")[0] for e in events] == ["round 2: client 2", "round 3: client 2"], events
+    assert_same_metrics(tmp_path / "ref", out)  # round 1 = the Simulator's, rounds 2-3 over clients 0 and 1
+    assert all(np.isfinite(float(r["accuracy"])) for r in rows)
+    assert metrics.read_text().splitlines()[:2] == saved.splitlines()  # round 1's row as written, timing too
+    assert_same_model(tmp_path / "ref" / "model.safetensors", out / "model.safetensors")
+    _, counters = load_checkpoint(out / "checkpoint")
+    assert counters["rounds_done"] == 3 and counters == load_checkpoint(tmp_path / "ref" / "checkpoint")[1]
+    print(f"SuperNode 2 killed {moment}, {killed - t0:.0f} s in; 3 rounds in {seconds:.0f} s; events: {events}")

@@ -126,12 +126,12 @@ class InProcessGrid(Grid):
         node = msg.metadata.dst_node_id
         pid = self.partition_of.get(node)
         if pid is None or pid in self.offline:
-            return Message(Error(ErrorCode.NODE_UNAVAILABLE, f"node {node} is offline"), reply_to=msg)
+            return self._unavailable(msg)
         action = None if self.intercept is None else self.intercept(pid, msg)
+        if action == "offline":
+            return self._unavailable(msg)
         if action == "silent":
             return None
-        if action == "offline":
-            return Message(Error(ErrorCode.NODE_UNAVAILABLE, f"node {node} is offline"), reply_to=msg)
         received = wire_copy(msg) if self.wire_roundtrip else msg
         self.delivered.append((pid, msg.metadata.message_type))
         try:
@@ -139,6 +139,15 @@ class InProcessGrid(Grid):
         except Exception as ex:  # as Flower's ClientApp runtime: an error reply, the node goes on
             reason = f"{type(ex)}:<'{ex}'>"
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=received)
+
+
+    @staticmethod
+    def _unavailable(msg: Message) -> Message:
+        """The SuperLink's answer for a node that is gone: an error reply whose sender is the SuperLink (node 0),
+        not the node, as flwr's linkstate writes it."""
+        reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, f"node {msg.metadata.dst_node_id} is offline"), reply_to=msg)
+        reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+        return reply
 
 
 def run_inprocess(config: str | Path, out: str | Path, *, resume: bool = False, grid: InProcessGrid | None = None,

@@ -134,8 +134,12 @@ class FlowerSimulator(Simulator):
             sent[node] = cid
         got: dict[int, bytes | ClientError] = {}
         if msgs:
-            for reply in self.grid.send_and_receive(msgs, timeout=self.round_timeout):
-                cid = sent.get(reply.metadata.src_node_id)
+            replies = list(self.grid.send_and_receive(msgs, timeout=self.round_timeout))
+            # A reply is matched to the message it answers: when a node is gone the SuperLink answers for it
+            # (NODE_UNAVAILABLE, sender node 0), so the sender alone would not say which client it concerns.
+            by_message = {m.metadata.message_id: sent[m.metadata.dst_node_id] for m in msgs if m.metadata.message_id}
+            for reply in replies:
+                cid = by_message.get(reply.metadata.reply_to_message_id, sent.get(reply.metadata.src_node_id))
                 if cid is not None:
                     got[cid] = self._answer(reply, cid, rnd)
         out: dict[int, bytes | ClientError] = {}
