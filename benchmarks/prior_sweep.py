@@ -15,6 +15,8 @@ a row and along a column; both layer kinds):
   strong   p01 = 0.05, p11 = 0.9 along rows and columns (large clusters)
   rows     strong along rows only (a row is an output unit: whole rows on or off)
   cols     strong along columns only (a column is an input: whole inputs on or off)
+  layer    default prior, target density per layer (scope = "layer") instead of global
+  rows_layer  rows and scope = "layer" together
 """
 
 from __future__ import annotations
@@ -42,11 +44,17 @@ SETTINGS: dict[str, dict[str, float]] = {
     "strong": {f"{p}_{d}": v for d in ("row", "col") for p, v in STRONG.items()},
     "rows": {f"{p}_row": v for p, v in STRONG.items()},
     "cols": {f"{p}_col": v for p, v in STRONG.items()},
+    "layer": {},
+    "rows_layer": {f"{p}_row": v for p, v in STRONG.items()},
 }
+# Settings that also change the sparsity schedule: the target density per layer instead of over the whole
+# network, so that the first convolutions (most of the FLOPs, few of the weights) are thinned too.
+SCHEDULE: dict[str, list[str]] = {s: ["dturbo.sparsity.scope=layer"] for s in ("layer", "rows_layer")}
 
 
 def overrides(setting: str) -> list[str]:
-    return [f"dturbo.prior.{kind}.{k}={v}" for kind in ("conv", "dense") for k, v in SETTINGS[setting].items()]
+    prior = [f"dturbo.prior.{kind}.{k}={v}" for kind in ("conv", "dense") for k, v in SETTINGS[setting].items()]
+    return prior + SCHEDULE.get(setting, [])
 
 
 def train(setting: str, rounds: int, limit_train: int) -> Path:
