@@ -105,6 +105,17 @@ def findings(runs: dict[str, RunSummary]) -> tuple[list[str], dict]:
         rb = r.bits_to_reach(common)
         numbers["bits_ratio_at_common_target"][k] = None if rb is None or d_common is None else d_common / rb
         lines.append(f"  - {r.label}: {_ratio(d_common, rb)}")
+    # The highest target D-Turbo-VBI reaches: how many bits each baseline needs for it.
+    own = math.floor(1000 * d.final_accuracy) / 1000
+    d_own = d.bits_to_reach(own)
+    lines.append(f"- At D-Turbo-VBI's own final accuracy ({100 * own:.1f}%), bits of D-Turbo-VBI / bits of:")
+    numbers["own_target"] = own
+    numbers["bits_ratio_at_own_target"] = {}
+    for k, r in base.items():
+        rb = r.bits_to_reach(own)
+        numbers["bits_ratio_at_own_target"][k] = None if rb is None or d_own is None else d_own / rb
+        lines.append(f"  - {r.label}: " + ("never reaches it" if rb is None else
+                                           f"{_ratio(d_own, rb)} ({d_own / 1e6:.1f} / {rb / 1e6:.1f} Mbit)"))
     lines.append("- Total bits over all rounds, D-Turbo-VBI / baseline: " + ", ".join(
         f"{r.label} {d.total_bits / r.total_bits:.3f}" for r in base.values()))
     lines.append("- Final density of the baselines' models (exact nonzeros): " + ", ".join(
