@@ -30,6 +30,13 @@ VARIANTS: dict[str, list[str]] = {
     "beta0.01": ["dturbo.beta=0.01"],
     "b0.01_sig0.02": ["dturbo.beta=0.01", "dturbo.sigma_init_ratio=0.02"],
     "b0.01_ramp6": ["dturbo.beta=0.01", "dturbo.sparsity.ramp_rounds=6"],
+    "b0.003_sig0.02": ["dturbo.beta=0.003", "dturbo.sigma_init_ratio=0.02"],
+    "b0.01_sig0.02_warm3_ramp12": ["dturbo.beta=0.01", "dturbo.sigma_init_ratio=0.02",
+                                   "dturbo.sparsity.warmup_rounds=3", "dturbo.sparsity.ramp_rounds=12"],
+    "b0.003_sig0.02_warm3_ramp12": ["dturbo.beta=0.003", "dturbo.sigma_init_ratio=0.02",
+                                    "dturbo.sparsity.warmup_rounds=3", "dturbo.sparsity.ramp_rounds=12"],
+    "b0.003_sig0.02_warm5_ramp10": ["dturbo.beta=0.003", "dturbo.sigma_init_ratio=0.02",
+                                    "dturbo.sparsity.warmup_rounds=5", "dturbo.sparsity.ramp_rounds=10"],
 }
 
 
