@@ -5,7 +5,8 @@
 Each variant is configs/fmnist_compare/dturbo.toml (20 rounds, 10 clients, Dirichlet 0.5, alexnet-small,
 1 local epoch of Adam, target density 25%) with a few overrides; runs land in runs/dturbo_variants/<name>/ (a
 finished run is reused, a cut one resumed). Results: benchmarks/results/dturbo_variants.{json,md}, with
-FedAvg 32-bit's final accuracy from runs/fmnist_compare/fedavg when that run exists.
+FedAvg 32-bit's final accuracy from runs/fmnist_compare/fedavg when that run exists. The recorded runs used
+one torch thread (OMP_NUM_THREADS=1), as fmnist_compare does: the thread count changes the float sums.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -53,7 +54,10 @@ def run_all(runs_root: Path, methods: list[str]) -> dict[str, float]:
             cmd.append("--resume")
         print(f"[compare] {name}: {' '.join(cmd[2:])}", flush=True)
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        # One torch thread per run: float sums depend on the thread count (2 threads move a final accuracy by
+        # a few tenths), and the recorded results were made this way; two runs can then share the 2 cores.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        subprocess.run(cmd, check=True, cwd=ROOT, env=env)
         walls[name] = round(time.perf_counter() - t0, 1)
     return walls
 
@@ -150,7 +154,8 @@ def write_docs(runs: dict[str, RunSummary], walls: dict[str, float], out_md: Pat
         "Caveat: D-Turbo-VBI's settings (KL weight beta, initial variance, warm-up) were picked as the best of",
         "10 variants by this same final test accuracy, one seed, no separate validation split",
         "(`benchmarks/dturbo_variants.py`, `benchmarks/results/dturbo_variants.md`); the baselines were not tuned.",
-        "Differences of a few tenths of a point are within what another seed may give.",
+        "Differences of a few tenths of a point are within what another seed may give; even the torch thread count",
+        "moves them (float sums): every run here used one thread (`fmnist_compare.py` sets OMP_NUM_THREADS=1).",
         "",
         "## Figures",
         "",
