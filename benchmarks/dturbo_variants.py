@@ -19,9 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from _runs import run_or_reuse  # noqa: E402
+
 from dturbo.config import load_config  # noqa: E402
 from dturbo.report import read_metrics  # noqa: E402
-from dturbo.sim import Simulator  # noqa: E402
 
 CONFIG = ROOT / "configs" / "fmnist_compare" / "dturbo.toml"
 VARIANTS: dict[str, list[str]] = {
@@ -42,14 +43,7 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def train(name: str, runs: Path) -> Path:
-    out = runs / name
-    cfg = load_config(CONFIG, VARIANTS[name])
-    if not (out / "model.safetensors").exists():
-        resume = (out / "checkpoint" / "state.safetensors").exists()
-        Simulator(cfg, out, resume=resume, on_round=lambda r: print(
-            f"  [{name}] round {r['round']}: acc {float(r['accuracy']):.4f} density {float(r['density']):.3f}",
-            flush=True)).run()
-    return out
+    return run_or_reuse(load_config(CONFIG, VARIANTS[name]), runs / name, name)
 
 
 def main() -> None:

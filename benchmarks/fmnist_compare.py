@@ -99,27 +99,26 @@ def findings(runs: dict[str, RunSummary]) -> tuple[list[str], dict]:
                 f"{ratio:.3f} -> {'met' if ratio <= 0.2 else 'missed'} (goal <= 0.2)")
             theirs = "-" if rb is None else f"{rb / 1e6:.1f}"
             lines.append(f"  - vs {r.label}: D-Turbo {d_bits / 1e6:.1f} Mbit / {theirs} Mbit = {verdict}")
+    def at_target(key: str, target: float, heading: str, with_bits: bool) -> None:
+        """Bits of D-Turbo-VBI / bits of each baseline to reach ``target`` (lines and numbers[key])."""
+        d_bits = d.bits_to_reach(target)
+        lines.append(f"- At {heading} ({100 * target:.1f}%), bits of D-Turbo-VBI / bits of:")
+        numbers[f"{key}_target"] = target
+        numbers[f"bits_ratio_at_{key}_target"] = {}
+        for k, r in base.items():
+            rb = r.bits_to_reach(target)
+            numbers[f"bits_ratio_at_{key}_target"][k] = None if rb is None or d_bits is None else d_bits / rb
+            if not with_bits:
+                lines.append(f"  - {r.label}: {_ratio(d_bits, rb)}")
+            else:
+                lines.append(f"  - {r.label}: " + ("never reaches it" if rb is None else
+                                                   f"{_ratio(d_bits, rb)} ({d_bits / 1e6:.1f} / {rb / 1e6:.1f} Mbit)"))
+
     # A target every run reaches: how the bits compare where all of them are comparable.
-    common = math.floor(1000 * min(r.final_accuracy for r in runs.values())) / 1000
-    d_common = d.bits_to_reach(common)
-    lines.append(f"- At a common target every run reaches ({100 * common:.1f}%), bits of D-Turbo-VBI / bits of:")
-    numbers["common_target"] = common
-    numbers["bits_ratio_at_common_target"] = {}
-    for k, r in base.items():
-        rb = r.bits_to_reach(common)
-        numbers["bits_ratio_at_common_target"][k] = None if rb is None or d_common is None else d_common / rb
-        lines.append(f"  - {r.label}: {_ratio(d_common, rb)}")
+    at_target("common", math.floor(1000 * min(r.final_accuracy for r in runs.values())) / 1000,
+              "a common target every run reaches", with_bits=False)
     # The highest target D-Turbo-VBI reaches: how many bits each baseline needs for it.
-    own = math.floor(1000 * d.final_accuracy) / 1000
-    d_own = d.bits_to_reach(own)
-    lines.append(f"- At D-Turbo-VBI's own final accuracy ({100 * own:.1f}%), bits of D-Turbo-VBI / bits of:")
-    numbers["own_target"] = own
-    numbers["bits_ratio_at_own_target"] = {}
-    for k, r in base.items():
-        rb = r.bits_to_reach(own)
-        numbers["bits_ratio_at_own_target"][k] = None if rb is None or d_own is None else d_own / rb
-        lines.append(f"  - {r.label}: " + ("never reaches it" if rb is None else
-                                           f"{_ratio(d_own, rb)} ({d_own / 1e6:.1f} / {rb / 1e6:.1f} Mbit)"))
+    at_target("own", math.floor(1000 * d.final_accuracy) / 1000, "D-Turbo-VBI's own final accuracy", with_bits=True)
     lines.append("- Total bits over all rounds, D-Turbo-VBI / baseline: " + ", ".join(
         f"{r.label} {d.total_bits / r.total_bits:.3f}" for r in base.values()))
     lines.append("- Final density of the baselines' models (exact nonzeros): " + ", ".join(

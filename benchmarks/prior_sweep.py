@@ -31,12 +31,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from _runs import run_or_reuse  # noqa: E402
+
 from dturbo.config import load_config  # noqa: E402
 from dturbo.data import load_dataset  # noqa: E402
 from dturbo.export import export_run, load, save  # noqa: E402
 from dturbo.kernels import time_call  # noqa: E402
 from dturbo.report import read_metrics  # noqa: E402
-from dturbo.sim import Simulator  # noqa: E402
 
 STRONG = {"p01": 0.05, "p11": 0.9}
 SETTINGS: dict[str, dict[str, float]] = {
@@ -64,12 +65,7 @@ def train(setting: str, rounds: int, limit_train: int) -> Path:
         # KL / n grows as n shrinks: keep the per-sample weight of the full-data config (beta 0.3 at 60000)
         f"dturbo.beta={0.3 * limit_train / 60000:.6g}",
         *overrides(setting)])
-    if not (out / "model.safetensors").exists():
-        resume = (out / "checkpoint" / "state.safetensors").exists()
-        Simulator(cfg, out, resume=resume, on_round=lambda r: print(
-            f"  [{setting}] round {r['round']}: acc {float(r['accuracy']):.4f} density {float(r['density']):.3f}",
-            flush=True)).run()
-    return out
+    return run_or_reuse(cfg, out, setting)
 
 
 @torch.no_grad()
