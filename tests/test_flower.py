@@ -43,13 +43,8 @@ TIMING = {"seconds", "server_seconds"}
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "toy.npz"
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(600, 12)).astype(np.float32)
-    y = (x[:, :3].sum(1) > 0).astype(np.int64) + 2 * (x[:, 3] > 0)
-    np.savez(path, x_train=x, y_train=y, x_test=x[:200], y_test=y[:200])
-    return path
+def toy(make_toy) -> Path:
+    return make_toy(600)
 
 
 def write_config(folder: Path, toy: Path, algorithm: str = "dturbo", rounds: int = 3, clients: int = 4,
