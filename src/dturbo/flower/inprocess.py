@@ -140,7 +140,6 @@ class InProcessGrid(Grid):
             reason = f"{type(ex)}:<'{ex}'>"
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=received)
 
-
     @staticmethod
     def _unavailable(msg: Message) -> Message:
         """The SuperLink's answer for a node that is gone: an error reply whose sender is the SuperLink (node 0),
