@@ -36,7 +36,7 @@ def cluster_mask(shape: tuple[int, ...], gen: torch.Generator, block: int = 4, p
 
 def alexnet_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
     """An alexnet-small state whose masks (and zero weights) force every kind of removal. Expected after
-    compaction: conv1 6->4, conv3 32->31, conv4 64->47, dense1 120x256 -> 90x188, dense2 84x120 -> 73x90."""
+    compaction: conv1 6->3, conv3 32->30, conv4 64->47, dense1 120x256 -> 90x188, dense2 84x120 -> 73x90."""
     model = build_model("alexnet-small", SHAPE, 10, seed=1)
     s = {k: v.clone() for k, v in model.state_dict().items()}
     for k in list(s):
@@ -47,10 +47,10 @@ def alexnet_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
     s["conv1.mask"][4] = 0
     s["conv1.bias"][4] = 0.0  # constant 0 channel before a padded conv: removable
     s["conv1.mask"][2] = 0
-    s["conv1.bias"][2] = 0.3  # constant nonzero channel before a padded conv: must stay
+    s["conv1.bias"][2] = 0.3  # constant nonzero channel before a padded conv: folded into conv2's bias map
     s["conv2.mask"][:, 1] = 0  # conv1 channel 1 unused -> removed
     s["conv3.mask"][7] = 0
-    s["conv3.bias"][7] = -0.5  # leaky_relu(-0.5) != 0, padded consumer: stays
+    s["conv3.bias"][7] = -0.5  # leaky_relu(-0.5) != 0, padded consumer: folded into conv4's bias map
     s["conv4.mask"][:, 9] = 0  # conv3 channel 9 unused -> removed
     s["conv4.mask"][10:20] = 0  # constants folded through pool + flatten into dense1's bias
     s["dense1.mask"][:, 30 * 4 : 36 * 4] = 0  # conv4 channels 30..35 unused
@@ -125,11 +125,17 @@ def test_shapes_shrink_across_layers_as_the_masks_dictate(alexnet_export):
     spec = json.loads((alexnet_export / "model.json").read_text())
     after = {r["name"]: tuple(r["shape_after"]) for r in spec["layers"]}
     assert after == {
-        "conv1": (4, 1, 7, 7), "conv2": (16, 4, 5, 5), "conv3": (31, 16, 3, 3), "conv4": (47, 31, 3, 3),
+        "conv1": (3, 1, 7, 7), "conv2": (16, 3, 5, 5), "conv3": (30, 16, 3, 3), "conv4": (47, 30, 3, 3),
         "dense1": (90, 188), "dense2": (73, 90), "dense3": (10, 73),
     }
     tensors = load_file(str(alexnet_export / "model.safetensors"))
     assert tuple(tensors["dense1.weight"].shape) == (90, 188)
+    # the constant channels' contributions to the padded conv2 / conv4 are per-position maps
+    assert tuple(tensors["conv2.bias_map"].shape) == (16, 13, 13)
+    assert tuple(tensors["conv4.bias_map"].shape) == (47, 6, 6)
+    border, inside = tensors["conv2.bias_map"][:, 0, 0], tensors["conv2.bias_map"][:, 6, 6]
+    assert not torch.allclose(border, inside)  # not a plain bias: the padding makes the borders differ
+    assert "conv1.bias_map" not in tensors and "conv3.bias_map" not in tensors
     assert spec["totals"]["weights_after"] < spec["totals"]["weights_before"]
     assert spec["totals"]["density_after"] > spec["totals"]["density_before"]
 
@@ -260,7 +266,7 @@ def test_panel_runs_and_kernels_on_clustered_weights():
 def test_files_are_json_and_safetensors_only(alexnet_export):
     assert sorted(p.name for p in alexnet_export.iterdir()) == ["model.json", "model.safetensors"]
     spec = json.loads((alexnet_export / "model.json").read_text())
-    assert spec["format"] == "dturbo-export" and spec["version"] == 1
+    assert spec["format"] == "dturbo-export" and spec["version"] == 2
     assert spec["input_shape"] == [1, 28, 28] and spec["num_classes"] == 10
     raw = (alexnet_export / "model.safetensors").read_bytes()
     header_len = int.from_bytes(raw[:8], "little")
@@ -268,7 +274,8 @@ def test_files_are_json_and_safetensors_only(alexnet_export):
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} <= {"F32", "I64"}
     with safe_open(str(alexnet_export / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == {f"{n}.{p}" for n in ("conv1", "conv2", "conv3", "conv4", "dense1", "dense2",
-                                                       "dense3") for p in ("weight", "bias")}
+                                                       "dense3") for p in ("weight", "bias")} | {
+                                                           "conv2.bias_map", "conv4.bias_map"}
     for blob in (raw[:2], (alexnet_export / "model.json").read_bytes()[:2]):
         assert blob[:1] != b"\x80"  # no pickle protocol header
 
@@ -349,6 +356,14 @@ def test_load_errors_name_the_problem(alexnet_export, tmp_path):
     tensors["conv2.weight"] = tensors["conv2.weight"][:, :2].contiguous()
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(ex.ExportError, match="conv2.weight' has shape"):
+        ex.load(d)
+    tensors = load_file(str(alexnet_export / "model.safetensors"))
+    tensors["conv2.bias_map"] = tensors["conv2.bias_map"][:, :12].contiguous()
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ex.ExportError, match=r"bias_map' has shape \(16, 12, 13\), model.json says \(16, 13, 13\)"):
+        ex.load(d)
+    (d / "model.json").write_text(json.dumps({**spec, "version": 3}))
+    with pytest.raises(ex.ExportError, match="format version 3; this dturbo reads 1, 2"):
         ex.load(d)
     spec["ops"][0]["type"] = "conv3d"
     (d / "model.json").write_text(json.dumps(spec))

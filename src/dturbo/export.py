@@ -14,9 +14,10 @@ What export does to the weights (the effective weight is ``weight_mu * mask``; e
   - the next layer does not use it (its input columns, or the ``H*W`` columns of a flattened channel, or its
     conv input channel, are all zero): removing it changes nothing; or
   - its own weights are all zero: it is then the constant ``act(bias)`` everywhere (max-pooling or average
-    pooling a constant gives that constant), and its contribution is folded into the next layer's bias:
-    exactly for a dense next layer, and for a conv next layer without padding. With padding the constant is
-    not uniform at the borders, so such a channel is removed only if ``act(bias) == 0``, else kept.
+    pooling a constant gives that constant), and its contribution is folded into the next layer: into its
+    bias for a dense layer or an unpadded convolution; for a padded convolution the contribution is not
+    uniform at the borders, so it goes into a per-position bias map ``(out, H, W)`` of that layer (stored as
+    ``<op>.bias_map``, added after the convolution; exact as well).
 
   This is repeated until nothing changes, so removals travel forward and backward through the network. Input
   features (or channels) that the first layer never uses are dropped by an index selection at the input.
@@ -61,7 +62,8 @@ from .kernels import (
 )
 
 FORMAT = "dturbo-export"
-VERSION = 1
+VERSION = 2  # 2: conv2d ops may carry a ``bias_map``; version 1 files (without) are read as well
+READS_VERSIONS = (1, 2)
 WEIGHTS_FILE = "model.safetensors"
 SPEC_FILE = "model.json"
 # Input shape of one sample for the built-in datasets; other data ("npz") is read to learn it.
@@ -90,6 +92,7 @@ class Op:
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     index: torch.Tensor | None = None  # input_select: kept input positions (int64)
+    bias_map: torch.Tensor | None = None  # conv2d: per-position bias (out, H_out, W_out) of folded channels
 
 
 @dataclass
@@ -109,6 +112,8 @@ class Exported:
             entry = {"type": op.type, "name": op.name, **op.attrs}
             if op.type in _PARAM_TYPES:
                 entry["bias"] = op.bias is not None
+            if op.bias_map is not None:
+                entry["bias_map"] = True
             ops.append(entry)
         total_before = sum(r["params_before"] for r in self.layers)
         total_after = sum(r["params_after"] for r in self.layers)
@@ -122,10 +127,10 @@ class Exported:
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors to store, named ``<op>.weight``, ``<op>.bias``, ``<op>.index``."""
+        """The tensors to store, named ``<op>.weight``, ``<op>.bias``, ``<op>.index``, ``<op>.bias_map``."""
         out: dict[str, torch.Tensor] = {}
         for op in self.ops:
-            for key in ("weight", "bias", "index"):
+            for key in ("weight", "bias", "index", "bias_map"):
                 t = getattr(op, key)
                 if t is not None:
                     out[f"{op.name}.{key}"] = t.detach().contiguous().clone()
@@ -203,13 +208,18 @@ def ops_from_state(
     except ValueError as err:
         raise ExportError(f"unknown model layout: {err}") from None
     ops: list[Op] = []
+    model.eval()
+    x = torch.zeros(1, *input_shape)  # traced for the spatial size at each convolution's input
     for name, m in model.named_children():
+        h_w = [int(s) for s in x.shape[-2:]]
+        with torch.no_grad():
+            x = m(x)
         if isinstance(m, BayesConv2d | BayesLinear):
             w, b = _effective(name, m, state)
             if isinstance(m, BayesConv2d):
                 attrs = {"in_channels": m.in_channels, "out_channels": m.out_channels,
                          "kernel_size": m.kernel_size, "stride": m.stride, "padding": m.padding,
-                         "groups": m.groups}
+                         "groups": m.groups, "input_hw": h_w}
                 ops.append(Op("conv2d", name, attrs, w, b))
             else:
                 ops.append(Op("linear", name, {"in_features": m.in_features, "out_features": m.out_features}, w, b))
@@ -301,10 +311,20 @@ def _link_units(prod: Op, cons: Op, between: list[Op]) -> int | None:
 
 
 def _absorbs_constants(cons: Op) -> bool:
+    """Whether a constant input unit adds the same to every output position of ``cons`` (no padding)."""
     if cons.type == "linear":
         return True
     pad = cons.attrs["padding"]
     return pad == "valid" or pad == 0 or (isinstance(pad, list | tuple) and not any(pad))
+
+
+def _constant_contribution(cons: Op, weight: torch.Tensor, const: torch.Tensor) -> torch.Tensor:
+    """What input channels holding the constants ``const`` add to padded convolution ``cons``'s output, per
+    position: (out, H_out, W_out). ``weight`` is ``cons``'s weight restricted to those channels."""
+    h, w = cons.attrs["input_hw"]
+    image = const.reshape(1, -1, 1, 1).expand(1, const.numel(), h, w)
+    out = F.conv2d(image.double(), weight.double(), stride=cons.attrs["stride"], padding=cons.attrs["padding"])
+    return out[0].float()
 
 
 def _compact_link(prod: Op, cons: Op, between: list[Op], units: int) -> bool:
@@ -313,24 +333,29 @@ def _compact_link(prod: Op, cons: Op, between: list[Op], units: int) -> bool:
     cview = _units_view(cons, units)
     unused = ~(cview != 0).any(2).any(0)
     zero_rows = ~(prod.weight.reshape(units, -1) != 0).any(1)
+    if prod.bias_map is not None:  # such a unit is constant only where its bias map is zero
+        zero_rows &= ~(prod.bias_map.reshape(units, -1) != 0).any(1)
     const = _constant(prod.bias, between, units)
-    if _absorbs_constants(cons):
-        constant_ok = zero_rows
-    else:
-        constant_ok = zero_rows & (const == 0)
+    foldable = _absorbs_constants(cons) or "input_hw" in cons.attrs  # a padded conv takes a bias map
+    constant_ok = zero_rows if foldable else zero_rows & (const == 0)
     remove = unused | constant_ok
     if bool(remove.all()):  # keep one unit: zero-width layers are not worth the special cases
         remove[0] = False
     if not bool(remove.any()):
         return False
     fold = remove & ~unused & (const != 0)
-    if bool(fold.any()):
+    if bool(fold.any()) and _absorbs_constants(cons):
         contrib = (cview[:, fold].sum(2) * const[fold]).sum(1)
         cons.bias = contrib if cons.bias is None else cons.bias + contrib
+    elif bool(fold.any()):
+        contrib = _constant_contribution(cons, cons.weight[:, fold], const[fold])
+        cons.bias_map = contrib if cons.bias_map is None else cons.bias_map + contrib
     keep = ~remove
     prod.weight = prod.weight[keep].contiguous()
     if prod.bias is not None:
         prod.bias = prod.bias[keep].contiguous()
+    if prod.bias_map is not None:
+        prod.bias_map = prod.bias_map[keep].contiguous()
     new = cview[:, keep]
     cons.weight = (new.reshape(cons.weight.shape[0], -1) if cons.type == "linear"
                    else new.reshape(cons.weight.shape[0], int(keep.sum()), *cons.weight.shape[2:])).contiguous()
@@ -459,6 +484,27 @@ class IndexSelect(nn.Module):
         return x.index_select(self.dim, self.index)
 
 
+class BiasMap(nn.Module):
+    """Add a per-position bias ``(C, H, W)``: the exact contribution of constant channels folded into a padded
+    convolution (see the module docstring)."""
+
+    def __init__(self, bias_map: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("bias_map", bias_map.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias_map
+
+
+def _conv_output_shape(entry: dict[str, Any]) -> tuple[int, int, int]:
+    """(out_channels, H_out, W_out) of a conv2d entry with ``input_hw`` (dilation 1)."""
+    def pair(v: Any) -> tuple[int, int]:
+        return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
+
+    (h, w), (kh, kw), (sh, sw), (ph, pw) = (pair(entry[k]) for k in ("input_hw", "kernel_size", "stride", "padding"))
+    return int(entry["out_channels"]), (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+
+
 class InferenceModel(nn.Module):
     """An exported network: ``net`` (an :class:`torch.nn.Sequential` of torch layers) plus the execution
     settings chosen at load: ``kernels`` (per linear/conv layer), ``channels_last``, ``compiled``, and
@@ -531,8 +577,9 @@ def _read_spec(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         raise ExportError(f"{spec_path} is corrupt (not JSON): {err}") from None
     if not isinstance(spec, dict) or spec.get("format") != FORMAT:
         raise ExportError(f"{spec_path} is not a dturbo export (format {FORMAT!r} expected)")
-    if spec.get("version") != VERSION:
-        raise ExportError(f"{spec_path} has format version {spec.get('version')!r}; this dturbo reads {VERSION}")
+    if spec.get("version") not in READS_VERSIONS:
+        raise ExportError(f"{spec_path} has format version {spec.get('version')!r}; this dturbo reads "
+                          f"{', '.join(map(str, READS_VERSIONS))}")
     for key in ("ops", "input_shape", "num_classes"):
         if key not in spec:
             raise ExportError(f"{spec_path} lacks the key {key!r}")
@@ -571,6 +618,11 @@ def _build_net(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[
                     if entry["bias"]:
                         conv.bias.copy_(_tensor(tensors, f"{name}.bias", (cout,)))
                 mods[name] = conv
+                if entry.get("bias_map"):
+                    map_name = f"{name}_bias_map"
+                    if map_name in mods:
+                        raise ExportError(f"{SPEC_FILE}: duplicate operation named {map_name!r}")
+                    mods[map_name] = BiasMap(_tensor(tensors, f"{name}.bias_map", _conv_output_shape(entry)))
             elif t == "linear":
                 fi, fo = entry["in_features"], entry["out_features"]
                 w = _tensor(tensors, f"{name}.weight", (fo, fi)).float()
