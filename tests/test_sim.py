@@ -144,6 +144,75 @@ def test_global_model_is_masked_mean(tmp_path):
         assert 0.35 < state[f"{name}.mask"].mean() < 0.65
 
 
+@needs_fmnist
+def test_tied_rows_prune_whole_conv_channels_and_export_removes_them(tmp_path, fed):
+    """prior.conv.tie_rows: every conv row (output channel) is one support variable, kept or pruned whole, at
+    every round; the export then removes those channels (their constant outputs folded exactly)."""
+    from dturbo.export import export_run, load
+    from dturbo.nn.models import build_model
+
+    base = small_config(layer_targets={"conv1": 0.5, "conv2": 0.25})
+    cfg = parse_config({**base, "dturbo": {**base["dturbo"], "prior": {"conv": {"tie_rows": True}}}})
+    rows = Simulator(cfg, tmp_path / "run", federation=fed).run()
+    for r in range(1, 6):
+        msg = load_file(str(tmp_path / "run" / "messages" / f"round_{r:04d}.safetensors"))
+        for name in ("conv1", "conv2"):
+            mask = msg[f"{name}.mask"].astype(bool)
+            assert np.all(mask.all(1) | ~mask.any(1)), (r, name)  # whole rows only
+    assert float(rows[-1]["density_conv1"]) == 0.5 and float(rows[-1]["density_conv2"]) == 0.25
+    assert not np.all(msg["dense1.mask"].astype(bool).all(1) | ~msg["dense1.mask"].astype(bool).any(1))
+    exported = export_run(tmp_path / "run", tmp_path / "model")
+    after = {r["name"]: r["shape_after"] for r in exported.layers}
+    assert after["conv1"][0] == 3 and after["conv2"][:2] == [4, 3]  # 6 -> 3 and 16 -> 4 channels
+    model = build_model("lenet5", (1, 28, 28), 10)
+    state = load_file(str(tmp_path / "run" / "model.safetensors"))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    x = fed.x_test[:200]  # real test images
+    with torch.no_grad():
+        err = float((load(tmp_path / "model", compile=False)(x) - model.eval()(x)).abs().max())
+    assert err <= 1e-4
+
+
+def _toy_config(tmp_path: Path, **sparsity) -> dict:
+    x = np.random.default_rng(0).normal(size=(400, 20)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    np.savez(tmp_path / "toy.npz", x_train=x, y_train=y, x_test=x[:100], y_test=y[:100])
+    return {
+        "experiment": {"rounds": 4, "seed": 0},
+        "data": {"name": "npz", "path": str(tmp_path / "toy.npz")},
+        "federation": {"clients": 2, "partition": "iid"},
+        "model": {"name": "mlp", "hidden": [16, 8]},
+        "train": {"local_steps": 10, "batch_size": 32, "lr": 0.01},
+        "dturbo": {"sparsity": {"target_density": 0.5, "warmup_rounds": 0, "ramp_rounds": 2, **sparsity}},
+    }
+
+
+def test_layer_targets_fix_named_layers_and_the_rest_keeps_the_global_budget(tmp_path):
+    cfg = parse_config(_toy_config(tmp_path, layer_targets={"dense2": 0.1}))
+    sim = Simulator(cfg, tmp_path / "run")
+    rows = sim.run()
+    state, _ = load_checkpoint(tmp_path / "run" / "checkpoint")
+    sizes = {n: state[f"{n}.mask"].size for n in ("dense1", "dense2", "dense3")}
+    assert sizes == {"dense1": 320, "dense2": 128, "dense3": 16}
+    dens = {n: float(state[f"{n}.mask"].mean()) for n in sizes}
+    assert 0.08 <= dens["dense2"] <= 0.1  # calibrated alone, from below
+    total = sum(dens[n] * sizes[n] for n in sizes) / sum(sizes.values())
+    assert 0.48 <= total <= 0.5 and float(rows[-1]["density"]) == pytest.approx(total)
+    # the other layers shared one field and took the rest of the budget: denser than the global target
+    assert (dens["dense1"] * 320 + dens["dense3"] * 16) / 336 > 0.6
+
+
+def test_layer_targets_errors_name_the_problem(tmp_path):
+    from dturbo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="names 'conv9', which the model does not have; its layers: dense1, dense2"):
+        Simulator(parse_config(_toy_config(tmp_path, layer_targets={"conv9": 0.1})), tmp_path / "a")
+    with pytest.raises(ConfigError, match="leave the other layers a density of 2.6778, outside"):
+        Simulator(parse_config(_toy_config(tmp_path, target_density=0.9, layer_targets={"dense1": 0.1})),
+                  tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_bad_uplinks_are_rejected_and_the_round_uses_the_rest(tmp_path):
     """A truncated, a NaN-carrying and a wrong-length upload are rejected with reasons; p_t renormalised."""
     from dturbo.algorithms.base import MessageError

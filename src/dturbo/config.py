@@ -119,6 +119,10 @@ class PriorConfig(_Section):
     p01_col: Probability = Field(0.288, gt=0, lt=1)
     p11_col: Probability = Field(0.49, gt=0, lt=1)
     start: Probability | None = Field(None, gt=0, lt=1, description="P(active) start factor on first row/column")
+    tie_rows: bool = Field(
+        False, description="the p01_row -> 0, p11_row -> 1 limit: each grid row (an output unit or conv channel) is "
+                           "one support variable, so rows are kept or pruned whole; the column chain couples rows"
+    )
 
 
 def _dense_prior() -> PriorConfig:
@@ -151,6 +155,12 @@ class SparsityConfig(_Section):
     ramp_rounds: int = Field(6, ge=1)
     scope: Literal["global", "layer"] = "global"
     min_layer_density: Probability = Field(0.02, ge=0, le=1)
+    layer_targets: dict[str, Probability] = Field(
+        default_factory=dict,
+        description="final density of named layers (e.g. {conv1 = 0.34}), each calibrated alone on the same "
+                    "schedule; the other layers share what is left of target_density (scope 'global') or "
+                    "each take target_density (scope 'layer')",
+    )
 
 
 class DturboConfig(_Section):

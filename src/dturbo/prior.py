@@ -28,6 +28,7 @@ class LayerPrior:
     p01_col: float
     p11_col: float
     start: float | None = None
+    tie_rows: bool = False  # each row is one support variable (the p11_row -> 1 limit of the row chain)
 
     def gamma_kwargs(self) -> dict[str, float]:
         return {"a": self.a, "b": self.b, "a_bar": self.a_bar, "b_bar": self.b_bar}
@@ -57,6 +58,7 @@ def resolve_prior(
     p01_col: float,
     p11_col: float,
     start: float | None = None,
+    tie_rows: bool = False,
 ) -> LayerPrior:
     """Turn a per-kind prior setting into a layer's absolute hyperparameters.
 
@@ -71,7 +73,7 @@ def resolve_prior(
         b, b_bar = a * s2, a_bar * s2 / r
     elif scale != "absolute":
         raise ValueError(f"prior scale must be 'matched' or 'absolute', got {scale!r}")
-    return LayerPrior(a, b, a_bar, b_bar, p01_row, p11_row, p01_col, p11_col, start)
+    return LayerPrior(a, b, a_bar, b_bar, p01_row, p11_row, p01_col, p11_col, start, tie_rows)
 
 
 def grid_shape(layer: nn.Module) -> tuple[int, int]:

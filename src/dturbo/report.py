@@ -152,7 +152,10 @@ def method_label(cfg: object) -> str:
     algo = cfg.experiment.algorithm  # type: ignore[attr-defined]
     if algo == "dturbo":
         sp = cfg.dturbo.sparsity  # type: ignore[attr-defined]
-        return f"D-Turbo-VBI ({sp.target_density:.0%} target)" if sp.mode == "target" else "D-Turbo-VBI (prior)"
+        tied = [k for k in ("conv", "dense") if getattr(cfg.dturbo.prior, k).tie_rows]  # type: ignore[attr-defined]
+        extra = "".join(f", whole {k} rows" for k in tied)
+        return f"D-Turbo-VBI ({sp.target_density:.0%} target{extra})" if sp.mode == "target" else \
+            f"D-Turbo-VBI (prior{extra})"
     if algo == "fedavg":
         return f"FedAvg {cfg.fedavg.dtype.replace('float', '')}-bit"  # type: ignore[attr-defined]
     if algo == "fedpaq":

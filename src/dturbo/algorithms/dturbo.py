@@ -33,7 +33,7 @@ from ..codec import (
     encode_quantized,
     encode_values,
 )
-from ..config import Config, PriorConfig
+from ..config import Config, ConfigError, PriorConfig, SparsityConfig
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale
 from ..prior import LayerPrior, grid_shape, layer_kind, resolve_prior
@@ -113,9 +113,34 @@ def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
             a=pc.a, b=pc.b, a_bar=pc.a_bar, b_bar=pc.b_bar, scale=pc.scale, r=pc.r,
             layer_scale=pc.layer_scale or layer_scale(layer),
             p01_row=pc.p01_row, p11_row=pc.p11_row, p01_col=pc.p01_col, p11_col=pc.p11_col, start=pc.start,
+            tie_rows=pc.tie_rows,
         )
         infos.append(LayerInfo(name, tuple(layer.weight_mu.shape), grid_shape(layer), prior))
     return infos
+
+
+def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
+    """Final support density of every layer in target mode (``sparsity.layer_targets``), NaN for layers
+    that share one field (scope 'global'). A clear error for unknown layers, or named targets that leave
+    the other layers no room in the global budget."""
+    names = [info.name for info in layers]
+    unknown = sorted(set(sp.layer_targets) - set(names))
+    if unknown:
+        raise ConfigError(f"dturbo.sparsity.layer_targets names {', '.join(map(repr, unknown))}, which the model "
+                          f"does not have; its layers: {', '.join(names)}")
+    default = np.nan if sp.scope == "global" else sp.target_density
+    out = np.array([sp.layer_targets.get(n, default) for n in names], dtype=np.float64)
+    shared = np.isnan(out)
+    if sp.scope == "global" and sp.layer_targets:
+        sizes = np.array([int(np.prod(info.grid)) for info in layers], dtype=np.float64)
+        left = sp.target_density * sizes.sum() - (out[~shared] * sizes[~shared]).sum()
+        if not shared.any() or not 0 < left <= sizes[shared].sum():
+            raise ConfigError(
+                f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} with target_density {sp.target_density} "
+                f"(scope 'global') leave the other layers a density of "
+                f"{left / max(sizes[shared].sum(), 1):.4f}, outside (0, 1]: name fewer layers or change the targets"
+            )
+    return out
 
 
 def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: np.ndarray,
@@ -146,6 +171,7 @@ class DturboServer:
         self.model_factory = model_factory
         self.total_samples = int(total_samples)
         self.layers = _layer_infos(model_factory(), cfg)
+        self.layer_targets = layer_targets(self.layers, cfg.dturbo.sparsity)
         ps_layout = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
         self.layouts = {
             DOWN_KIND: {"meta": "header", "mu": "grid", "sigma": "values", "prior_std": ps_layout, "bias": "dense"},
@@ -301,7 +327,7 @@ class DturboServer:
             sigma = self._sigma_grid(state[f"{n}.sigma"].astype(np.float64), info)
             mu = state[f"{n}.mu"]
             # E3 with the current q(rho); its data-dependent part is the A->B message E1.
-            evidence = vbi.support_evidence(state[f"{n}.a_t"], state[f"{n}.b_t"], **g)
+            evidence = _tie(vbi.support_evidence(state[f"{n}.a_t"], state[f"{n}.b_t"], **g), info)
             pt_lo = state[f"{n}.pi_lo"] + evidence
             # E4 with the new q(s) and the aggregated moments.
             a_t, b_t = vbi.precision_posterior(expit(pt_lo), mu, sigma, **g, form=d.gamma_update)
@@ -310,7 +336,7 @@ class DturboServer:
             ))
             state[f"{n}.pt_lo"], state[f"{n}.a_t"], state[f"{n}.b_t"] = pt_lo, a_t, b_t
             eta.append(evidence)
-            eta_next.append(vbi.support_evidence(a_t, b_t, **g))
+            eta_next.append(_tie(vbi.support_evidence(a_t, b_t, **g), info))
         # Support rule (SPEC 7.5), in target mode only after the warm-up rounds.
         apply_support = sp.mode == "prior" or round_idx >= sp.warmup_rounds
         for info in self.layers:
@@ -328,7 +354,9 @@ class DturboServer:
             round_idx + 1, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds
         )
         if sp.mode == "target" and next_density < 1.0:
-            fields = self._calibrate_field(eta, eta_next, next_density, thr_lo, state["field"])
+            targets = np.array([np.nan if np.isnan(t) else density_schedule(
+                round_idx + 1, target=t, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds) for t in self.layer_targets])
+            fields = self._calibrate_field(eta, eta_next, next_density, targets, thr_lo, state["field"])
         else:
             fields = np.zeros(len(self.layers))
         iters = 0
@@ -363,19 +391,28 @@ class DturboServer:
         """Run SPMP with unary eta + field; return the B->A message (E2) lo_h = belief - eta, which
         includes the field (a factor of Module B's prior), and the iterations used."""
         s = self.cfg.dturbo.spmp
+        if info.prior.tie_rows:
+            # One variable per row: SPMP on the column chain of row evidences. The field stays a per-weight
+            # log-odds (so tied and untied layers share its scale): a row of M weights gets M * field.
+            row_field = field * eta.shape[1]
+            res = grid_bp(eta[:, :1] + row_field, **info.prior.mrf_kwargs(), max_iter=s.max_iter, tol=s.tol,
+                          damping=s.damping)
+            return np.broadcast_to(res.extrinsic + row_field, eta.shape).copy(), res.iterations
         res = grid_bp(eta + field, **info.prior.mrf_kwargs(), max_iter=s.max_iter, tol=s.tol, damping=s.damping)
         return res.extrinsic + field, res.iterations
 
     def _calibrate_field(
-        self, eta: list[np.ndarray], eta_next: list[np.ndarray], density: float, thr_lo: float,
-        previous: np.ndarray,
+        self, eta: list[np.ndarray], eta_next: list[np.ndarray], density: float, targets: np.ndarray,
+        thr_lo: float, previous: np.ndarray,
     ) -> np.ndarray:
         """Field h of the MRF prior such that the support of the next round,
         {eta_next + lo_h(h) >= logit(threshold)}, has the scheduled density. SPMP runs on this round's
         E1 message ``eta``; ``eta_next`` is the next E3's evidence, already fixed by this round's E4, so
         the prediction is exact (bisection on h, bracketed around the previous round's field; the
-        predicted density is monotone in h). Scope 'global' shares one h across layers (layers keep different
-        densities); 'layer' calibrates each layer alone. A layer never goes below min_layer_density."""
+        predicted density is monotone in h). ``targets`` holds this round's density of layers calibrated alone
+        (scope 'layer', or ``layer_targets``), NaN for layers that share one h (scope 'global': they keep
+        different densities and together take what the others leave of ``density``). A layer never goes below
+        min_layer_density."""
         sp = self.cfg.dturbo.sparsity
         L = len(self.layers)
         sizes = np.array([e.size for e in eta], dtype=np.float64)
@@ -404,10 +441,16 @@ class DturboServer:
                 lo, hi = (lo, mid) if dens > target else (mid, hi)
             return lo
 
-        if sp.scope == "global":
-            fields = np.full(L, solve(density, list(range(L)), float(np.mean(previous))))
-        else:
-            fields = np.array([solve(density, [i], float(previous[i])) for i in range(L)])
+        fields = np.zeros(L)
+        alone = [i for i in range(L) if not np.isnan(targets[i])]
+        for i in alone:
+            fields[i] = solve(float(targets[i]), [i], float(previous[i]))
+        shared = [i for i in range(L) if np.isnan(targets[i])]
+        if shared:
+            # What the layers calibrated alone leave of the budget, as a density of the shared ones.
+            left = density * sizes.sum() - sum(layer_density(i, fields[i]) * sizes[i] for i in alone)
+            share = min(1.0, max(left / sizes[shared].sum(), 0.0))
+            fields[shared] = solve(share, shared, float(np.mean(previous[shared])))
         floor = min(sp.min_layer_density, density)
         for i in range(L):
             if layer_density(i, fields[i]) < floor:
@@ -431,6 +474,14 @@ class DturboServer:
             out[f"{info.name}.pi"] = expit(state[f"{info.name}.pi_lo"]).astype(np.float16)
             out[f"{info.name}.mask"] = state[f"{info.name}.mask"].astype(np.uint8)
         return out
+
+
+def _tie(evidence: np.ndarray, info: LayerInfo) -> np.ndarray:
+    """The E1 message of a layer with tied rows: all weights of a row share one support variable, whose
+    evidence is the sum of theirs (broadcast over the row, so E3 gives every weight the row's posterior)."""
+    if not info.prior.tie_rows:
+        return evidence
+    return np.broadcast_to(evidence.sum(1, keepdims=True), evidence.shape).copy()
 
 
 def _exact_sum(values: np.ndarray) -> float:
