@@ -158,7 +158,8 @@ def test_exported_equals_masked_model_on_real_images(alexnet_run, alexnet_export
     model = ex.load(alexnet_export, batch_size=len(fmnist_images), compile=False)  # auto kernels, auto format
     assert set(model.kernels.values()) <= {*KERNELS, *CONV_KERNELS}
     assert all(model.kernels[f"conv{i}"] in CONV_KERNELS for i in range(1, 5))
-    assert set(model.info["layers"]) == {"conv1", "conv2", "conv3", "conv4", "dense1", "dense2", "dense3"}
+    assert set(model.info["layers"]) == {"conv1", "conv2", "conv3", "conv4", "dense1", "dense2", "dense3",
+                                         "pool1", "pool2", "pool4"}
     assert max_err(model, ref, fmnist_images) <= TOL
     with torch.no_grad():
         assert torch.equal(model(fmnist_images).argmax(1), ref(fmnist_images).argmax(1))
@@ -401,3 +402,41 @@ def test_mobilenet_exports_dense_through_group_norm(tmp_path):
     model.load_state_dict(load_file(str(cfg_run / "model.safetensors")))
     x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     assert max_err(m, model.eval(), x) <= TOL
+
+
+# ------------------------------------------------------------------------------------------------ pooling
+@pytest.mark.parametrize("k,s", [(3, 2), (2, 2), (3, 1), ((3, 2), (2, 1))])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_separable_max_pool_equals_torch_bit_for_bit(k, s, channels_last):
+    from dturbo.kernels import SeparableMaxPool2d, separable_supported
+
+    gen = torch.Generator().manual_seed(11)
+    for shape in ((5, 2, 28, 28), (3, 16, 13, 13), (2, 3, 7, 6)):
+        x = torch.randn(shape, generator=gen)
+        x[0, 0, :3, :3] = 1.0  # ties
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        ref = torch.nn.MaxPool2d(k, s)
+        assert separable_supported(ref)
+        assert torch.equal(SeparableMaxPool2d(k, s)(x), ref(x))
+    assert not separable_supported(torch.nn.MaxPool2d(3, 2, padding=1))
+    assert not separable_supported(torch.nn.MaxPool2d(3, 2, ceil_mode=True))
+
+
+def test_pool_kernel_choice_is_recorded_and_exact(alexnet_run, alexnet_export):
+    from dturbo.kernels import SeparableMaxPool2d
+
+    ref = reference(alexnet_run, "alexnet-small")
+    for pool in ("separable", "default", "auto"):
+        m = ex.load(alexnet_export, batch_size=48, compile=False, pool=pool)
+        assert set(m.pools) == {"pool1", "pool2", "pool4"}
+        if pool != "auto":
+            assert set(m.pools.values()) == {pool}
+        assert all(isinstance(m.net.get_submodule(n), SeparableMaxPool2d) == (k == "separable")
+                   for n, k in m.pools.items())
+        x = random_images()
+        with torch.no_grad():
+            assert torch.equal(m(x).argmax(1), ref(x).argmax(1))
+        assert max_err(m, ref, x) <= TOL
+    with pytest.raises(ValueError, match="pool must be"):
+        ex.load(alexnet_export, pool="avg")

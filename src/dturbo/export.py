@@ -28,8 +28,10 @@ What export does to the weights (the effective weight is ``weight_mu * mask``; e
   (:func:`dturbo.kernels.choose_linear_kernel`). Convolutions stay dense (im2col + sparse matmul never wins on
   CPU), but each is run by oneDNN or by PyTorch's native kernels, whichever a timing on its real input finds
   faster (oneDNN is slow for thin layers, e.g. a first layer on one-channel images or a layer cut down to
-  a few channels). ``channels_last`` and ``torch.compile`` are used where a timing shows they help, and can
-  be forced on or off. Every choice is recorded in the loaded model (``kernels``, ``info``).
+  a few channels). Max-pooling layers run PyTorch's kernel or strided elementwise maxima (the same values),
+  whichever a timing on the real input finds faster (PyTorch's is slow for few channels). ``channels_last`` and
+  ``torch.compile`` are used where a timing shows they help, and can be forced on or off. Every choice is
+  recorded in the loaded model (``kernels``, ``pools``, ``info``).
 
 The exported model computes the masked dense model's function: outputs agree to float rounding.
 """
@@ -53,11 +55,15 @@ from .checkpoint import atomic_write_bytes
 from .kernels import (
     CONV_KERNELS,
     KERNELS,
+    POOL_KERNELS,
     choose_conv_kernel,
     choose_linear_kernel,
+    choose_pool_kernel,
     conv_as,
     dense_linear,
     make_linear,
+    pool_as,
+    separable_supported,
     time_call,
 )
 
@@ -516,6 +522,7 @@ class InferenceModel(nn.Module):
         self.spec = spec
         self.input_shape = tuple(spec["input_shape"])
         self.kernels: dict[str, str] = {}
+        self.pools: dict[str, str] = {}  # max-pooling layer -> kernel (dturbo.kernels.POOL_KERNELS)
         self.channels_last = False
         self.compiled = False
         self.info: dict[str, Any] = {}
@@ -651,7 +658,7 @@ def _build_net(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[
 
 def load(
     model_dir: str | Path, *, batch_size: int = 256, kernels: str = "auto", channels_last: bool | None = None,
-    compile: bool | None = None, conv: str = "auto", device: str | torch.device = "cpu",
+    compile: bool | None = None, conv: str = "auto", pool: str = "auto", device: str | torch.device = "cpu",
 ) -> InferenceModel:
     """Load an exported model as an :class:`InferenceModel` (a ``torch.nn.Module``) in eval mode.
 
@@ -667,9 +674,13 @@ def load(
         conv: ``"auto"`` (per convolution, time oneDNN against PyTorch's native CPU kernels on the layer's
             real input, keep native only where faster: it is for thin layers), ``"default"`` (oneDNN on a
             CPU) or ``"native"``.
+        pool: ``"auto"`` (per max-pooling layer, time PyTorch's kernel against strided elementwise maxima on
+            its real input, keep the faster; the values are identical), ``"default"`` or ``"separable"``
+            (where the layer allows it: no padding, dilation or ceil mode).
         device: where the model runs (``"cpu"`` or ``"cuda"``).
 
-    The choices are in the returned model's ``kernels``, ``channels_last``, ``compiled`` and ``info``.
+    The choices are in the returned model's ``kernels``, ``pools``, ``channels_last``, ``compiled`` and
+    ``info``.
 
     Raises:
         ExportError: the folder, its JSON or its tensors are missing, corrupt or inconsistent.
@@ -679,6 +690,8 @@ def load(
         raise ValueError(f"kernels must be 'auto' or one of {', '.join(KERNELS)}, got {kernels!r}")
     if conv != "auto" and conv not in CONV_KERNELS:
         raise ValueError(f"conv must be 'auto' or one of {', '.join(CONV_KERNELS)}, got {conv!r}")
+    if pool != "auto" and pool not in POOL_KERNELS:
+        raise ValueError(f"pool must be 'auto' or one of {', '.join(POOL_KERNELS)}, got {pool!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     dev = torch.device(device)
@@ -704,7 +717,7 @@ def load(
     if channels_last is None:
         channels_last = _channels_last_faster(model, x) if has_conv else False
     model.set_channels_last(bool(channels_last))
-    _choose_convs(model, x, conv)
+    _choose_layer_kernels(model, x, conv, pool)
     if compile or (compile is None and has_conv):
         _settle_compile(model, x, auto=compile is None, conv=conv)
     return model
@@ -744,8 +757,9 @@ def _settle_compile(model: InferenceModel, x: torch.Tensor, *, auto: bool, conv:
 
 
 @torch.no_grad()
-def _choose_convs(model: InferenceModel, x: torch.Tensor, conv: str) -> None:
-    """Set each convolution's kernel: ``conv`` for all, or (``"auto"``) per layer by timing on its real input."""
+def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, pool: str) -> None:
+    """Set each convolution's and max-pooling's kernel: ``conv`` / ``pool`` for all, or (``"auto"``) per layer
+    by timing on its real input."""
     h = model.prepare(x)
     for name, m in list(model.net.named_children()):
         if isinstance(m, nn.Conv2d):
@@ -756,6 +770,15 @@ def _choose_convs(model: InferenceModel, x: torch.Tensor, conv: str) -> None:
                 kind = conv
             model.set_conv_kernels({name: kind})
             m = getattr(model.net, name)
+        elif isinstance(m, nn.MaxPool2d):
+            if pool == "auto":
+                m, kind, times = choose_pool_kernel(m, h)
+                model.info["layers"][name] = {"kernel": kind, "times_ms": times}
+            else:
+                kind = pool if separable_supported(m) else "default"
+                m = pool_as(kind, m)
+            setattr(model.net, name, m)
+            model.pools[name] = kind
         h = m(h)
 
 
