@@ -449,7 +449,7 @@ class DturboServer:
         if shared:
             # What the layers calibrated alone leave of the budget, as a density of the shared ones.
             left = density * sizes.sum() - sum(layer_density(i, fields[i]) * sizes[i] for i in alone)
-            share = min(1.0, max(left / sizes[shared].sum(), 0.0))
+            share = min(1.0, max(left / sizes[shared].sum(), 0.0)) if alone else density  # exact when all share
             fields[shared] = solve(share, shared, float(np.mean(previous[shared])))
         floor = min(sp.min_layer_density, density)
         for i in range(L):
