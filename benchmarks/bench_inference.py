@@ -5,22 +5,25 @@ For a run directory, five networks compute on the same test samples (default 300
 * ``exported``: the run's model after export (all-zero rows/columns/channels removed across layers, kernels
   per linear layer chosen by timing at this batch size);
 * ``dense``: the same weights (``weight_mu * mask``) in the same torch layers, nothing removed, dense kernels;
-* ``unstructured``: the dense weights magnitude-pruned per layer to the same per-layer density (so the same
-  number of nonzeros, spread without structure), exported the same way as ``exported``;
+* ``unstructured``: a model magnitude-pruned per layer to the same per-layer density (the same number of
+  nonzeros, spread without structure), exported the same way as ``exported``. Its weights come from a dense
+  run (``--unstructured-from``, default ``runs/fmnist_compare/fedavg`` when it exists): pruning the run's own
+  weights again would give back its own mask;
 * what-ifs ``channel_pruned`` / ``channel_uniform``: the structure export removes. Each layer but the
   classifier keeps its top ``d x units`` output channels/units by L2 norm, d = the layer's own density /
   the run's overall density (not retrained, so their accuracy is low): what the export gives when training
   leaves whole channels zero.
 
-Each is timed under three execution settings: eager (PyTorch's defaults: NCHW, oneDNN convolutions),
-channels_last with each convolution's kernel (default = oneDNN, or native) chosen by timing, and that plus
-``torch.compile`` ("best"). Within a setting the networks are timed interleaved in one loop (median of
-``--repeats`` passes each), so a ratio is measured in one run under the same machine load. A per-layer
-table (eager, in the setting's memory format) shows where the time goes. CUDA is used when available (CUDA
-events for timing).
+Each is timed under three execution settings: eager (PyTorch's defaults: NCHW, oneDNN convolutions, PyTorch's
+max-pooling), channels_last with each convolution's kernel (default = oneDNN, or native) and each max-pooling's
+(default, or separable: strided maxima, the same values) chosen by timing, and that plus ``torch.compile`` kept
+for a network only where its own timing at load finds it faster ("best"; every network gets the same menu).
+Within a setting the networks are timed interleaved in one loop (median of ``--repeats`` passes each), so a
+ratio is measured in one run under the same machine load. A per-layer table (eager, in the setting's memory
+format) shows where the time goes. CUDA is used when available (CUDA events for timing).
 
 Usage (from the repository root): .venv/bin/python benchmarks/bench_inference.py RUN_DIR [--out benchmarks/results]
-    [--samples 3000] [--repeats 15] [--no-compile]
+    [--samples 3000] [--repeats 15] [--no-compile] [--unstructured-from DENSE_RUN_DIR]
 Writes ``inference.json`` and ``inference.md`` into ``--out``.
 """
 
@@ -44,21 +47,31 @@ from dturbo.export import Exported, InferenceModel, export_run, export_state, lo
 from dturbo.kernels import choose_linear_kernel, sync
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# name: (channels_last, compile, conv kernels); "eager" is PyTorch's defaults.
-SETTINGS = {"eager": (False, False, "default"), "channels_last": (True, False, "auto"), "best": (True, True, "auto")}
+DENSE_RUN = Path(__file__).resolve().parents[1] / "runs" / "fmnist_compare" / "fedavg"
+# name: (channels_last, compile, conv kernels, pooling kernels); "eager" is PyTorch's defaults; compile None: kept
+# where the load's timing finds it faster.
+SETTINGS = {"eager": (False, False, "default", "default"), "channels_last": (True, False, "auto", "auto"),
+            "best": (True, None, "auto", "auto")}
 NETS = ("exported", "dense", "unstructured", "channel_pruned", "channel_uniform")
 WHAT_IF = ("channel_pruned", "channel_uniform")
 
 
-def magnitude_pruned(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with every layer's mask replaced by the top-|w| mask of the same density (w = mu * mask)."""
+def _nonzeros(state: dict[str, torch.Tensor], base: str) -> int:
+    w = state[f"{base}.weight_mu"].float() * state.get(f"{base}.mask", torch.ones_like(state[f"{base}.weight_mu"]))
+    return int((w != 0).sum())
+
+
+def magnitude_pruned(state: dict[str, torch.Tensor], like: dict[str, torch.Tensor] | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """``state`` with every layer's mask replaced by the top-|w| mask (w = mu * mask) with as many nonzeros as
+    that layer has in ``like`` (default: in ``state``)."""
     out = dict(state)
     for key in state:
         if not key.endswith(".weight_mu"):
             continue
         base = key[: -len(".weight_mu")]
         w = state[key].float() * state.get(f"{base}.mask", torch.ones_like(state[key])).float()
-        nnz = int((w != 0).sum())
+        nnz = _nonzeros(like if like is not None else state, base)
         flat = torch.zeros(w.numel())
         if nnz:
             flat[torch.topk(w.abs().flatten(), nnz).indices] = 1.0
@@ -136,8 +149,9 @@ def per_layer_ms(model: InferenceModel, x: torch.Tensor, device: torch.device, r
 
 def load_as(model_dir: Path, kernels: str, batch: int, setting: tuple[bool, bool, str], dev: torch.device
             ) -> InferenceModel:
-    cl, comp, conv = setting
-    return load(model_dir, batch_size=batch, kernels=kernels, channels_last=cl, compile=comp, conv=conv, device=dev)
+    cl, comp, conv, pool = setting
+    return load(model_dir, batch_size=batch, kernels=kernels, channels_last=cl, compile=comp, conv=conv, pool=pool,
+                device=dev)
 
 
 def machine() -> dict[str, Any]:
@@ -154,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile setting")
+    ap.add_argument("--unstructured-from", type=Path, default=None,
+                    help="dense run whose weights are magnitude-pruned for the unstructured network "
+                         f"(default: {DENSE_RUN.relative_to(DENSE_RUN.parents[2])} if it exists, else the run itself)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -179,11 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     density = sum(int((v * state.get(k[:-3] + "mask", torch.ones_like(v)) != 0).sum())
                   for k, v in state.items() if k.endswith(".weight_mu")) / sum(v.numel() for v in weights)
     kw = {"hidden": cfg.model.hidden, "width": cfg.model.width, "num_classes": ds.num_classes}
+    source = args.unstructured_from or (DENSE_RUN if (DENSE_RUN / "model.safetensors").exists() else None)
+    if source is not None:
+        src_cfg, src_state, _ = read_run(source)
+        if src_cfg.model != cfg.model:
+            raise SystemExit(f"--unstructured-from {source}: model {src_cfg.model} differs from the run's {cfg.model}")
+        unstructured = magnitude_pruned(src_state, like=state)
+    else:
+        unstructured = magnitude_pruned(state)
+    other_weights = source is not None and Path(source).resolve() != Path(args.run_dir).resolve()
     tmp = Path(tempfile.mkdtemp(prefix="bench_inference_"))
     exports: dict[str, Exported] = {
         "exported": export_run(args.run_dir, tmp / "exported"),
         "dense": export_state(cfg.model.name, state, ds.input_shape, compaction=False, **kw),
-        "unstructured": export_state(cfg.model.name, magnitude_pruned(state), ds.input_shape, **kw),
+        "unstructured": export_state(cfg.model.name, unstructured, ds.input_shape, **kw),
         "channel_pruned": export_state(cfg.model.name, channel_pruned(state), ds.input_shape, **kw),
         "channel_uniform": export_state(cfg.model.name, channel_pruned(state, density), ds.input_shape, **kw),
     }
@@ -191,21 +217,22 @@ def main(argv: list[str] | None = None) -> int:
         save(exports[n], tmp / n)
     kernels = {n: "dense" if n == "dense" else "auto" for n in NETS}
 
-    settings = {k: v for k, v in SETTINGS.items() if not (args.no_compile and v[1])}
+    settings = {k: v for k, v in SETTINGS.items() if not (args.no_compile and v[1] is not False)}
     results: dict[str, Any] = {"settings": {}}
     per_layer: dict[str, dict[str, dict[str, float]]] = {}
     chosen: dict[str, dict[str, str]] = {}
     checks: dict[str, dict[str, float]] = {}
     accuracy: dict[str, float] = {}
     for sname, setting in settings.items():
-        cl, comp, conv = setting
+        cl, comp, conv, pool = setting
         torch._dynamo.reset()
         t0 = time.perf_counter()
         models = {n: load_as(tmp / n, kernels[n], batch, setting, dev) for n in NETS}
         load_s = time.perf_counter() - t0
         ms = interleaved(models, x, args.repeats, dev)
         entry: dict[str, Any] = {
-            "channels_last": cl, "compile": comp, "conv": conv, "load_and_choose_s": round(load_s, 2),
+            "channels_last": cl, "compile": "auto" if comp is None else comp, "conv": conv, "pool": pool,
+            "load_and_choose_s": round(load_s, 2), "pools": {n: dict(m.pools) for n, m in models.items()},
             "kernels": {n: dict(m.kernels) for n, m in models.items()},
             "compiled": {n: m.compiled for n, m in models.items()},
             "ms": {n: round(v, 3) for n, v in ms.items()},
@@ -218,12 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                 entry.setdefault("compile_error", {})[n] = m.info["compile_error"]
             with torch.no_grad():
                 out = m(x)
-            if n in WHAT_IF:  # another function: its accuracy only
+            if n in WHAT_IF or (n == "unstructured" and other_weights):  # another function: its accuracy only
                 accuracy[n] = float((out.argmax(1) == y).float().mean())
             else:
                 checks.setdefault(n, {})[sname] = float((out - ref_out).abs().max())
             chosen.setdefault(n, {}).update({k: v for k, v in m.kernels.items()})
-        if not comp:
+        if comp is False:
             per_layer[sname] = {n: per_layer_ms(models[n], x, dev) for n in ("exported", "dense", *WHAT_IF)}
         results["settings"][sname] = entry
         print(f"{sname:>14}: " + "  ".join(f"{n} {v:.1f} ms" for n, v in ms.items())
@@ -256,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "samples": batch, "repeats": args.repeats, "device": str(dev), "machine": machine(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "accuracy_masked_model": acc_ref, "accuracy_what_if_not_retrained": accuracy, "density": density,
+        "unstructured_from": os.path.relpath(source, Path(__file__).resolve().parents[1]) if other_weights
+        else "the run itself",
         "max_abs_error_vs_masked_model": checks,
         "totals": {n: e.spec()["totals"] for n, e in exports.items()},
         "layers": {n: e.layers for n, e in exports.items()},
@@ -298,13 +327,19 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for s, e in r["settings"].items():
         ms = e["ms"]
-        lines.append(f"| {s} (channels_last={e['channels_last']}, compile={e['compile']}, conv={e['conv']}) | "
+        lines.append(f"| {s} (channels_last={e['channels_last']}, compile={e['compile']}, conv={e['conv']}, "
+                     f"pool={e.get('pool', 'default')}) | "
                      + " | ".join(f"{ms[n]:.1f}" for n in NETS[1:2] + NETS[:1] + NETS[2:]) + " | "
                      + " | ".join(f"{e[f'speedup_{n}_vs_dense']:.2f}x" for n in ("exported", "unstructured", *WHAT_IF))
                      + " |")
     acc = r["accuracy_what_if_not_retrained"]
+    src = r.get("unstructured_from", "the run itself")
+    unstr = ("the run's own weights magnitude-pruned to its per-layer density (this gives back the run's mask "
+             "when it is already sparse)" if src == "the run itself" else
+             f"the weights of the dense run `{src}` magnitude-pruned to the same per-layer numbers of nonzeros "
+             f"(accuracy {100 * acc.get('unstructured', 0):.1f}%, not retrained)")
     lines += ["", "dense: the run's masked weights, nothing removed. exported: the same after `dturbo export`. "
-              "unstructured: the same per-layer density, magnitude-pruned. What-ifs (structure that export "
+              f"unstructured: {unstr}. What-ifs (structure that export "
               "removes; not retrained, so their accuracy is low): every layer but the classifier keeps its top "
               "d x units output channels/units by L2 norm and zeroes the rest (bias included), with d = the "
               "layer's own density (per-layer: accuracy "
@@ -315,7 +350,8 @@ def markdown(r: dict[str, Any]) -> str:
                   for n in WHAT_IF) + "."]
     for s, e in r["settings"].items():
         lines.append(f"\nKernels in setting {s}: " + "; ".join(
-            f"{n}: " + ", ".join(f"{k} {v}" for k, v in ks.items()) for n, ks in e["kernels"].items()) + ".")
+            f"{n}: " + ", ".join(f"{k} {v}" for k, v in {**ks, **e.get("pools", {}).get(n, {})}.items())
+            + (" (compiled)" if e["compiled"][n] else "") for n, ks in e["kernels"].items()) + ".")
     lines += ["", f"Exported model in the best setting vs the dense network run eagerly: "
               f"{r['speedup_exported_best_vs_dense_eager']:.2f}x.", "",
               "Max abs difference from the masked Bayesian model: " + "; ".join(

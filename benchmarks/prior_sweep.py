@@ -17,6 +17,11 @@ a row and along a column; both layer kinds):
   cols     strong along columns only (a column is an input: whole inputs on or off)
   layer    default prior, target density per layer (scope = "layer") instead of global
   rows_layer  rows and scope = "layer" together
+  conv_rows   convolutions only: very strong coupling along rows (p01 = 0.002, p11 = 0.995), and the
+              convolutions' densities set per layer (sparsity.layer_targets: conv1 0.34, conv2-4 0.25; the dense
+              layers share the rest of the 25% budget)
+  conv_tied   convolutions only: tied rows (prior.conv.tie_rows: a conv channel is one support variable, kept or
+              pruned whole), same per-layer targets
 """
 
 from __future__ import annotations
@@ -53,9 +58,18 @@ SETTINGS: dict[str, dict[str, float]] = {
 SCHEDULE: dict[str, list[str]] = {s: ["dturbo.sparsity.scope=layer"] for s in ("layer", "rows_layer")}
 
 
+CONV_TARGETS = "dturbo.sparsity.layer_targets={conv1=0.34,conv2=0.25,conv3=0.25,conv4=0.25}"
+# Settings that change the convolutions' prior only.
+CONV_ONLY: dict[str, list[str]] = {
+    "conv_rows": ["dturbo.prior.conv.p01_row=0.002", "dturbo.prior.conv.p11_row=0.995", CONV_TARGETS],
+    "conv_tied": ["dturbo.prior.conv.tie_rows=true", CONV_TARGETS],
+}
+SETTINGS.update({s: {} for s in CONV_ONLY})
+
+
 def overrides(setting: str) -> list[str]:
     prior = [f"dturbo.prior.{kind}.{k}={v}" for kind in ("conv", "dense") for k, v in SETTINGS[setting].items()]
-    return prior + SCHEDULE.get(setting, [])
+    return prior + SCHEDULE.get(setting, []) + CONV_ONLY.get(setting, [])
 
 
 def train(setting: str, rounds: int, limit_train: int) -> Path:
@@ -73,8 +87,11 @@ def measure(run: Path, x: torch.Tensor) -> dict:
     m = read_metrics(run)
     exported = export_run(run, run / "exported")
     dense_dir = save(export_run(run, compaction=False), run / "exported_dense")
-    fast = load(run / "exported", batch_size=len(x), channels_last=False, compile=False)
-    dense = load(dense_dir, batch_size=len(x), kernels="dense", channels_last=False, compile=False)
+    # eager, PyTorch's own kernels for convolutions and pooling (the linear kernels of the exported net by timing)
+    fast = load(run / "exported", batch_size=len(x), channels_last=False, compile=False, conv="default",
+                pool="default")
+    dense = load(dense_dir, batch_size=len(x), kernels="dense", channels_last=False, compile=False, conv="default",
+                 pool="default")
     err = float((fast(x) - dense(x)).abs().max())
     dev = torch.device("cpu")
     t_dense = time_call(lambda: dense(x), dev, repeats=9, budget_s=5.0)

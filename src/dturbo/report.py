@@ -153,7 +153,7 @@ def method_label(cfg: object) -> str:
     if algo == "dturbo":
         sp = cfg.dturbo.sparsity  # type: ignore[attr-defined]
         tied = [k for k in ("conv", "dense") if getattr(cfg.dturbo.prior, k).tie_rows]  # type: ignore[attr-defined]
-        extra = "".join(f", whole {k} rows" for k in tied)
+        extra = "".join(", whole conv channels" if k == "conv" else ", whole dense units" for k in tied)
         return f"D-Turbo-VBI ({sp.target_density:.0%} target{extra})" if sp.mode == "target" else \
             f"D-Turbo-VBI (prior{extra})"
     if algo == "fedavg":
