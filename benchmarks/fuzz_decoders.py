@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from dturbo import codec  # noqa: E402
 from dturbo.config import parse_config  # noqa: E402
 from dturbo.sim import build_algorithm, build_federation  # noqa: E402
+from dturbo.testing import mutate  # noqa: E402
 
 LIMIT = 5000
 
@@ -50,27 +51,6 @@ def valid_payloads() -> list[bytes]:
         codec.encode_quantized(np.arange(40) % 7, 7, [1.5]),
         codec.encode_message("k", [("f", b"\x01\x02"), ("g", codec.encode_values(np.ones(3)))]),
     ]
-
-
-def mutate(base: bytes, data: st.DataObject) -> bytes:
-    blob = bytearray(base)
-    how = data.draw(st.sampled_from(["random", "flip", "insert-delete", "truncate-flip", "head"]))
-    if how == "random":
-        return data.draw(st.binary(max_size=80))
-    if how == "head":
-        return bytes(blob[:1]) + data.draw(st.binary(max_size=40))
-    if how == "truncate-flip":
-        blob = blob[: data.draw(st.integers(0, len(blob)))]
-    for _ in range(data.draw(st.integers(1, 4))):
-        if how == "insert-delete" and data.draw(st.booleans()):
-            at = data.draw(st.integers(0, len(blob)))
-            if data.draw(st.booleans()) and at < len(blob):
-                del blob[at]
-            else:
-                blob.insert(at, data.draw(st.integers(0, 255)))
-        elif blob:
-            blob[data.draw(st.integers(0, len(blob) - 1))] ^= 1 << data.draw(st.integers(0, 7))
-    return bytes(blob)
 
 
 def fuzz_decoders(cases: int) -> dict:

@@ -28,6 +28,7 @@ from dturbo.codec import (
     grid_cost,
     message_breakdown,
 )
+from dturbo.testing import mutate
 
 
 def fast(examples: int) -> settings:
@@ -566,24 +567,7 @@ LIMIT = 5000
 @fast(2500)
 @given(which=st.integers(0, len(VALID) - 1), data=st.data())
 def test_fuzzed_bytes_raise_only_codec_error(which, data):
-    base = bytearray(VALID[which])
-    how = data.draw(st.sampled_from(["random", "flip", "insert-delete", "truncate-flip", "head"]))
-    if how == "random":
-        blob = bytearray(data.draw(st.binary(max_size=80)))
-    elif how == "head":  # a valid first byte (dtype / flags / magic), then anything
-        blob = base[:1] + bytearray(data.draw(st.binary(max_size=40)))
-    else:
-        blob = base if how != "truncate-flip" else base[: data.draw(st.integers(0, len(base)))]
-        for _ in range(data.draw(st.integers(1, 4))):
-            if how == "insert-delete" and data.draw(st.booleans()):
-                at = data.draw(st.integers(0, len(blob)))
-                if data.draw(st.booleans()) and at < len(blob):
-                    del blob[at]
-                else:
-                    blob.insert(at, data.draw(st.integers(0, 255)))
-            elif blob:
-                blob[data.draw(st.integers(0, len(blob) - 1))] ^= 1 << data.draw(st.integers(0, 7))
-    blob = bytes(blob)
+    blob = mutate(VALID[which], data)
     for decode in DECODERS:
         for kw in ({}, {"max_elements": LIMIT}) if decode is not decode_message else ({}, {"max_bytes": 64}):
             try:
