@@ -56,6 +56,7 @@ from .kernels import (
     CONV_KERNELS,
     KERNELS,
     POOL_KERNELS,
+    as_pair,
     choose_conv_kernel,
     choose_linear_kernel,
     choose_pool_kernel,
@@ -342,20 +343,19 @@ def _compact_link(prod: Op, cons: Op, between: list[Op], units: int) -> bool:
     if prod.bias_map is not None:  # such a unit is constant only where its bias map is zero
         zero_rows &= ~(prod.bias_map.reshape(units, -1) != 0).any(1)
     const = _constant(prod.bias, between, units)
-    foldable = _absorbs_constants(cons) or "input_hw" in cons.attrs  # a padded conv takes a bias map
-    constant_ok = zero_rows if foldable else zero_rows & (const == 0)
-    remove = unused | constant_ok
+    remove = unused | zero_rows  # a constant unit is folded into cons: its bias, or a padded conv's bias map
     if bool(remove.all()):  # keep one unit: zero-width layers are not worth the special cases
         remove[0] = False
     if not bool(remove.any()):
         return False
     fold = remove & ~unused & (const != 0)
-    if bool(fold.any()) and _absorbs_constants(cons):
-        contrib = (cview[:, fold].sum(2) * const[fold]).sum(1)
-        cons.bias = contrib if cons.bias is None else cons.bias + contrib
-    elif bool(fold.any()):
-        contrib = _constant_contribution(cons, cons.weight[:, fold], const[fold])
-        cons.bias_map = contrib if cons.bias_map is None else cons.bias_map + contrib
+    if bool(fold.any()):
+        if _absorbs_constants(cons):
+            contrib = (cview[:, fold].sum(2) * const[fold]).sum(1)
+            cons.bias = contrib if cons.bias is None else cons.bias + contrib
+        else:
+            contrib = _constant_contribution(cons, cons.weight[:, fold], const[fold])
+            cons.bias_map = contrib if cons.bias_map is None else cons.bias_map + contrib
     keep = ~remove
     prod.weight = prod.weight[keep].contiguous()
     if prod.bias is not None:
@@ -504,10 +504,7 @@ class BiasMap(nn.Module):
 
 def _conv_output_shape(entry: dict[str, Any]) -> tuple[int, int, int]:
     """(out_channels, H_out, W_out) of a conv2d entry with ``input_hw`` (dilation 1)."""
-    def pair(v: Any) -> tuple[int, int]:
-        return (int(v[0]), int(v[1])) if isinstance(v, list | tuple) else (int(v), int(v))
-
-    (h, w), (kh, kw), (sh, sw), (ph, pw) = (pair(entry[k]) for k in ("input_hw", "kernel_size", "stride", "padding"))
+    (h, w), (kh, kw), (sh, sw), (ph, pw) = (as_pair(entry[k]) for k in ("input_hw", "kernel_size", "stride", "padding"))
     return int(entry["out_channels"]), (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
 
 

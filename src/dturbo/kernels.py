@@ -244,7 +244,7 @@ class SeparableMaxPool2d(nn.MaxPool2d):
     padding 0, dilation 1, no ceil mode and no indices (:func:`separable_supported`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (kh, kw), (sh, sw) = _pair(self.kernel_size), _pair(self.stride or self.kernel_size)
+        (kh, kw), (sh, sw) = as_pair(self.kernel_size), as_pair(self.stride or self.kernel_size)
         h, w = x.shape[-2:]
         ho, wo = (h - kh) // sh + 1, (w - kw) // sw + 1
         y = x[..., :, 0 : (wo - 1) * sw + 1 : sw]
@@ -256,13 +256,14 @@ class SeparableMaxPool2d(nn.MaxPool2d):
         return z
 
 
-def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:
+def as_pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
+    """A layer size argument (int, or a pair as tuple or JSON list) as (height, width)."""
     return (int(v[0]), int(v[1])) if isinstance(v, tuple | list) else (int(v), int(v))
 
 
 def separable_supported(pool: nn.MaxPool2d) -> bool:
     """Whether :class:`SeparableMaxPool2d` computes ``pool`` (no padding, dilation, ceil mode or indices)."""
-    return (_pair(pool.padding) == (0, 0) and _pair(pool.dilation) == (1, 1) and not pool.ceil_mode
+    return (as_pair(pool.padding) == (0, 0) and as_pair(pool.dilation) == (1, 1) and not pool.ceil_mode
             and not pool.return_indices)
 
 
