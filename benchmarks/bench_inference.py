@@ -192,9 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         ref_out = ref(x)
 
-    weights = [v for k, v in state.items() if k.endswith(".weight_mu")]
-    density = sum(int((v * state.get(k[:-3] + "mask", torch.ones_like(v)) != 0).sum())
-                  for k, v in state.items() if k.endswith(".weight_mu")) / sum(v.numel() for v in weights)
+    bases = [k[: -len(".weight_mu")] for k in state if k.endswith(".weight_mu")]
+    density = sum(_nonzeros(state, b) for b in bases) / sum(state[f"{b}.weight_mu"].numel() for b in bases)
     kw = {"hidden": cfg.model.hidden, "width": cfg.model.width, "num_classes": ds.num_classes}
     source = args.unstructured_from or (DENSE_RUN if (DENSE_RUN / "model.safetensors").exists() else None)
     if source is not None:

@@ -45,6 +45,7 @@ from dturbo.kernels import time_call  # noqa: E402
 from dturbo.report import read_metrics  # noqa: E402
 
 STRONG = {"p01": 0.05, "p11": 0.9}
+# The transition probabilities each setting sets for both layer kinds.
 SETTINGS: dict[str, dict[str, float]] = {
     "default": {},
     "strong": {f"{p}_{d}": v for d in ("row", "col") for p, v in STRONG.items()},
@@ -52,24 +53,23 @@ SETTINGS: dict[str, dict[str, float]] = {
     "cols": {f"{p}_col": v for p, v in STRONG.items()},
     "layer": {},
     "rows_layer": {f"{p}_row": v for p, v in STRONG.items()},
+    "conv_rows": {},
+    "conv_tied": {},
 }
-# Settings that also change the sparsity schedule: the target density per layer instead of over the whole
-# network, so that the first convolutions (most of the FLOPs, few of the weights) are thinned too.
-SCHEDULE: dict[str, list[str]] = {s: ["dturbo.sparsity.scope=layer"] for s in ("layer", "rows_layer")}
-
-
 CONV_TARGETS = "dturbo.sparsity.layer_targets={conv1=0.34,conv2=0.25,conv3=0.25,conv4=0.25}"
-# Settings that change the convolutions' prior only.
-CONV_ONLY: dict[str, list[str]] = {
+# Further overrides: the target density per layer instead of over the whole network, so that the first
+# convolutions (most of the FLOPs, few of the weights) are thinned too; or the convolutions' prior only.
+EXTRA: dict[str, list[str]] = {
+    "layer": ["dturbo.sparsity.scope=layer"],
+    "rows_layer": ["dturbo.sparsity.scope=layer"],
     "conv_rows": ["dturbo.prior.conv.p01_row=0.002", "dturbo.prior.conv.p11_row=0.995", CONV_TARGETS],
     "conv_tied": ["dturbo.prior.conv.tie_rows=true", CONV_TARGETS],
 }
-SETTINGS.update({s: {} for s in CONV_ONLY})
 
 
 def overrides(setting: str) -> list[str]:
     prior = [f"dturbo.prior.{kind}.{k}={v}" for kind in ("conv", "dense") for k, v in SETTINGS[setting].items()]
-    return prior + SCHEDULE.get(setting, []) + CONV_ONLY.get(setting, [])
+    return prior + EXTRA.get(setting, [])
 
 
 def train(setting: str, rounds: int, limit_train: int) -> Path:
