@@ -118,15 +118,19 @@ def test_density_schedule_is_gradual_and_reaches_target():
     assert d[6:] == pytest.approx([0.2] * 4)
 
 
-def test_global_model_is_masked_mean(tmp_path):
-    torch.manual_seed(0)
-    n = 400
-    x = np.random.default_rng(0).normal(size=(n, 20)).astype(np.float32)
+def _toy_npz(tmp_path: Path) -> Path:
+    """400 samples of 20 features, 2 classes (the sign of the first feature); the first 100 are the test set."""
+    x = np.random.default_rng(0).normal(size=(400, 20)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64)
     np.savez(tmp_path / "toy.npz", x_train=x, y_train=y, x_test=x[:100], y_test=y[:100])
+    return tmp_path / "toy.npz"
+
+
+def test_global_model_is_masked_mean(tmp_path):
+    torch.manual_seed(0)
     cfg = parse_config({
         "experiment": {"rounds": 3, "seed": 0},
-        "data": {"name": "npz", "path": str(tmp_path / "toy.npz")},
+        "data": {"name": "npz", "path": str(_toy_npz(tmp_path))},
         "federation": {"clients": 2, "partition": "iid"},
         "model": {"name": "mlp", "hidden": [16]},
         "train": {"local_steps": 20, "batch_size": 32, "lr": 0.01},
@@ -174,12 +178,9 @@ def test_tied_rows_prune_whole_conv_channels_and_export_removes_them(tmp_path, f
 
 
 def _toy_config(tmp_path: Path, **sparsity) -> dict:
-    x = np.random.default_rng(0).normal(size=(400, 20)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int64)
-    np.savez(tmp_path / "toy.npz", x_train=x, y_train=y, x_test=x[:100], y_test=y[:100])
     return {
         "experiment": {"rounds": 4, "seed": 0},
-        "data": {"name": "npz", "path": str(tmp_path / "toy.npz")},
+        "data": {"name": "npz", "path": str(_toy_npz(tmp_path))},
         "federation": {"clients": 2, "partition": "iid"},
         "model": {"name": "mlp", "hidden": [16, 8]},
         "train": {"local_steps": 10, "batch_size": 32, "lr": 0.01},
