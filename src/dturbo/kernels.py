@@ -239,8 +239,8 @@ POOL_KERNELS = ("default", "separable")
 class SeparableMaxPool2d(nn.MaxPool2d):
     """Max-pooling as strided elementwise maxima: first along the width (k shifted strided views), then along
     the height. Max is exact and associative, so the output equals :class:`torch.nn.MaxPool2d`'s bit for bit;
-    PyTorch's CPU max-pooling kernel vectorises over channels and is slow when there are few of them (3000
-    images of 2 x 28 x 28, 3/2 pooling, channels_last: ~26 ms against ~4 ms on a 2-core CPU). Only for
+    PyTorch's CPU max-pooling kernel vectorises over channels and is slow when there are few of them
+    (:func:`choose_pool_kernel` times both on the real input; ``benchmarks/bench_inference.py``). Only for
     padding 0, dilation 1, no ceil mode and no indices (:func:`separable_supported`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
