@@ -25,7 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import numpy as np  # noqa: E402
 from _runs import run_or_reuse  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 from dturbo.config import load_config  # noqa: E402
 from dturbo.export import export_run  # noqa: E402
@@ -64,6 +66,13 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
+def row_kinds(mask: np.ndarray) -> list[int]:
+    """How many output channels (rows of the grid) of a final mask are empty, partial and full."""
+    rows = mask.reshape(mask.shape[0], -1) != 0
+    empty, full = int((~rows.any(1)).sum()), int(rows.all(1).sum())
+    return [empty, len(rows) - empty - full, full]
+
+
 def train(name: str, runs: Path) -> Path:
     return run_or_reuse(load_config(CONFIG, VARIANTS[name]), runs / name, name)
 
@@ -81,10 +90,13 @@ def main() -> None:
         run = train(name, args.runs)
         m = read_metrics(run)
         removed = export_run(run).spec()["totals"]
+        masks = load_file(str(run / "model.safetensors"))
         rows[name] = {"overrides": VARIANTS[name], "final_accuracy": float(m["accuracy"][-1]),
                       "best_accuracy": float(m["accuracy"].max()), "final_density": float(m["density"][-1]),
                       "total_bits": float(m["cum_bits"][-1]),
-                      "removed_by_export": 1 - removed["weights_after"] / removed["weights_before"]}
+                      "removed_by_export": 1 - removed["weights_after"] / removed["weights_before"],
+                      "conv_rows_empty_partial_full": {k[: -len(".mask")]: row_kinds(v) for k, v in masks.items()
+                                                       if k.startswith("conv") and k.endswith(".mask")}}
         print(name, rows[name], flush=True)
     rows = {k: {**rows[k], "overrides": VARIANTS[k]} for k in VARIANTS if k in rows}
     fedavg_dir = ROOT / "runs" / "fmnist_compare" / "fedavg"
@@ -94,12 +106,13 @@ def main() -> None:
         {"what": "D-Turbo-VBI variants on the fmnist_compare setup", "config": str(CONFIG.relative_to(ROOT)),
          "fedavg32_final_accuracy": fedavg, "variants": rows}, indent=2) + "\n")
     md = ["| variant | overrides | final accuracy (%) | gap to FedAvg 32-bit (points) | nonzero (%) | bits (Mbit) |"
-          " weights removed by export (%) |", "|---|---|---|---|---|---|---|"]
+          " weights removed by export (%) | conv channels empty / partial / full |", "|---" * 8 + "|"]
     for name, r in rows.items():
         gap = "n/a" if fedavg is None else f"{100 * (fedavg - r['final_accuracy']):.2f}"
         rm = f"{100 * r['removed_by_export']:.1f}" if "removed_by_export" in r else "-"
+        rk = ", ".join(f"{n} {'/'.join(map(str, c))}" for n, c in r.get("conv_rows_empty_partial_full", {}).items())
         md.append(f"| {name} | `{' '.join(r['overrides'])}` | {100 * r['final_accuracy']:.2f} | {gap} | "
-                  f"{100 * r['final_density']:.2f} | {r['total_bits'] / 1e6:.1f} | {rm} |")
+                  f"{100 * r['final_density']:.2f} | {r['total_bits'] / 1e6:.1f} | {rm} | {rk or '-'} |")
     md += ["", "Same data split, seed, rounds and local work as every method of fmnist_compare (the `seed1` rows: "
            "seed 1, so another split, initialisation and batch order; their gap is still to FedAvg's seed 0); "
            "FedAvg 32-bit: " + ("n/a" if fedavg is None else f"{100 * fedavg:.2f}%") + "."]
