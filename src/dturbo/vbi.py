@@ -149,6 +149,42 @@ def gaussian_kl(mu: ArrayLike, sigma: ArrayLike, sigma_prior: ArrayLike) -> np.n
     return np.log(sp / sigma) + (sigma**2 + mu**2) / (2.0 * sp**2) - 0.5
 
 
+def kl_weights(mu: ArrayLike, sigma: ArrayLike, a_tilde: ArrayLike, b_tilde: ArrayLike) -> np.ndarray:
+    """E_q(rho)[KL(N(mu, sigma^2) || N(0, 1/rho))] per weight: the weights' part of the negative ELBO,
+    E_q[ln q(w) - ln p(w | rho)] = -ln sigma - 1/2 - <ln rho>/2 + <rho> (mu^2 + sigma^2) / 2 (never negative).
+
+    Its gradient in (mu, sigma) is that of the Gaussian KL of (E6) with sigma_prior from (E5), since
+    <rho> = a~/b~ = 1/sigma_prior^2 and <ln rho> does not depend on q(w): the clients' SGD minimises it."""
+    second_moment = _f64(mu) ** 2 + _f64(sigma) ** 2
+    return (-np.log(_f64(sigma)) - 0.5 - 0.5 * expected_log_rho(a_tilde, b_tilde)
+            + 0.5 * expected_rho(a_tilde, b_tilde) * second_moment)
+
+
+def kl_precision(
+    pi_tilde: ArrayLike, a_tilde: ArrayLike, b_tilde: ArrayLike, *, a: ArrayLike, b: ArrayLike, a_bar: ArrayLike,
+    b_bar: ArrayLike,
+) -> np.ndarray:
+    """E_q(s)[KL(q(rho) || p(rho | s))] per weight = E_q[ln q(rho) - ln p(rho | s)] (never negative)."""
+    pt, a_t, b_t = _f64(pi_tilde), _f64(a_tilde), _f64(b_tilde)
+    e_log_rho, e_rho = expected_log_rho(a_t, b_t), expected_rho(a_t, b_t)
+    # Entropy of Gamma(a~, b~): a~ - ln b~ + lgamma(a~) + (1 - a~) digamma(a~).
+    entropy = a_t - np.log(b_t) + gammaln(a_t) + (1.0 - a_t) * digamma(a_t)
+    log_prior = pt * _gamma_log_density_terms(a, b, e_log_rho, e_rho) + (1.0 - pt) * _gamma_log_density_terms(
+        a_bar, b_bar, e_log_rho, e_rho
+    )
+    return -entropy - log_prior
+
+
+def kl_support(pi_tilde: ArrayLike, pi: ArrayLike) -> np.ndarray:
+    """KL(Bern(pi~) || Bern(pi)) per support variable: q(s) against Module A's prior on s, the B->A message
+    pi (E2), with 0 ln 0 = 0."""
+    pt, pi = _f64(pi_tilde), _f64(pi)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        on = np.where(pt > 0, pt * (np.log(pt) - np.log(pi)), 0.0)
+        off = np.where(pt < 1, (1.0 - pt) * (np.log1p(-pt) - np.log1p(-pi)), 0.0)
+    return on + off
+
+
 def module_a_negative_elbo(
     pi: ArrayLike,
     pi_tilde: ArrayLike,
@@ -162,24 +198,12 @@ def module_a_negative_elbo(
     a_bar: ArrayLike,
     b_bar: ArrayLike,
 ) -> np.ndarray:
-    """Per-weight terms of the negative ELBO of Module A that depend on q(s) and q(rho).
+    """Per-weight KL part of Module A's negative ELBO (the likelihood term is the clients'):
 
-    -ELBO_n = E_q[ln q(s_n) + ln q(rho_n) - ln Bern(s_n; pi_n) - ln p(rho_n | s_n) - ln N(w_n; 0, 1/rho_n)]
-    (the likelihood term does not depend on q(s), q(rho) and is left out). (E3) minimises this over
-    pi_tilde with q(rho) fixed, (E4, exact form) over (a_tilde, b_tilde) with pi_tilde fixed.
-    """
-    pi, pt = _f64(pi), _f64(pi_tilde)
-    a_t, b_t = _f64(a_tilde), _f64(b_tilde)
-    e_log_rho = expected_log_rho(a_t, b_t)
-    e_rho = expected_rho(a_t, b_t)
-    second_moment = _f64(mu) ** 2 + _f64(sigma) ** 2
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ent_s = -(np.where(pt > 0, pt * np.log(pt), 0.0) + np.where(pt < 1, (1 - pt) * np.log1p(-pt), 0.0))
-        log_prior_s = np.where(pt > 0, pt * np.log(pi), 0.0) + np.where(pt < 1, (1 - pt) * np.log1p(-pi), 0.0)
-    # Entropy of Gamma(a~, b~): a~ - ln b~ + lgamma(a~) + (1 - a~) digamma(a~).
-    ent_rho = a_t - np.log(b_t) + gammaln(a_t) + (1.0 - a_t) * digamma(a_t)
-    log_prior_rho = pt * _gamma_log_density_terms(a, b, e_log_rho, e_rho) + (1 - pt) * _gamma_log_density_terms(
-        a_bar, b_bar, e_log_rho, e_rho
-    )
-    log_lik_w = 0.5 * e_log_rho - 0.5 * np.log(2 * np.pi) - 0.5 * e_rho * second_moment
-    return -ent_s - ent_rho - log_prior_s - log_prior_rho - log_lik_w
+    KL_n = E_q[ln q(w_n) q(rho_n) q(s_n) - ln N(w_n; 0, 1/rho_n) p(rho_n | s_n) Bern(s_n; pi_n)]
+         = kl_weights + kl_precision + kl_support  (each never negative).
+
+    (E3) minimises it over pi~ with q(rho) fixed, (E4, exact form) over (a~, b~) with pi~ fixed."""
+    return (kl_weights(mu, sigma, a_tilde, b_tilde)
+            + kl_precision(pi_tilde, a_tilde, b_tilde, a=a, b=b, a_bar=a_bar, b_bar=b_bar)
+            + kl_support(pi_tilde, pi))

@@ -184,7 +184,8 @@ class DturboServer:
 
     # ----------------------------------------------------------------- state
     def init(self) -> State:
-        """Initial state (SPEC 7): pi = pi~ = 0.5, S = all, q(rho) by E4 from the initial mu and sigma."""
+        """Initial state (SPEC 7): pi = pi~ = 0.5, S = all, q(rho) by E4 from the initial mu and sigma. In target mode
+        with no warm-up, pi is instead Module B's prior with its field calibrated to the first scheduled density."""
         model = self.model_factory()
         state: State = {"field": np.zeros(len(self.layers))}
         for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
@@ -205,6 +206,13 @@ class DturboServer:
             state[f"{n}.pt_lo"] = np.zeros(info.grid)
             state[f"{n}.a_t"] = np.asarray(a_t, dtype=np.float64)
             state[f"{n}.b_t"] = np.asarray(b_t, dtype=np.float64)
+        if self.cfg.dturbo.sparsity.mode == "target" and self.scheduled_density(0) < 1.0:
+            # No warm-up: the first support decision must follow the schedule too. Module B has no A->B message
+            # yet (unary 0), and the first E3's evidence is already fixed by the initial q(rho), so the field is
+            # calibrated for round 1 here exactly as every later round calibrates it for the next.
+            evidence = [_tie(vbi.support_evidence(state[f"{i.name}.a_t"], state[f"{i.name}.b_t"],
+                                                  **i.prior.gamma_kwargs()), i) for i in self.layers]
+            self._module_b(state, [np.zeros(i.grid) for i in self.layers], evidence, 0)
         return state
 
     @staticmethod
@@ -308,7 +316,10 @@ class DturboServer:
         client_metrics = np.stack([v[2] for v in valid])
         nll = _exact_sum(p * client_metrics[:, 0])
         metrics["train_nll"] = nll
-        metrics["neg_elbo"] = self.total_samples * nll + self.cfg.dturbo.beta * metrics["kl_w"] + metrics["kl_prior"]
+        # The (tempered, beta != 1) negative ELBO of E6 summed over the clients: n * E[-ln p(y|x,w)] + beta * KL,
+        # the NLL estimated by the clients' mean training loss. E3/E4 minimise the KL whatever beta is.
+        kl = metrics["kl_w"] + metrics["kl_rho"] + metrics["kl_s"]
+        metrics["neg_elbo"] = self.total_samples * nll + self.cfg.dturbo.beta * kl
         metrics["clients_ok"] = float(len(valid))
         metrics["clients_rejected"] = float(len(rejected))
         return RoundResult(state=new, metrics=metrics, rejected=rejected)
@@ -320,7 +331,7 @@ class DturboServer:
         thr_lo = float(vbi.safe_logit(d.support_threshold))
         eta: list[np.ndarray] = []
         eta_next: list[np.ndarray] = []  # next round's E3 evidence, known now (it only needs this E4)
-        kl_prior = 0.0
+        kl = dict.fromkeys(("kl_w", "kl_rho", "kl_s"), 0.0)
         for info in self.layers:
             n = info.name
             g = info.prior.gamma_kwargs()
@@ -331,9 +342,9 @@ class DturboServer:
             pt_lo = state[f"{n}.pi_lo"] + evidence
             # E4 with the new q(s) and the aggregated moments.
             a_t, b_t = vbi.precision_posterior(expit(pt_lo), mu, sigma, **g, form=d.gamma_update)
-            kl_prior += _exact_sum(vbi.module_a_negative_elbo(
-                expit(state[f"{n}.pi_lo"]), expit(pt_lo), a_t, b_t, mu, sigma, **g
-            ))
+            for key, value in _kl_terms(info, state[f"{n}.mask"], mu, sigma, state[f"{n}.pi_lo"], pt_lo,
+                                        a_t, b_t).items():
+                kl[key] += value
             state[f"{n}.pt_lo"], state[f"{n}.a_t"], state[f"{n}.b_t"] = pt_lo, a_t, b_t
             eta.append(evidence)
             eta_next.append(_tie(vbi.support_evidence(a_t, b_t, **g), info))
@@ -349,14 +360,43 @@ class DturboServer:
                 keep = old
             keep = keep & (np.float16(mu) != 0)  # S is exactly the nonzeros of the 16-bit mu_G
             state[f"{n}.mask"], state[f"{n}.mu"] = keep, np.where(keep, mu, 0.0).astype(np.float32)
-        # Module B: SPMP on every grid, with the prior's field calibrated in target mode.
-        next_density = density_schedule(
-            round_idx + 1, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds
-        )
-        if sp.mode == "target" and next_density < 1.0:
+        # Module B: SPMP on every grid, with the prior's field calibrated in target mode for the next round.
+        iters = self._module_b(state, eta, eta_next, round_idx + 1)
+        # Metrics of the new state.
+        total = kept = 0
+        layer_density = {}
+        for info in self.layers:
+            mask = state[f"{info.name}.mask"]
+            total += mask.size
+            kept += int(mask.sum())
+            layer_density[f"density_{info.name}"] = float(mask.mean())
+        return {
+            "density": kept / total,
+            **kl,
+            "spmp_iters": float(iters),
+            "field_mean": _exact_sum(state["field"]) / len(self.layers),
+            # The density this round's support was calibrated to (by the previous round's Module B, or init).
+            "scheduled_density": self.scheduled_density(round_idx) if sp.mode == "target" else float("nan"),
+            **layer_density,
+        }
+
+    def scheduled_density(self, round_idx: int) -> float:
+        """The schedule's density for the support chosen in round ``round_idx`` (0-based)."""
+        sp = self.cfg.dturbo.sparsity
+        return density_schedule(round_idx, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds)
+
+    def _module_b(self, state: State, eta: list[np.ndarray], eta_next: list[np.ndarray], next_round: int) -> int:
+        """SPMP on every grid with unary ``eta`` (E1) plus the prior's field; sets the B->A message pi (E2) that
+        round ``next_round``'s E3 will use, and the field. In target mode the field is calibrated so that the
+        support of that round, {eta_next + lo_h >= logit(threshold)}, has the scheduled density. Returns the
+        most SPMP iterations a layer used."""
+        sp = self.cfg.dturbo.sparsity
+        density = self.scheduled_density(next_round)
+        if sp.mode == "target" and density < 1.0:
             targets = np.array([np.nan if np.isnan(t) else density_schedule(
-                round_idx + 1, target=t, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds) for t in self.layer_targets])
-            fields = self._calibrate_field(eta, eta_next, next_density, targets, thr_lo, state["field"])
+                next_round, target=t, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds) for t in self.layer_targets])
+            thr_lo = float(vbi.safe_logit(self.cfg.dturbo.support_threshold))
+            fields = self._calibrate_field(eta, eta_next, density, targets, thr_lo, state["field"])
         else:
             fields = np.zeros(len(self.layers))
         iters = 0
@@ -365,27 +405,7 @@ class DturboServer:
             state[f"{info.name}.pi_lo"] = res[0]
             iters = max(iters, res[1])
         state["field"] = np.asarray(fields, dtype=np.float64)
-        # Metrics of the new state.
-        kl_w = 0.0
-        total = kept = 0
-        layer_density = {}
-        for info in self.layers:
-            n = info.name
-            mask = state[f"{n}.mask"]
-            sigma = self._sigma_grid(state[f"{n}.sigma"].astype(np.float64), info)
-            kl_w += _exact_sum(vbi.gaussian_kl(state[f"{n}.mu"][mask], sigma[mask], self.prior_std(state, info)[mask]))
-            total += mask.size
-            kept += int(mask.sum())
-            layer_density[f"density_{n}"] = float(mask.mean())
-        return {
-            "density": kept / total,
-            "kl_w": kl_w,
-            "kl_prior": kl_prior,
-            "spmp_iters": float(iters),
-            "field_mean": _exact_sum(fields) / len(fields),
-            "scheduled_density": next_density if sp.mode == "target" else float("nan"),
-            **layer_density,
-        }
+        return iters
 
     def _spmp(self, info: LayerInfo, eta: np.ndarray, field: float) -> tuple[np.ndarray, int]:
         """Run SPMP with unary eta + field; return the B->A message (E2) lo_h = belief - eta, which
@@ -432,7 +452,8 @@ class DturboServer:
             while dens_at(hi, idx) < target and hi < 200:
                 hi += 16.0
             # Density rises with h; lo stays at or under the target, so the schedule is never exceeded
-            # ("at most 25% nonzero" means at most), only approached from below within 5e-4.
+            # ("at most 25% nonzero" means at most). It is approached from below within 5e-4 unless the density
+            # jumps by more inside the last 1e-3 step of h (a tied row, equal evidences): then by that jump.
             while hi - lo > 1e-3:
                 mid = 0.5 * (lo + hi)
                 dens = dens_at(mid, idx)
@@ -482,6 +503,21 @@ def _tie(evidence: np.ndarray, info: LayerInfo) -> np.ndarray:
     if not info.prior.tie_rows:
         return evidence
     return np.broadcast_to(evidence.sum(1, keepdims=True), evidence.shape).copy()
+
+
+def _kl_terms(info: LayerInfo, mask: np.ndarray, mu: np.ndarray, sigma: np.ndarray, pi_lo: np.ndarray,
+              pt_lo: np.ndarray, a_t: np.ndarray, b_t: np.ndarray) -> dict[str, float]:
+    """One layer's KL terms of the negative ELBO (docs/algorithm.md §5-6) after this round's E3 and E4: q(w) on
+    the support the clients trained (``mask``; weights off it are exactly 0, outside the model), q(rho) of every
+    weight, q(s) of every support variable (one per row when rows are tied) against Module B's pi."""
+    pt = expit(pt_lo)
+    g = info.prior.gamma_kwargs()
+    support = (slice(None), slice(0, 1)) if info.prior.tie_rows else (slice(None), slice(None))
+    return {
+        "kl_w": _exact_sum(vbi.kl_weights(mu[mask], sigma[mask], a_t[mask], b_t[mask])),
+        "kl_rho": _exact_sum(vbi.kl_precision(pt, a_t, b_t, **g)),
+        "kl_s": _exact_sum(vbi.kl_support(pt[support], expit(pi_lo[support]))),
+    }
 
 
 def _exact_sum(values: np.ndarray) -> float:
