@@ -4,7 +4,6 @@ density schedule in the row of the round it describes."""
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 
 import numpy as np

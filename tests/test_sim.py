@@ -129,7 +129,7 @@ def _toy_npz(tmp_path: Path) -> Path:
 def test_global_model_is_masked_mean(tmp_path):
     torch.manual_seed(0)
     cfg = parse_config({
-        "experiment": {"rounds": 3, "seed": 0},
+        "experiment": {"rounds": 3, "seed": 0, "threads": 1},
         "data": {"name": "npz", "path": str(_toy_npz(tmp_path))},
         "federation": {"clients": 2, "partition": "iid"},
         "model": {"name": "mlp", "hidden": [16]},
@@ -145,7 +145,17 @@ def test_global_model_is_masked_mean(tmp_path):
         layer = getattr(model, name)
         w = layer.weight_mu.detach().numpy()
         assert np.all(w[state[f"{name}.mask"] == 0] == 0)
-        assert 0.35 < state[f"{name}.mask"].mean() < 0.65
+        assert state[f"{name}.mask"].mean() == float(rows[-1][f"density_{name}"])
+        # scope 'layer': each layer's support follows the schedule (CSV row r is 0-based round r - 1, whose
+        # support the previous round's Module B -- or init, with no warm-up -- calibrated). _calibrate_field never
+        # exceeds the scheduled density and stops within 5e-4 below it, or at an interval of h of width 1e-3 whose
+        # upper end overshoots: the gap is then the discrete jump of the weights whose threshold lies in it, one
+        # weight of the layer in this run (1/320 for dense1, 1/32 for dense2, at row 2).
+        size = state[f"{name}.mask"].size
+        for row in rows:
+            sched = density_schedule(int(row["round"]) - 1, target=0.5, warmup=0, ramp=2)
+            dens = float(row[f"density_{name}"])
+            assert sched - 1.0 / size - 5e-4 <= dens <= sched, (name, row["round"], dens, sched)
 
 
 @needs_fmnist
@@ -215,9 +225,10 @@ def test_layer_targets_errors_name_the_problem(tmp_path):
 
 
 def test_bad_uplinks_are_rejected_and_the_round_uses_the_rest(tmp_path):
-    """A truncated, a NaN-carrying and a wrong-length upload are rejected with reasons; p_t renormalised."""
-    from dturbo.algorithms.base import MessageError
-    from dturbo.codec import decode_message, encode_message, encode_values
+    """A truncated, a NaN-carrying and a wrong-length upload are rejected with reasons; the aggregate is
+    sum_t p_t x_t over the two valid uploads with p_t = n_t / (sum of their n_t), renormalised among them."""
+    from dturbo.algorithms.base import ClientData, MessageError
+    from dturbo.codec import decode_dense, decode_message, decode_values, encode_message, encode_values
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 6)).astype(np.float32)
@@ -241,8 +252,28 @@ def test_bad_uplinks_are_rejected_and_the_round_uses_the_rest(tmp_path):
     # the encoder refuses NaN, so a hostile client writes the bytes itself: float32 code, count 24, values
     nan = replaced("dense1.mu", bytes([2, 24]) + np.full(24, np.nan, "<f4").tobytes())
     short = replaced("dense1.mu", encode_values(np.ones(5)))
-    result = sim.server.aggregate(state, [good, good[:-7], nan, short], 0)
-    assert result.metrics["clients_ok"] == 1 and result.metrics["clients_rejected"] == 3
+    other = sim.client.fit(down, ClientData(torch.from_numpy(x[:30]), torch.from_numpy(y[:30])), 1)  # n_t = 30
+    result = sim.server.aggregate(state, [good, good[:-7], nan, short, other], 0)
+    assert result.metrics["clients_ok"] == 2 and result.metrics["clients_rejected"] == 3
+    # the aggregate, from the two valid uploads' bytes: p = (100, 30) / 130 (the rejected ones count nowhere)
+    ups = [dict(decode_message(u)[1]) for u in (good, other)]
+    n_t = np.array([decode_values(u["meta"])[2] for u in ups])
+    assert n_t.tolist() == [100.0, 30.0]
+    p = n_t / n_t.sum()
+    new = result.state
+    for name in ("dense1", "dense2"):
+        for key in ("bias", "sigma"):
+            parts = [decode_values(u[f"{name}.{key}"]) if key == "sigma" else decode_dense(u[f"{name}.{key}"])
+                     for u in ups]
+            expected = p[0] * parts[0].astype(np.float64) + p[1] * parts[1].astype(np.float64)
+            np.testing.assert_allclose(new[f"{name}.{key}"].reshape(-1), expected.reshape(-1), rtol=1e-6, atol=1e-9)
+        mu = np.zeros(state[f"{name}.mask"].shape)
+        mu[state[f"{name}.mask"]] = sum(pt * decode_values(u[f"{name}.mu"]).astype(np.float64)
+                                        for pt, u in zip(p, ups, strict=True))
+        kept = new[f"{name}.mask"]
+        assert kept.sum() > 0.9 * kept.size  # round 0: the support is (almost) all kept
+        np.testing.assert_allclose(new[f"{name}.mu"][kept], mu[kept], rtol=1e-6, atol=0)
+        assert not np.allclose(mu[kept], decode_values(ups[0][f"{name}.mu"])[kept[state[f"{name}.mask"]]])
     reasons = " | ".join(result.rejected)
     assert "truncated" in reasons and "NaN" in reasons and "support has 24" in reasons
     with pytest.raises(MessageError, match="no valid client update"):
