@@ -1,7 +1,7 @@
-"""SPMP (Module B, SPEC 8) speed.
+"""SPMP (Module B, docs/algorithm.md §8) speed.
 
-1. Every support grid of the downsized AlexNet (SPEC 10) in one round, with the reference demo's transitions
-   and the default max_iter / tol: median over repeats of the time for the whole set. SPEC 8 asks this to cost
+1. Every support grid of the downsized AlexNet (§10) in one round, with the reference demo's transitions
+   and the default max_iter / tol: median over repeats of the time for the whole set. §8 asks this to cost
    far less than one client's local training; the project's target is < 0.1 s on a 2-core CPU.
 2. One 40 x 84 grid, ``dturbo.spmp.grid_bp`` against ``sumproduct`` 0.0.7, the package the paper authors'
    demo used (``pip install sumproduct==0.0.7``, extra ``bench``): the same MRF (a variable per node, a unary
@@ -30,11 +30,11 @@ from dturbo.spmp import GridBPResult, grid_bp
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# Reference-demo transitions (SPEC 2): conv layers and dense layers.
+# Reference-demo transitions (docs/algorithm.md §2): conv layers and dense layers.
 CONV = dict(p01_row=0.288, p11_row=0.49, p01_col=0.288, p11_col=0.49)
 DENSE = dict(p01_row=0.3, p11_row=0.48, p01_col=0.3, p11_col=0.48)
 
-# Grids of the downsized AlexNet as their GEMMs use them (SPEC 2, 10): (out, in * kh * kw) and (out, in).
+# Grids of the downsized AlexNet as their GEMMs use them (docs/algorithm.md §2, 10): (out, in * kh * kw) and (out, in).
 ALEXNET_SMALL: list[tuple[str, tuple[int, int], dict[str, float]]] = [
     ("conv1", (6, 49), CONV),
     ("conv2", (16, 150), CONV),
@@ -195,7 +195,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     result = {
-        "what": "SPMP: loopy sum-product on the support grids (SPEC 8), dturbo.spmp.grid_bp",
+        "what": "SPMP: loopy sum-product on the support grids (docs/algorithm.md §8), dturbo.spmp.grid_bp",
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "alexnet_small": bench_model(args.repeats, rng),

@@ -1,4 +1,4 @@
-"""How the MRF prior's row/column transition probabilities (SPEC 2) shape removable structure (issue 4).
+"""How the MRF prior's row/column transition probabilities (docs/algorithm.md §2) shape removable structure (issue 4).
 
     python benchmarks/prior_sweep.py [--rounds 10] [--limit-train 20000] [--settings default strong rows cols]
 

@@ -1,10 +1,10 @@
-"""Accuracy vs density of D-Turbo-VBI (issue: density must be controllable and gradual; SPEC 11).
+"""Accuracy vs density of D-Turbo-VBI (issue: density must be controllable and gradual; docs/algorithm.md §11).
 
 Two sweeps on real Fashion-MNIST, each a list of runs of a base config with one key changed:
 
 * ``target``: the knob ``dturbo.sparsity.target_density`` (the calibrated MRF field, docs/sparsity.md);
 * ``prior``: the literal algorithm (``dturbo.sparsity.mode = "prior"``) with its only knob, the prior
-  variance ratio ``r`` of the scale-matched prior (SPEC 11's all-or-nothing transition).
+  variance ratio ``r`` of the scale-matched prior (docs/algorithm.md §11's all-or-nothing transition).
 
 Usage:
     python benchmarks/sparsity_sweep.py target [--values 0.1 0.2 0.35 0.5] [--config configs/fmnist_quick.toml]

@@ -1,4 +1,4 @@
-"""Bayesian layers: local reparameterisation, support masks, KL (SPEC 3, 6)."""
+"""Bayesian layers: local reparameterisation, support masks, KL (docs/algorithm.md §3, 6)."""
 
 from __future__ import annotations
 

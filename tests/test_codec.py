@@ -1,4 +1,4 @@
-"""Codec (SPEC 9): exact round trips, bit counts from real bytes, cluster coding, bounds-checked decoding."""
+"""Codec (docs/algorithm.md §9): exact round trips, bit counts from real bytes, cluster coding, checked decoding."""
 
 from __future__ import annotations
 

@@ -24,6 +24,8 @@ from dturbo.nn.models import build_model
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 SHAPE = (1, 28, 28)
 TOL = 1e-4
+# Fashion-MNIST's training statistics as dturbo.data.load_dataset computes them
+FMNIST_NORM = {"raw_dtype": "uint8", "scale": 255.0, "mean": [0.28604059698879547], "std": [0.3530242445149226]}
 
 
 def cluster_mask(shape: tuple[int, ...], gen: torch.Generator, block: int = 4, p: float = 0.6) -> torch.Tensor:
@@ -66,7 +68,8 @@ def alexnet_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
     return s
 
 
-def write_run(root: Path, model_name: str, state: dict[str, torch.Tensor], **model_kw: object) -> Path:
+def write_run(root: Path, model_name: str, state: dict[str, torch.Tensor], *,
+              input_norm: dict | None = FMNIST_NORM, **model_kw: object) -> Path:
     """A run directory as `dturbo run` leaves it: config.toml + model.safetensors."""
     cfg = Config()
     cfg.model.name = model_name
@@ -77,6 +80,8 @@ def write_run(root: Path, model_name: str, state: dict[str, torch.Tensor], **mod
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.toml").write_text(cfg.to_toml())
     meta = {"model": model_name, "dataset": "fashion-mnist", "algorithm": "dturbo"}
+    if input_norm is not None:  # as `dturbo run` stores it: export then reads no data
+        meta["input_norm"] = json.dumps(input_norm)
     save_file({k: v.contiguous() for k, v in state.items()}, str(root / "model.safetensors"), metadata=meta)
     return root
 
@@ -267,7 +272,8 @@ def test_panel_runs_and_kernels_on_clustered_weights():
 def test_files_are_json_and_safetensors_only(alexnet_export):
     assert sorted(p.name for p in alexnet_export.iterdir()) == ["model.json", "model.safetensors"]
     spec = json.loads((alexnet_export / "model.json").read_text())
-    assert spec["format"] == "dturbo-export" and spec["version"] == 2
+    assert spec["format"] == "dturbo-export" and spec["version"] == 3
+    assert spec["input_norm"] == FMNIST_NORM
     assert spec["input_shape"] == [1, 28, 28] and spec["num_classes"] == 10
     raw = (alexnet_export / "model.safetensors").read_bytes()
     header_len = int.from_bytes(raw[:8], "little")
@@ -363,8 +369,8 @@ def test_load_errors_name_the_problem(alexnet_export, tmp_path):
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(ex.ExportError, match=r"bias_map' has shape \(16, 12, 13\), model.json says \(16, 13, 13\)"):
         ex.load(d)
-    (d / "model.json").write_text(json.dumps({**spec, "version": 3}))
-    with pytest.raises(ex.ExportError, match="format version 3; this dturbo reads 1, 2"):
+    (d / "model.json").write_text(json.dumps({**spec, "version": 4}))
+    with pytest.raises(ex.ExportError, match="format version 4; this dturbo reads 1, 2, 3"):
         ex.load(d)
     spec["ops"][0]["type"] = "conv3d"
     (d / "model.json").write_text(json.dumps(spec))
@@ -390,7 +396,8 @@ def test_mobilenet_exports_dense_through_group_norm(tmp_path):
     s = {k: v.clone() for k, v in model.state_dict().items()}
     s["pw3.mask"][:4] = 0  # zero output channels before a GroupNorm: must stay
     s["dense1.mask"][:, :5] = 0
-    cfg_run = write_run(tmp_path / "run", "mobilenet-v1", s, width=0.25)
+    cifar_norm = {"raw_dtype": "uint8", "scale": 255.0, "mean": [0.49, 0.48, 0.45], "std": [0.25, 0.24, 0.26]}
+    cfg_run = write_run(tmp_path / "run", "mobilenet-v1", s, input_norm=cifar_norm, width=0.25)
     text = (cfg_run / "config.toml").read_text().replace('name = "fashion-mnist"', 'name = "cifar10"')
     (cfg_run / "config.toml").write_text(text)
     exported = ex.export_run(cfg_run, tmp_path / "model")

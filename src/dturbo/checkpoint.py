@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save
+from safetensors import SafetensorError
+from safetensors.numpy import load, save
 
 STATE_FILE = "state.safetensors"
 
@@ -57,18 +58,54 @@ def save_checkpoint(folder: Path, state: dict[str, Any], counters: dict[str, Any
     for k, v in arrays.items():
         if v.dtype.kind == "f" and not np.all(np.isfinite(v)):
             raise CheckpointError(f"refusing to save a checkpoint with non-finite values in {k!r}")
-    atomic_write_bytes(folder / STATE_FILE, save(arrays, metadata={"counters": json.dumps(counters)}))
+    data = save(arrays, metadata={"counters": json.dumps(counters), CHECKSUM_KEY: _PLACEHOLDER})
+    # The checksum covers the tensor bytes (everything after the header, which holds the checksum itself):
+    # written as a same-length placeholder, then patched, so the file is serialised once.
+    start = _data_start(data)
+    digest = hashlib.sha256(data[start:]).hexdigest()
+    header = data[:start]
+    if header.count(_PLACEHOLDER.encode()) != 1:  # cannot happen: names and counters hold no '?' run
+        raise CheckpointError("internal error: checksum placeholder not found once in the checkpoint header")
+    atomic_write_bytes(folder / STATE_FILE, header.replace(_PLACEHOLDER.encode(), digest.encode()) + data[start:])
+
+
+CHECKSUM_KEY = "sha256"  # metadata key: sha256 (hex) of the tensor bytes
+_PLACEHOLDER = "?" * 64
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loads but cannot be verified (written before checkpoints carried a checksum)."""
+
+
+def _data_start(data: bytes) -> int:
+    """Offset of the tensor bytes in a safetensors file: 8-byte little-endian header length, then the header."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes: too short for a safetensors file")
+    return 8 + int.from_bytes(data[:8], "little")
 
 
 def load_checkpoint(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(state, counters) of the checkpoint in ``folder``; :class:`CheckpointError` if it is missing, unreadable
+    or corrupted (its tensor bytes do not match the checksum saved with them). Nothing is ever modified."""
     path = folder / STATE_FILE
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; run without --resume to start a new run")
     try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-        state = load_file(str(path))
+        data = path.read_bytes()
+        start = _data_start(data)
+        meta = json.loads(data[8:start]).get("__metadata__") or {}
+        state = load(data)
         counters = json.loads(meta["counters"])
-    except (SafetensorError, OSError, KeyError, ValueError) as err:
+    except (SafetensorError, OSError, KeyError, ValueError, AttributeError) as err:
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({err}); it was left untouched") from None
+    expected = meta.get(CHECKSUM_KEY)
+    if expected is None:
+        warnings.warn(f"checkpoint {path} has no checksum (written by an older dturbo): it cannot be verified; "
+                      f"the next checkpoint will carry one", CheckpointWarning, stacklevel=2)
+    elif hashlib.sha256(data[start:]).hexdigest() != expected:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: its tensor bytes do not match the sha256 checksum saved with them "
+            f"(a disk or copy error); it was left untouched. Restore the run folder from a backup, or start the "
+            f"run again into a fresh --out"
+        )
     return state, counters

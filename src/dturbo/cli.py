@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .checkpoint import CheckpointError
@@ -19,8 +21,13 @@ console = Console(stderr=True)
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
+    console.print(f"[bold red]error:[/] {escape(msg)}")
     raise typer.Exit(2)
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False)
 
 
 def _bits(b: float) -> str:
@@ -47,6 +54,8 @@ def run(
     except ConfigError as err:
         _fail(str(err))
         return
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out} names a file; --out must be a directory (a new or empty one for a new run)")
     if resume and not (out / "config.toml").exists():
         _fail(f"--resume: {out} holds no run (no config.toml)")
     console.print(f"[bold]dturbo[/] {cfg.experiment.name}: {cfg.experiment.algorithm} on {cfg.data.name}, "
@@ -67,7 +76,11 @@ def run(
             if not tty:  # CI logs: one line per round
                 console.print(f"round {row['round']}/{cfg.experiment.rounds}  {info}  ({row['seconds']} s)")
 
-        with progress:
+        # Warnings (a schedule that ends after the run, labels with gaps, an unverifiable checkpoint) go to the
+        # console as they happen, not as Python's file:line lines.
+        with progress, warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = _show_warning
             sim = Simulator(cfg, out, resume=resume, on_round=on_round)
             task = progress.add_task("rounds", total=cfg.experiment.rounds, info="", completed=0)
             rows = sim.run()
@@ -141,6 +154,15 @@ def export(
     totals = exported.spec()["totals"]
     console.print(f"wrote {out}: {totals['weights_after']} of {totals['weights_before']} weights kept, "
                   f"{totals['nonzeros']} nonzero")
+    norm = exported.input_norm
+    if norm is not None:
+        raw = "pixel values 0..255" if norm["scale"] == 255 else "values as the data files hold them"
+        console.print(f"inputs: dturbo.export.load({escape(str(out))!r}) takes inputs normalised as dturbo's "
+                      f"readers do; load(..., inputs='raw') takes raw data ({raw}) and normalises it itself")
+    else:
+        console.print("[bold yellow]warning:[/] the run's input normalisation is unknown (it predates stored "
+                      "normalisation and its data could not be read): the exported model takes normalised inputs "
+                      "only", highlight=False)
 
 
 def main() -> None:  # pragma: no cover

@@ -69,8 +69,11 @@ from .kernels import (
 )
 
 FORMAT = "dturbo-export"
-VERSION = 2  # 2: conv2d ops may carry a ``bias_map``; version 1 files (without) are read as well
-READS_VERSIONS = (1, 2)
+# 2: conv2d ops may carry a ``bias_map``; 3: ``input_norm`` (the dataset's input normalisation, or null).
+# Older files are read as well (they take normalised inputs only).
+VERSION = 3
+READS_VERSIONS = (1, 2, 3)
+INPUTS = ("normalised", "raw")
 WEIGHTS_FILE = "model.safetensors"
 SPEC_FILE = "model.json"
 # Input shape of one sample for the built-in datasets; other data ("npz") is read to learn it.
@@ -111,6 +114,9 @@ class Exported:
     num_classes: int
     layers: list[dict[str, Any]]
     source: dict[str, Any] = field(default_factory=dict)
+    # The reader's normalisation (dturbo.data.Dataset.input_norm), so load(..., inputs="raw") can apply it;
+    # None when unknown.
+    input_norm: dict[str, Any] | None = None
 
     def spec(self) -> dict[str, Any]:
         """The JSON description (everything but the tensors)."""
@@ -127,7 +133,7 @@ class Exported:
         nonzeros = sum(r["nonzeros"] for r in self.layers)
         return {
             "format": FORMAT, "version": VERSION, "source": self.source, "input_shape": list(self.input_shape),
-            "num_classes": self.num_classes, "ops": ops, "layers": self.layers,
+            "num_classes": self.num_classes, "input_norm": self.input_norm, "ops": ops, "layers": self.layers,
             "totals": {"weights_before": total_before, "weights_after": total_after, "nonzeros": nonzeros,
                        "density_before": nonzeros / max(total_before, 1),
                        "density_after": nonzeros / max(total_after, 1)},
@@ -459,18 +465,61 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compac
                           f"{cfg.model.name!r}")
     source = {"run_dir": str(Path(run_dir).resolve()), "model": model_name,
               "dataset": meta.get("dataset", cfg.data.name), "algorithm": meta.get("algorithm", "")}
-    exported = export_state(model_name, state, _input_shape(cfg, state, model_name), num_classes=_num_classes(state),
+    input_shape = _input_shape(cfg, state, model_name)
+    exported = export_state(model_name, state, input_shape, num_classes=_num_classes(state),
                             hidden=cfg.model.hidden, width=cfg.model.width, compaction=compaction, source=source)
+    exported.input_norm = _run_input_norm(run_dir, cfg, meta, input_shape)
     if out_dir is not None:
         save(exported, out_dir)
     return exported
+
+
+def check_input_norm(norm: Any, input_shape: tuple[int, ...], where: str) -> dict[str, Any]:
+    """``norm`` as :attr:`dturbo.data.Dataset.input_norm` describes it, for inputs of ``input_shape``."""
+    n = int(input_shape[0])
+    ok = (isinstance(norm, dict) and isinstance(norm.get("scale"), int | float) and norm["scale"] > 0
+          and all(isinstance(norm.get(k), list) and len(norm[k]) == n
+                  and all(isinstance(v, int | float) for v in norm[k]) for k in ("mean", "std"))
+          and all(v > 0 for v in norm["std"]))
+    if not ok:
+        raise ExportError(f"{where}: input_norm must be {{scale > 0, mean: [{n} numbers], std: [{n} numbers > 0]}} "
+                          f"for inputs of shape {list(input_shape)}, got {norm!r}")
+    return {"raw_dtype": str(norm.get("raw_dtype", "")), "scale": float(norm["scale"]),
+            "mean": [float(v) for v in norm["mean"]], "std": [float(v) for v in norm["std"]]}
+
+
+def _run_input_norm(run_dir: str | Path, cfg: Any, meta: dict[str, str],
+                    input_shape: tuple[int, ...]) -> dict[str, Any] | None:
+    """The input normalisation of a run: stored by ``dturbo run`` in model.safetensors, else (older runs)
+    computed again from the data as the run did (same reader, ``limit_train`` and seed); None when the data
+    cannot be read."""
+    if "input_norm" in meta:
+        try:
+            norm = json.loads(meta["input_norm"])
+        except json.JSONDecodeError as err:
+            raise ExportError(f"{run_dir}/model.safetensors: input_norm is not JSON ({err})") from None
+        return check_input_norm(norm, input_shape, f"{run_dir}/model.safetensors")
+    import warnings
+
+    from .data import DataError, load_dataset
+
+    try:
+        with warnings.catch_warnings():  # label remarks were made when the run started
+            warnings.simplefilter("ignore")
+            ds = load_dataset(cfg.data.name, cfg.data.path, limit_train=cfg.data.limit_train, limit_test=1,
+                              seed=cfg.experiment.seed)
+    except (DataError, ValueError, OSError):
+        return None
+    if ds.input_shape != tuple(input_shape) or ds.input_norm is None:
+        return None
+    return check_input_norm(ds.input_norm, input_shape, f"data {cfg.data.name!r}")
 
 
 def save(exported: Exported, out_dir: str | Path) -> Path:
     """Write ``model.safetensors`` and ``model.json`` into ``out_dir`` (created; each file atomically)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise ExportError(f"{out} exists and is not a directory")
+        raise ExportError(f"--out {out} names a file; --out must be a directory (it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / WEIGHTS_FILE, save_tensors(exported.tensors(), metadata={"format": FORMAT}))
     atomic_write_bytes(out / SPEC_FILE, (json.dumps(exported.spec(), indent=1) + "\n").encode())
@@ -518,6 +567,11 @@ class InferenceModel(nn.Module):
         self.net = net
         self.spec = spec
         self.input_shape = tuple(spec["input_shape"])
+        self.inputs = "normalised"  # what forward() takes: see set_inputs
+        self.norm_mean: torch.Tensor | None
+        self.norm_std: torch.Tensor | None
+        self.register_buffer("norm_mean", None, persistent=False)  # set by set_inputs when the export has them
+        self.register_buffer("norm_std", None, persistent=False)
         self.kernels: dict[str, str] = {}
         self.pools: dict[str, str] = {}  # max-pooling layer -> kernel (dturbo.kernels.POOL_KERNELS)
         self.channels_last = False
@@ -527,6 +581,44 @@ class InferenceModel(nn.Module):
         self._compiled_cache: Any = None
         self._conv_variants: dict[str, dict[str, nn.Module]] = {}
 
+    def set_inputs(self, inputs: str) -> None:
+        """``"normalised"``: the model takes inputs normalised as the dataset reader does (float32, what
+        ``dturbo.data.load_dataset`` returns); ``"raw"``: it takes the data as stored and applies the stored
+        normalisation itself (see :func:`load`)."""
+        if inputs not in INPUTS:
+            raise ValueError(f"inputs must be one of {', '.join(INPUTS)}, got {inputs!r}")
+        norm = self.spec.get("input_norm")
+        if inputs == "raw" and norm is None:
+            raise ExportError(
+                f"this export (format version {self.spec.get('version')}) does not store the input normalisation, "
+                f"so it takes normalised inputs only (load it with inputs='normalised'); export the run again with "
+                f"this dturbo, with its data readable, to store it")
+        if norm is not None:
+            # float64 as the reader computes it, so raw inputs give bit for bit the reader's float32 values
+            view = (-1, 1, 1) if len(self.input_shape) == 3 else (-1,)
+            mean = torch.tensor(norm["mean"], dtype=torch.float64).reshape(view)
+            std = torch.tensor(norm["std"], dtype=torch.float64).reshape(view)
+            device = next(iter(self.net.buffers()), next(iter(self.net.parameters()), mean)).device
+            self.register_buffer("norm_mean", mean.to(device), persistent=False)
+            self.register_buffer("norm_std", std.to(device), persistent=False)
+        self.inputs = inputs
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw inputs (``(N, *input_shape)``, or ``(N, H, W)`` for one-channel images; any numeric dtype) ->
+        the normalised float32 inputs the network was trained on: ``(x / scale - mean[c]) / std[c]``."""
+        if self.norm_mean is None:
+            raise ExportError("this export does not store the input normalisation; feed normalised inputs")
+        if x.dim() == len(self.input_shape) and len(self.input_shape) == 3 and self.input_shape[0] == 1:
+            x = x.unsqueeze(1)  # N, H, W: one-channel images as IDX files and .npz files hold them
+        self._check_shape(x)
+        scale = float(self.spec["input_norm"]["scale"])
+        return ((x.to(torch.float64) / scale - self.norm_mean) / self.norm_std).to(torch.float32)
+
+    def _check_shape(self, x: torch.Tensor) -> None:
+        if tuple(x.shape[1:]) != self.input_shape:
+            raise ValueError(f"the model takes inputs of shape (N, {', '.join(map(str, self.input_shape))}), "
+                             f"got {tuple(x.shape)}")
+
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """The input in the memory format the network runs in."""
         if self.channels_last and x.dim() == 4:
@@ -534,6 +626,12 @@ class InferenceModel(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inputs == "raw":
+            x = self.normalise(x)
+        elif not x.is_floating_point():
+            raise TypeError(f"got {x.dtype} inputs, but this model was loaded with inputs='normalised' (float "
+                            f"inputs normalised as the dataset reader does); for raw data (e.g. uint8 pixels) load "
+                            f"it with dturbo.export.load(..., inputs='raw')")
         x = self.prepare(x)
         if self._compiled_fn is not None:
             return self._compiled_fn(x)
@@ -587,6 +685,10 @@ def _read_spec(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     for key in ("ops", "input_shape", "num_classes"):
         if key not in spec:
             raise ExportError(f"{spec_path} lacks the key {key!r}")
+    if spec.get("input_norm") is not None:  # version 3; older files have none (normalised inputs only)
+        if not isinstance(spec["input_shape"], list) or not spec["input_shape"]:
+            raise ExportError(f"{spec_path}: input_shape must be a non-empty list")
+        spec["input_norm"] = check_input_norm(spec["input_norm"], tuple(spec["input_shape"]), str(spec_path))
     tensors, _ = _read_safetensors(model_dir / WEIGHTS_FILE, what="the exported weights file")
     return spec, tensors
 
@@ -656,6 +758,7 @@ def _build_net(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[
 def load(
     model_dir: str | Path, *, batch_size: int = 256, kernels: str = "auto", channels_last: bool | None = None,
     compile: bool | None = None, conv: str = "auto", pool: str = "auto", device: str | torch.device = "cpu",
+    inputs: str = "normalised",
 ) -> InferenceModel:
     """Load an exported model as an :class:`InferenceModel` (a ``torch.nn.Module``) in eval mode.
 
@@ -675,6 +778,13 @@ def load(
             its real input, keep the faster; the values are identical), ``"default"`` or ``"separable"``
             (where the layer allows it: no padding, dilation or ceil mode).
         device: where the model runs (``"cpu"`` or ``"cuda"``).
+        inputs: what the model takes. ``"normalised"``: float32 ``(N, *input_shape)`` inputs normalised as
+            ``dturbo.data.load_dataset`` returns them (per channel, with the training set's mean and std).
+            ``"raw"``: the data in its original scale, as the files hold it: pixel values 0..255 (uint8 or
+            any numeric dtype) for the IDX and CIFAR datasets and uint8 .npz arrays, the stored values for
+            float .npz arrays; shape ``(N, *input_shape)`` (channels first; ``(N, H, W)`` is taken for
+            one-channel images); the model applies the normalisation stored at export (format version 3,
+            ``input_norm`` in model.json). Older exports store none and take normalised inputs only.
 
     The choices are in the returned model's ``kernels``, ``pools``, ``channels_last``, ``compiled`` and
     ``info``.
@@ -695,6 +805,7 @@ def load(
     spec, tensors = _read_spec(model_dir)
     net, linears = _build_net(spec, tensors)
     model = InferenceModel(net, spec)
+    model.set_inputs(inputs)
     layer_info: dict[str, dict[str, Any]] = {}
     for name, w, b in linears:
         if kernels == "auto":

@@ -1,6 +1,6 @@
-"""The hierarchical prior of SPEC 2: Gamma hyperparameters per layer and the layer -> grid mapping.
+"""The hierarchical prior of docs/algorithm.md §2: Gamma hyperparameters per layer and the layer -> grid mapping.
 
-A layer's support grid is its weight matrix *as its GEMM uses it* (SPEC 2): Linear is
+A layer's support grid is its weight matrix *as its GEMM uses it* (docs/algorithm.md §2): Linear is
 (out_features x in_features); Conv2d is (out_channels x in_channels/groups * kh * kw). With this
 choice a cluster in the grid is a block of the computation.
 """
@@ -17,7 +17,7 @@ from torch import nn
 @dataclass(frozen=True)
 class LayerPrior:
     """Resolved (absolute) prior of one layer: Gamma(a, b) active, Gamma(a_bar, b_bar) inactive
-    (shape/rate), and the grid MRF's transition probabilities (SPEC 2)."""
+    (shape/rate), and the grid MRF's transition probabilities (docs/algorithm.md §2)."""
 
     a: float
     b: float
@@ -62,7 +62,7 @@ def resolve_prior(
 ) -> LayerPrior:
     """Turn a per-kind prior setting into a layer's absolute hyperparameters.
 
-    ``scale="matched"`` (the default, SPEC 2): b = a * s_l^2 and b_bar = a_bar * s_l^2 / r, so that the
+    ``scale="matched"`` (the default, docs/algorithm.md §2): b = a * s_l^2 and b_bar = a_bar * s_l^2 / r, so that the
     active prior variance matches the layer's weight scale s_l and the inactive one is r times smaller.
     ``scale="absolute"``: b and b_bar are used as given (the reference demo's a=b=a_bar=1, b_bar=0.01).
     """
@@ -77,7 +77,7 @@ def resolve_prior(
 
 
 def grid_shape(layer: nn.Module) -> tuple[int, int]:
-    """(K, M) of a layer's support grid (SPEC 2)."""
+    """(K, M) of a layer's support grid (docs/algorithm.md §2)."""
     weight = getattr(layer, "weight_mu", None)
     if weight is None:
         weight = getattr(layer, "weight", None)

@@ -3,7 +3,8 @@
 One run: its curves, the Dense_2 message heat maps (the paper's Fig. 3) and its final support masks.
 Several runs (:func:`compare`): accuracy vs cumulative bits, one curve per method (Fig. 2), and the comparison
 table (Table I) in Markdown and CSV: final accuracy, nonzero weights, bits up / down, bits to reach target
-accuracies, inference time of a forward pass over 3000 test samples.
+accuracies, inference time of a forward pass over 3000 test samples (fewer when the test set is smaller: the
+column is named after the number really timed).
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.axis  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.text  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import EngFormatter, FixedLocator, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 HEATMAP_LAYER = "dense2"  # the paper's "Dense_2" (Fig. 3)
+DPI = 120
 
 
 def read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
@@ -35,64 +42,151 @@ def read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
     return cols
 
 
-def _save(fig: plt.Figure, path: Path, tight: bool = True) -> list[Path]:
-    if tight:  # not with a colorbar spanning several axes: tight_layout cannot place it
-        fig.tight_layout()
+def _figure(ncols: int, nrows: int = 1, *, figsize: tuple[float, float]) -> tuple[Figure, np.ndarray]:
+    """A figure whose layout engine keeps the suptitle, titles, labels and colorbars apart (constrained layout)."""
+    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False, layout="constrained")
+    return fig, axes
+
+
+def _save(fig: Figure, path: Path) -> list[Path]:
+    """PNG and SVG; ``bbox_inches="tight"`` so that nothing drawn is cut at the edge. Closes the figure."""
     out = [path.with_suffix(".png"), path.with_suffix(".svg")]
     for p in out:
-        fig.savefig(p, dpi=120)
+        fig.savefig(p, dpi=DPI, bbox_inches="tight", pad_inches=0.1)
     plt.close(fig)
     return out
 
 
-def draw_curves(run_dir: Path, out: Path) -> list[Path]:
+def round_axis(ax: Axes) -> None:
+    """Communication rounds are integers: no tick at round 2.5."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_xlabel("communication round")
+
+
+def _visible_tick_labels(axis: matplotlib.axis.Axis) -> list[matplotlib.text.Text]:
+    """The major tick labels drawn inside the axis' view (after a draw), with their text."""
+    lo, hi = sorted(axis.get_view_interval())
+    locs = axis.get_majorticklocs()
+    ticks = axis.get_major_ticks(len(locs))
+    span = abs(hi - lo) * 1e-9
+    return [t.label1 for loc, t in zip(locs, ticks, strict=True)
+            if lo - span <= loc <= hi + span and t.label1.get_visible() and t.label1.get_text()]
+
+
+def labels_overlap(labels: list[matplotlib.text.Text], renderer: object, pad_px: float = 3.0) -> bool:
+    """Whether any two of these texts (drawn) overlap, with ``pad_px`` pixels of air required between them."""
+    boxes = [t.get_window_extent(renderer) for t in labels]  # type: ignore[arg-type]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if a.x0 < b.x1 + pad_px and b.x0 < a.x1 + pad_px and a.y0 < b.y1 + pad_px and b.y0 < a.y1 + pad_px:
+                return True
+    return False
+
+
+# Log-axis tick choices, densest first: every 1..9 x 10^k, fewer mantissas, then decades (thinned).
+_LOG_TICKS: tuple[tuple[tuple[float, ...], int], ...] = (
+    (tuple(range(1, 10)), 12), ((1, 2, 4, 6, 8), 12), ((1, 2, 3, 5), 12), ((1, 2, 5), 12), ((1, 3), 12),
+    ((1,), 12), ((1,), 6), ((1,), 4), ((1,), 3),
+)
+LABEL_GAP_PX = 8.0  # the least air between two tick labels of a log axis (at the figure's dpi)
+
+
+def bits_log_axis(ax: Axes) -> None:
+    """Log-scale x axis of bits with engineering labels (``20 Mbit``), as many ticks as fit without any two
+    labels overlapping (checked on the drawn figure: call once the figure's content is complete)."""
+    axis = ax.xaxis
+    axis.set_major_formatter(EngFormatter(unit="bit", sep=" "))
+    axis.set_minor_locator(LogLocator(base=10, subs=tuple(range(2, 10)), numticks=12))
+    axis.set_minor_formatter(NullFormatter())
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    fallback = None
+    for subs, numticks in _LOG_TICKS:
+        axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=numticks))
+        fig.draw_without_rendering()  # positions and texts of the ticks, no pixels
+        labels = _visible_tick_labels(axis)
+        if labels and not labels_overlap(labels, renderer, LABEL_GAP_PX):
+            if len(labels) >= 2:
+                return
+            fallback = fallback or (subs, numticks)
+    if fallback is not None:  # one label only: a narrow range of bits
+        axis.set_major_locator(LogLocator(base=10, subs=fallback[0], numticks=fallback[1]))
+        return
+    lo, hi = sorted(axis.get_view_interval())  # nothing fits: both ends of the view, 2 significant digits
+    ends = [float(f"{v:.2g}") for v in np.geomspace(lo, hi, 4)[1:3]]
+    axis.set_major_locator(FixedLocator(ends))
+
+
+def curves_figure(run_dir: Path) -> Figure | None:
+    """Accuracy and density over rounds, accuracy vs cumulative bits; None without rounds."""
     m = read_metrics(run_dir)
     if not m:
-        return []
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    axes[0].plot(m["round"], 100 * m["accuracy"], "o-")
-    axes[0].set(xlabel="communication round", ylabel="test accuracy (%)", title="Accuracy")
+        return None
+    fig, axes = _figure(3, figsize=(14, 4.0))
+    axes = axes[0]
+    ok = ~np.isnan(m["accuracy"])  # rounds without an evaluation (eval_every > 1) are left out, not gaps
+    axes[0].plot(m["round"][ok], 100 * m["accuracy"][ok], "o-")
+    axes[0].set(ylabel="test accuracy (%)", title="Accuracy")
     axes[1].plot(m["round"], 100 * m["density"], "o-", color="C1")
-    axes[1].set(xlabel="communication round", ylabel="nonzero weights (%)", title="Density of the global model")
+    axes[1].set(ylabel="nonzero weights (%)", title="Density of the global model")
     axes[1].set_ylim(0, 105)
-    axes[2].semilogx(m["cum_bits"], 100 * m["accuracy"], "o-", color="C2")
-    axes[2].set(xlabel="cumulative communication (bits, up + down)", ylabel="test accuracy (%)",
+    for ax in axes[:2]:
+        round_axis(ax)
+    axes[2].semilogx(m["cum_bits"][ok], 100 * m["accuracy"][ok], "o-", color="C2")
+    axes[2].set(xlabel="cumulative communication, up + down", ylabel="test accuracy (%)",
                 title="Accuracy vs communication")
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(run_dir.name)
-    return _save(fig, out / "curves")
+    axes[2].grid(alpha=0.15, which="minor")
+    fig.suptitle(Path(run_dir).name)
+    bits_log_axis(axes[2])
+    return fig
+
+
+def draw_curves(run_dir: Path, out: Path) -> list[Path]:
+    fig = curves_figure(run_dir)
+    return [] if fig is None else _save(fig, out / "curves")
 
 
 def _message_files(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "messages").glob("round_*.safetensors"))
 
 
-def draw_heatmaps(run_dir: Path, out: Path, layer: str = HEATMAP_LAYER, panels: int = 5) -> list[Path]:
-    """The B->A message pi of one layer as heat maps over rounds (the paper's Fig. 3)."""
+def heatmap_figure(run_dir: Path, layer: str = HEATMAP_LAYER, panels: int = 5) -> Figure | None:
+    """The B->A message pi of one layer as heat maps over rounds (the paper's Fig. 3); None without messages."""
     files = _message_files(run_dir)
     if not files:
-        return []
+        return None
     picks = sorted({files[int(round(i))] for i in np.linspace(0, len(files) - 1, min(panels, len(files)))})
     first = load_file(str(picks[0]))
     if f"{layer}.pi" not in first:
-        return []
+        return None
     pis = [load_file(str(p))[f"{layer}.pi"].astype(np.float32) for p in picks]
     # One colour scale for all panels, stretched to the values present (pi is often far below 1).
     vmax = max(0.05, float(max(np.percentile(p, 99.5) for p in pis)))
-    fig, axes = plt.subplots(1, len(picks), figsize=(3.2 * len(picks), 3.6), squeeze=False)
+    fig, axes = _figure(len(picks), figsize=(3.0 * len(picks) + 1.2, 3.9))
     for i, (ax, path, pi) in enumerate(zip(axes[0], picks, pis, strict=True)):
         im = ax.imshow(pi, cmap="viridis", vmin=0, vmax=vmax, aspect="auto", interpolation="nearest")
         ax.set(title=f"round {int(path.stem.split('_')[1])}", xlabel="input unit")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(nbins=4, integer=True))
         if i == 0:
             ax.set_ylabel("output unit")
-    fig.colorbar(im, ax=axes[0].tolist(), label="pi = P(s = 1) from Module B")
+    fig.colorbar(im, ax=axes[0].tolist(), label="pi = P(s = 1) from Module B", shrink=0.9)
     fig.suptitle(f"Support message v(h->s) of {layer} (grid {pis[0].shape[0]}x{pis[0].shape[1]}) over rounds")
-    return _save(fig, out / f"message_{layer}", tight=False)
+    return fig
 
 
-def draw_masks(run_dir: Path, out: Path) -> list[Path]:
-    """The final support mask of every layer (black = kept)."""
+def draw_heatmaps(run_dir: Path, out: Path, layer: str = HEATMAP_LAYER, panels: int = 5) -> list[Path]:
+    fig = heatmap_figure(run_dir, layer, panels)
+    return [] if fig is None else _save(fig, out / f"message_{layer}")
+
+
+MASK_COLUMNS = 7  # panels per row of the support-mask figure (MobileNetV1 has 28 layers)
+
+
+def masks_figure(run_dir: Path) -> Figure | None:
+    """The final support mask of every layer (black = kept); None when the run has neither messages nor model."""
     files = _message_files(run_dir)
     if files:
         last = load_file(str(files[-1]))
@@ -107,18 +201,30 @@ def draw_masks(run_dir: Path, out: Path) -> list[Path]:
                 last[f"{name}.mask"] = nz.reshape(nz.shape[0], -1).astype(np.uint8)
         source = "model.safetensors"
     else:
-        return []
+        return None
     names = [k[: -len(".mask")] for k in last if k.endswith(".mask")]
     if not names:
-        return []
-    fig, axes = plt.subplots(1, len(names), figsize=(2.8 * len(names), 3.0), squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
+        return None
+    ncols = min(len(names), MASK_COLUMNS)
+    nrows = math.ceil(len(names) / ncols)
+    fig, axes = _figure(ncols, nrows, figsize=(2.6 * ncols, 2.9 * nrows + 0.4))
+    flat = axes.ravel()
+    for ax, name in zip(flat, names, strict=False):
         mask = last[f"{name}.mask"]
         ax.imshow(mask, cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         ax.set(title=f"{name} {mask.shape[0]}x{mask.shape[1]}\n{100 * mask.mean():.1f}% kept",
                xlabel="input (grid column)", ylabel="output")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(nbins=4, integer=True))
+    for ax in flat[len(names):]:
+        ax.set_axis_off()
     fig.suptitle(f"Final support (nonzero weights) of every layer ({source})")
-    return _save(fig, out / "support_masks")
+    return fig
+
+
+def draw_masks(run_dir: Path, out: Path) -> list[Path]:
+    fig = masks_figure(run_dir)
+    return [] if fig is None else _save(fig, out / "support_masks")
 
 
 # ------------------------------------------------------------------ several runs
@@ -135,6 +241,7 @@ class RunSummary:
     down_bits: float
     metrics: dict[str, np.ndarray]
     inference_ms: float | None = None
+    inference_samples: int | None = None  # how many test images the timed forward pass held
 
     @property
     def total_bits(self) -> float:
@@ -186,9 +293,10 @@ def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, rep
         from .data import DataError
 
         try:
-            summary.inference_ms = inference_time_ms(run_dir, cfg, samples=samples, repeats=repeats)
+            summary.inference_ms, summary.inference_samples = time_inference(run_dir, cfg, samples=samples,
+                                                                              repeats=repeats)
         except DataError:  # the data is not on this machine: the column stays empty
-            summary.inference_ms = None
+            summary.inference_ms = summary.inference_samples = None
     return summary
 
 
@@ -218,9 +326,10 @@ def _run_dataset(cfg: object, limit_test: int) -> object:
 
 
 @torch.no_grad()
-def inference_time_ms(run_dir: Path, cfg: object, *, samples: int = 3000, repeats: int = 5) -> float:
-    """Median wall time (ms) of one forward pass of ``samples`` test images through the saved model, as a
-    masked dense network in eval mode (Table I's column; :mod:`dturbo.export` removes the zeros for speed)."""
+def time_inference(run_dir: Path, cfg: object, *, samples: int = 3000, repeats: int = 5) -> tuple[float, int]:
+    """(median wall time in ms, images) of one forward pass of up to ``samples`` test images (fewer when the
+    test set is smaller) through the saved model, as a masked dense network in eval mode (Table I's column;
+    :mod:`dturbo.export` removes the zeros for speed)."""
     model = load_run_model(run_dir, cfg)
     x = torch.from_numpy(_run_dataset(cfg, samples).x_test[:samples])
     model(x)  # warm-up
@@ -229,22 +338,35 @@ def inference_time_ms(run_dir: Path, cfg: object, *, samples: int = 3000, repeat
         t0 = time.perf_counter()
         model(x)
         times.append(time.perf_counter() - t0)
-    return 1000 * float(np.median(times))
+    return 1000 * float(np.median(times)), int(x.shape[0])
 
 
-def draw_comparison(runs: list[RunSummary], out: Path) -> list[Path]:
-    """Accuracy vs cumulative communication bits (log x), one curve per method (the paper's Fig. 2)."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+def inference_time_ms(run_dir: Path, cfg: object, *, samples: int = 3000, repeats: int = 5) -> float:
+    """The time of :func:`time_inference` alone."""
+    return time_inference(run_dir, cfg, samples=samples, repeats=repeats)[0]
+
+
+def comparison_figure(runs: list[RunSummary]) -> Figure:
+    """Accuracy vs cumulative communication bits (log x), one curve per method (the paper's Fig. 2); the legend
+    sits below the axes so that it never hides a curve."""
+    fig, axes = _figure(1, figsize=(8.0, 4.4 + 0.22 * len(runs)))
+    ax = axes[0, 0]
     for i, r in enumerate(runs):
         m = r.metrics
         ok = ~np.isnan(m["accuracy"])
-        ax.semilogx(m["cum_bits"][ok], 100 * m["accuracy"][ok], "o-", ms=3, color=f"C{i}",
+        ax.semilogx(m["cum_bits"][ok], 100 * m["accuracy"][ok], "o-", ms=3, color=f"C{i % 10}",
                     label=f"{r.label}: {100 * r.final_accuracy:.1f}%, {100 * r.density:.0f}% nonzero")
-    ax.set(xlabel="cumulative communication, up + down (bits, log scale)", ylabel="test accuracy (%)",
+    ax.set(xlabel="cumulative communication, up + down (log scale)", ylabel="test accuracy (%)",
            title="Accuracy vs communication")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="lower right")
-    return _save(fig, out / "accuracy_vs_bits")
+    ax.grid(alpha=0.3, which="major")
+    ax.grid(alpha=0.15, which="minor")
+    fig.legend(loc="outside lower center", fontsize=8, ncols=1, frameon=False)
+    bits_log_axis(ax)
+    return fig
+
+
+def draw_comparison(runs: list[RunSummary], out: Path) -> list[Path]:
+    return _save(comparison_figure(runs), out / "accuracy_vs_bits")
 
 
 def _fmt_bits(b: float | None) -> str:
@@ -253,12 +375,34 @@ def _fmt_bits(b: float | None) -> str:
     return f"{b / 1e6:,.1f} Mbit"
 
 
+def _inference_counts(runs: list[RunSummary]) -> list[int]:
+    return sorted({r.inference_samples for r in runs if r.inference_samples is not None})
+
+
+def inference_column(runs: list[RunSummary]) -> str:
+    """The inference column's name, after the number of test images really timed: ``inference 3000 samples
+    (ms)``; ``inference ms [samples]`` (each cell ``12.3 [400]``) when the runs timed different numbers."""
+    counts = _inference_counts(runs)
+    if not counts:
+        return "inference (ms)"
+    if len(counts) == 1:
+        return f"inference {counts[0]} samples (ms)"
+    return "inference ms [samples]"
+
+
+def _inference_cell(r: RunSummary, mixed: bool) -> str:
+    if r.inference_ms is None:
+        return ""
+    return f"{r.inference_ms:.1f} [{r.inference_samples}]" if mixed else f"{r.inference_ms:.1f}"
+
+
 def comparison_table(runs: list[RunSummary], targets: list[float]) -> tuple[str, str]:
     """(Markdown, CSV) of the comparison (the paper's Table I, with bits)."""
     head = ["method", "run", "rounds", "final accuracy (%)", "nonzero weights (%)", "bits up (Mbit)",
             "bits down (Mbit)", "bits total (Mbit)"]
     head += [f"bits to {100 * t:.1f}% (Mbit)" for t in targets]
-    head += ["inference 3000 samples (ms)"]
+    head += [inference_column(runs)]
+    mixed = len(_inference_counts(runs)) > 1
     rows = []
     for r in runs:
         row = [r.label, r.run_dir.name, str(r.rounds), f"{100 * r.final_accuracy:.2f}", f"{100 * r.density:.1f}",
@@ -266,7 +410,7 @@ def comparison_table(runs: list[RunSummary], targets: list[float]) -> tuple[str,
         for t in targets:
             b = r.bits_to_reach(t)
             row.append("not reached" if b is None else f"{b / 1e6:.1f}")
-        row.append("" if r.inference_ms is None else f"{r.inference_ms:.1f}")
+        row.append(_inference_cell(r, mixed))
         rows.append(row)
     md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(row) + " |" for row in rows]

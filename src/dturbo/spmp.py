@@ -1,6 +1,6 @@
-"""Module B: loopy sum-product message passing (SPMP) on a layer's support grid (SPEC 2, 4, 8).
+"""Module B: loopy sum-product message passing (SPMP) on a layer's support grid (docs/algorithm.md §2, 4, 8).
 
-The grid MRF of a layer (SPEC 2) has, for every node s_n of the K x M grid,
+The grid MRF of a layer (docs/algorithm.md §2) has, for every node s_n of the K x M grid,
 
 - a unary input: the A -> B message of E1, given as log-odds ``unary``;
 - pairwise factors psi(s_prev, s_next) = P_row[s_prev, s_next] between horizontal neighbours
@@ -30,7 +30,7 @@ over the four message directions.
 On a chain (1 x M or K x 1) the result is computed exactly by forward-backward, vectorised as a parallel
 prefix product of the 2x2 matrices of the Moebius maps (log2(M) steps, no loop over nodes); the
 ``schedule="sweep"`` option uses the same exact chain solver for all rows at once, then all columns at once,
-which is the row/column sweep schedule of SPEC 8 (fewer iterations at strong coupling, dearer per iteration).
+which is the row/column sweep schedule of §8 (fewer iterations at strong coupling, dearer per iteration).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ _SCHEDULES = ("flooding", "sweep")
 
 @dataclass
 class GridBPResult:
-    """Result of :func:`grid_bp` (SPEC 8, E2)."""
+    """Result of :func:`grid_bp` (docs/algorithm.md §8, E2)."""
 
     belief: np.ndarray  # (K, M) float64 log-odds of the posterior marginal of each s_n
-    extrinsic: np.ndarray  # (K, M) float64 log-odds = belief - unary  (SPEC E2)
+    extrinsic: np.ndarray  # (K, M) float64 log-odds = belief - unary  (E2)
     iterations: int  # iterations used
     converged: bool
 
@@ -76,7 +76,7 @@ def _probability(p: Any, name: str, *, allow_none: bool = False) -> float | None
 
 
 def _factor(p01: Any, p11: Any, name: str) -> np.ndarray:
-    """psi[s_prev, s_next] = P[s_prev, s_next] with P = [[1-p01, p01], [1-p11, p11]] (SPEC 2)."""
+    """psi[s_prev, s_next] = P[s_prev, s_next] with P = [[1-p01, p01], [1-p11, p11]] (docs/algorithm.md §2)."""
     a = _probability(p01, f"p01_{name}")
     b = _probability(p11, f"p11_{name}")
     return np.array([[1.0 - a, a], [1.0 - b, b]], dtype=np.float64)
@@ -157,7 +157,7 @@ def grid_bp(
     damping: float = 0.0,
     schedule: str = "flooding",
 ) -> GridBPResult:
-    """Loopy sum-product on the K x M support grid of one layer (Module B; SPEC 8, E2).
+    """Loopy sum-product on the K x M support grid of one layer (Module B; docs/algorithm.md §8, E2).
 
     Args:
         unary: (K, M) log-odds, the A -> B message of E1. Must be finite; any magnitude is handled.
@@ -225,7 +225,7 @@ _Messages = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool]
 
 
 def _flooding(own: np.ndarray, fr: np.ndarray, fc: np.ndarray, max_iter: int, tol: float, damping: float) -> _Messages:
-    """Flooding schedule in the odds domain with preallocated buffers (the hot path: SPEC 8 asks the whole
+    """Flooding schedule in the odds domain with preallocated buffers (the hot path: docs/algorithm.md §8 asks the whole
     model's grids to cost far less than local training, and the support calibration calls this many times).
 
     Messages (odds, 1 = uninformative): right[k, m] from (k, m) into (k, m+1); left[k, m] from (k, m+1) into
@@ -312,7 +312,7 @@ def _sweep(own: np.ndarray, fr: np.ndarray, fc: np.ndarray, max_iter: int, tol: 
 def grid_bp_many(
     unaries: Sequence[np.ndarray], params: Sequence[dict[str, Any]], **kw: Any
 ) -> list[GridBPResult]:
-    """Run :func:`grid_bp` on every layer's grid of one round (SPEC 7 step 4, SPEC 8).
+    """Run :func:`grid_bp` on every layer's grid of one round (docs/algorithm.md §7 step 4, §8).
 
     ``params[i]`` holds layer i's MRF keyword arguments (p01_row, p11_row, p01_col, p11_col and optionally
     start_row, start_col); ``kw`` holds the shared ones (max_iter, tol, damping, schedule). A key given in

@@ -1,9 +1,9 @@
-"""Module A closed forms of D-Turbo-VBI (SPEC sections 4-5).
+"""Module A closed forms of D-Turbo-VBI (docs/algorithm.md §4-5).
 
 Everything here works on float64 arrays that broadcast against each other, in log space:
 C1 and C2 of (E3) are never formed (they under/overflow), only their logarithms' difference.
 
-Notation (SPEC 2-5): pi is the prior probability of s_n = 1 coming from Module B (E2);
+Notation (docs/algorithm.md §2-5): pi is the prior probability of s_n = 1 coming from Module B (E2);
 pi_tilde = q(s_n = 1); (a_tilde, b_tilde) are the shape/rate of q(rho_n); mu, sigma the
 mean/std of q(w_n); (a, b) the active and (a_bar, b_bar) the inactive Gamma prior on rho_n.
 """

@@ -1,4 +1,4 @@
-"""The one protocol every federated algorithm implements and every runner drives (DESIGN.md).
+"""The one protocol every federated algorithm implements and every runner drives (README.md, "Layout").
 
 Messages cross the boundary as encoded bytes made by :mod:`dturbo.codec`; a runner counts
 ``len(message) * 8`` bits, so bit accounting is what is really sent.
@@ -113,7 +113,7 @@ LEDGER_PARTS = ("headers", "positions", "values")
 
 
 def message_bits(data: bytes, layouts: dict[str, dict[str, str]]) -> dict[str, int]:
-    """Bits of one framed message by part (SPEC 9 ledger): ``headers`` (framing, field names, types, shapes,
+    """Bits of one framed message by part (docs/algorithm.md §9): ``headers`` (framing, field names, types, shapes,
     counters), ``positions`` and ``values``; they sum to ``8 * len(data)``. ``layouts`` maps the message kind
     and each field's name suffix (``dense1.mu`` -> ``mu``) to the encoder that made the payload."""
     kind, fields = decode_message(data)

@@ -1,6 +1,7 @@
 """FedAvg (McMahan et al. 2017): the uncompressed reference. Every client (or
 ``federation.clients_per_round``) trains from the global model and uploads its weights; the server averages
-them weighted by n_t. ``fedavg.dtype`` = float32 (the 32-bit reference) or float16 (SPEC 9, 16-bit transmission)."""
+them weighted by n_t. ``fedavg.dtype`` = float32 (the 32-bit reference) or float16
+(docs/algorithm.md §9: 16-bit transmission)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,11 @@ import io
 import math
 import os
 import pickle
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +41,10 @@ NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 class DataError(ValueError):
     """A dataset file is missing or malformed; the message names the file and the fix."""
+
+
+class DataWarning(UserWarning):
+    """A dataset loads but looks wrong (e.g. classes without training samples); the message says what to do."""
 
 
 @dataclass
@@ -55,6 +61,10 @@ class Dataset:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    # How raw inputs became x_*: x = (raw / scale - mean[c]) / std[c] per channel c (per feature for flat
+    # data), in float64, then float32; raw_dtype is the file's dtype (scale 255 for uint8 pixels, else 1).
+    # None for a Dataset built by hand.
+    input_norm: dict[str, Any] | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -296,10 +306,63 @@ def _to_nchw(x: np.ndarray, path: Path, key: str) -> np.ndarray:
     raise DataError(f"{path}: {key} must be N,H,W or N,C,H,W or N,H,W,C images or flat N,D; got shape {x.shape}")
 
 
+def _looks_like_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        start = f.read(4096)
+    try:
+        start.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return b"\x00" not in start
+
+
+def _class_list(ids: np.ndarray, limit: int = 20) -> str:
+    shown = ", ".join(str(int(i)) for i in ids[:limit])
+    return shown + (f", ... ({len(ids)} in all)" if len(ids) > limit else "")
+
+
+def _npz_num_classes(path: Path, ytr: np.ndarray, yte: np.ndarray, stored: np.ndarray | None) -> int:
+    """The number of classes: the file's ``num_classes`` if stored (labels must lie below it), else the
+    largest label + 1; warns (:class:`DataWarning`) about classes without training samples."""
+    top = int(max(ytr.max(), yte.max()))
+    if stored is not None:
+        if stored.shape != () or not np.issubdtype(stored.dtype, np.integer) or int(stored) < 2:
+            raise DataError(f"{path}: num_classes must be one integer >= 2 (np.savez(..., num_classes=10)), got "
+                            f"{stored.dtype} {stored.shape} {stored if stored.size <= 5 else ''}")
+        nc = int(stored)
+        if top >= nc:
+            split = "y_train" if int(ytr.max()) >= nc else "y_test"
+            raise DataError(f"{path}: {split} has label {top}, outside [0, num_classes = {nc}); fix the labels or "
+                            f"store num_classes={top + 1}")
+    else:
+        nc = max(top + 1, 2)
+        missing = np.setdiff1d(np.arange(top + 1), ytr)  # ids the labels skip (a single class 0 is no gap)
+        if len(missing):
+            warnings.warn(
+                f"{path}: no training sample has class {_class_list(missing)}, yet labels run 0..{nc - 1}, so the "
+                f"model gets {nc} outputs, {len(missing)} of them never trained. If the labels skip values, "
+                f"remap them to 0..K-1; if these classes are real but absent, say so by storing the class count "
+                f"in the file: np.savez(..., num_classes={nc})", DataWarning, stacklevel=4)
+    unseen = np.setdiff1d(yte, ytr)
+    if len(unseen):
+        warnings.warn(f"{path}: test label(s) {_class_list(unseen)} never appear in y_train: the model cannot "
+                      f"learn them and every such test sample counts as an error", DataWarning, stacklevel=4)
+    return nc
+
+
 def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     need = f"data.path must point at a .npz file with arrays {', '.join(NPZ_KEYS)} (np.savez)"
     if not path.is_file():
         raise DataError(f"no such .npz file: {path}; {need}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err}") from None
+    # np.load takes anything that is neither zip nor .npy for a pickle, and then says "pickled data"
+    if not head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
+        what = "empty" if not head else ("text" if _looks_like_text(path) else f"data starting {head.hex()}")
+        raise DataError(f"{path} is not a readable .npz file: it is {what}, not an npz (zip) archive; {need}")
     try:
         z = np.load(path, allow_pickle=False)
         if not isinstance(z, np.lib.npyio.NpzFile):
@@ -309,6 +372,7 @@ def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             if missing:
                 raise DataError(f"{path}: missing array(s) {', '.join(missing)} (found {', '.join(z.files)}); {need}")
             xtr, ytr, xte, yte = (z[k] for k in NPZ_KEYS)
+            stored_nc = z["num_classes"] if "num_classes" in z.files else None
     except DataError:
         raise
     except Exception as err:  # not a zip, object arrays (pickles refused), corrupt members
@@ -332,7 +396,7 @@ def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             raise DataError(f"{path}: x_{split} contains NaN or Inf")
     if xtr.shape[1:] != xte.shape[1:]:
         raise DataError(f"{path}: x_train samples {xtr.shape[1:]} and x_test samples {xte.shape[1:]} differ in shape")
-    num_classes = max(int(max(ytr.max(), yte.max())) + 1, 2)
+    num_classes = _npz_num_classes(path, ytr, yte, stored_nc)
     return (_to_nchw(xtr, path, "x_train"), ytr.astype(np.int64), _to_nchw(xte, path, "x_test"),
             yte.astype(np.int64), num_classes)
 
@@ -353,8 +417,9 @@ def _as_float(x: np.ndarray, scale: float) -> np.ndarray:
     return (x.astype(np.float64) / scale).reshape(len(x), x.shape[1], -1)
 
 
-def _normalise(xtr: np.ndarray, xte: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel (per-feature for flat data) standardisation with float64 training statistics."""
+def _normalise(xtr: np.ndarray, xte: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Per-channel (per-feature for flat data) standardisation with float64 training statistics; also returns
+    the statistics (see :attr:`Dataset.input_norm`)."""
     scale = 255.0 if xtr.dtype == np.uint8 else 1.0
     n = len(xtr)
     count = n * (math.prod(xtr.shape[2:]) if xtr.ndim > 2 else 1)
@@ -375,7 +440,9 @@ def _normalise(xtr: np.ndarray, xte: np.ndarray) -> tuple[np.ndarray, np.ndarray
                 out[i:i + _CHUNK].shape)
         return out
 
-    return apply(xtr), apply(xte)
+    norm = {"raw_dtype": str(xtr.dtype), "scale": scale, "mean": [float(v) for v in mean],
+            "std": [float(v) for v in std]}
+    return apply(xtr), apply(xte), norm
 
 
 def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit_train: int | None = None,
@@ -430,5 +497,5 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit
     rng = np.random.default_rng(seed)
     xtr, ytr = _subset(xtr, ytr.astype(np.int64), limit_train, rng)
     xte, yte = _subset(xte, yte.astype(np.int64), limit_test, rng)
-    xtr, xte = _normalise(xtr, xte)
-    return Dataset(name, xtr, ytr, xte, yte, nc)
+    xtr, xte, norm = _normalise(xtr, xte)
+    return Dataset(name, xtr, ytr, xte, yte, nc, norm)

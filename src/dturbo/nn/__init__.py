@@ -1,4 +1,4 @@
-"""Bayesian layers (local reparameterisation, SPEC 6) and the experiment models."""
+"""Bayesian layers (local reparameterisation, docs/algorithm.md §6) and the experiment models."""
 
 from .bayes import BayesConv2d, BayesianLayer, BayesLinear, bayesian_layers, model_kl
 from .models import MODEL_NAMES, build_model, layer_scale

@@ -1,4 +1,4 @@
-"""Bayesian layers with the local reparameterisation trick (SPEC 3, 6).
+"""Bayesian layers with the local reparameterisation trick (docs/algorithm.md §3, 6).
 
 q(w_n) = N(mu_n, sigma^2): sigma is one scalar per layer by default (``sigma_mode="layer"``) or one per
 weight (``sigma_mode="weight"``), always through softplus. The support mask S is a buffer: weights off

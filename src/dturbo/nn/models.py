@@ -1,4 +1,4 @@
-"""The networks of the experiments, built from Bayesian layers (SPEC 10).
+"""The networks of the experiments, built from Bayesian layers (docs/algorithm.md §10).
 
 Every model is an ``nn.Sequential``; its Bayesian layers carry names that figures and configs use
 (``conv1``..``conv4``, ``dense1``..``dense3`` for the downsized AlexNet). "Dense_2" of the paper's
@@ -23,9 +23,72 @@ def _act() -> nn.Module:
     return nn.LeakyReLU(0.1)
 
 
-def _flat_size(features: nn.Module, input_shape: Sequence[int]) -> int:
+class ModelInputError(ValueError):
+    """The dataset's samples do not fit the model (e.g. images too small for its convolutions and poolings)."""
+
+
+def _failing_layer(net: nn.Module, input_shape: Sequence[int]) -> tuple[str, str]:
+    """(name, reason) of the first child of ``net`` that cannot take a zero sample of ``input_shape``."""
+    x = torch.zeros(1, *input_shape)
+    for name, m in net.named_children():
+        shape = tuple(x.shape[1:])
+        try:
+            x = m(x)
+        except RuntimeError as err:
+            return name, f"{type(m).__name__} got a {'x'.join(map(str, shape))} input: {str(err).splitlines()[0]}"
+    return "", ""
+
+
+def _smallest_square(net: nn.Module, channels: int, limit: int = 512) -> int | None:
+    """The smallest H = W that passes through ``net``, or None up to ``limit``."""
+    for s in range(1, limit + 1):
+        try:
+            net(torch.zeros(1, channels, s, s))
+        except RuntimeError:
+            continue
+        return s
+    return None
+
+
+def _input_error(model_name: str, net: nn.Module, input_shape: Sequence[int]) -> ModelInputError:
+    """A message naming the model, the input size, the layer that failed and the smallest size that works."""
+    training = net.training
+    # Outside the seeded draws: a stochastic layer in training mode would draw noise from the global RNG.
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        net.eval()
+        layer, why = _failing_layer(net, input_shape)
+        smallest = _smallest_square(net, int(input_shape[0])) if len(input_shape) == 3 else None
+        net.train(training)
+    size = "x".join(map(str, input_shape))
+    msg = f"model {model_name!r} cannot take the dataset's {size} (C x H x W) inputs: they are too small"
+    if layer:
+        msg += f"; layer {layer!r} fails ({why})"
+    if smallest is not None:
+        msg += f". The smallest {input_shape[0]}-channel square input it takes is {smallest}x{smallest}"
+    return ModelInputError(msg + "; use larger images or a model for small inputs (model.name = 'mlp', "
+                                 "or 'mobilenet-v1')")
+
+
+def _flat_size(features: nn.Module, input_shape: Sequence[int], model_name: str) -> int:
     with torch.no_grad():
-        return int(features(torch.zeros(1, *input_shape)).numel())
+        try:
+            return int(features(torch.zeros(1, *input_shape)).numel())
+        except RuntimeError:
+            raise _input_error(model_name, features, input_shape) from None
+
+
+def check_input_shape(model: nn.Module, input_shape: Sequence[int], model_name: str) -> None:
+    """A dry forward pass of one zero sample through ``model`` (in eval mode, no RNG draws, mode restored);
+    raises :class:`ModelInputError` naming the model, the input size and the failing layer."""
+    training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            model(torch.zeros(1, *input_shape))
+    except RuntimeError:
+        raise _input_error(model_name, model, input_shape) from None
+    finally:
+        model.train(training)
 
 
 def alexnet_small(input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode) -> nn.Sequential:
@@ -41,7 +104,7 @@ def alexnet_small(input_shape: Sequence[int], num_classes: int, sigma_mode: Sigm
         conv4=BayesConv2d(32, 64, 3, padding=1, **kw), act4=_act(), pool4=nn.MaxPool2d(3, 2),
         flatten=nn.Flatten(),
     )
-    flat = _flat_size(nn.Sequential(feats), input_shape)
+    flat = _flat_size(nn.Sequential(feats), input_shape, "alexnet-small")
     feats.update(
         dense1=BayesLinear(flat, 120, **kw), act5=_act(),
         dense2=BayesLinear(120, 84, **kw), act6=_act(),
@@ -59,7 +122,7 @@ def lenet5(input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode) 
         conv2=BayesConv2d(6, 16, 5, **kw), act2=_act(), pool2=nn.MaxPool2d(2),
         flatten=nn.Flatten(),
     )
-    flat = _flat_size(nn.Sequential(feats), input_shape)
+    flat = _flat_size(nn.Sequential(feats), input_shape, "lenet5")
     feats.update(
         dense1=BayesLinear(flat, 120, **kw), act3=_act(),
         dense2=BayesLinear(120, 84, **kw), act4=_act(),
@@ -84,7 +147,7 @@ def _norm(channels: int) -> nn.Module:
 def mobilenet_v1(
     input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode, width: float = 1.0
 ) -> nn.Sequential:
-    """MobileNetV1 with width multiplier ``width``: conv 3x3, 13 blocks of depthwise 3x3 (grid C x 9, SPEC 2)
+    """MobileNetV1 with width multiplier ``width``: conv 3x3, 13 blocks of depthwise 3x3 (grid C x 9, §2)
     + pointwise 1x1 convolutions, each followed by GroupNorm and ReLU, global average pooling, one dense layer.
     Layer names: ``conv1``, ``dw1``/``pw1`` .. ``dw13``/``pw13``, ``dense1``."""
     kw = {"sigma_mode": sigma_mode}
@@ -162,7 +225,7 @@ def build_model(
 
 
 def layer_scale(layer: BayesianLayer) -> float:
-    """s_l of SPEC 2: the std of the layer's initial mean weights.
+    """s_l of docs/algorithm.md §2: the std of the layer's initial mean weights.
 
     Summed exactly (math.fsum): a torch or numpy reduction depends on the thread count and memory
     alignment in its last bit, and s_l sets the prior, so a resumed run must get the very same value."""
