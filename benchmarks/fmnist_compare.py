@@ -136,6 +136,17 @@ def findings(runs: dict[str, RunSummary]) -> tuple[list[str], dict]:
     return lines, numbers
 
 
+def _keep_frontier(text: str, out_md: Path) -> str:
+    """Keep the section benchmarks/frontier.py writes (between its markers) after this file's title."""
+    old = out_md.read_text() if out_md.exists() else ""
+    start, end = "<!-- frontier:start -->", "<!-- frontier:end -->"
+    if start not in old or end not in old:
+        return text
+    block = old[old.index(start) : old.index(end) + len(end)]
+    title, _, rest = text.partition("\n\n")
+    return f"{title}\n\n{block}\n\n{rest}"
+
+
 def write_docs(runs: dict[str, RunSummary], walls: dict[str, float], out_md: Path, fig_dir: Path) -> None:
     lines, numbers = findings(runs)
     table = (fig_dir / "comparison.md").read_text()
@@ -148,7 +159,7 @@ def write_docs(runs: dict[str, RunSummary], walls: dict[str, float], out_md: Pat
         f"Setup: {cfg.model.name}, {cfg.federation.clients} clients, Dirichlet({cfg.federation.alpha}) label split,"
         f" {cfg.experiment.rounds} rounds, every client every round (DSSM samples fewer), {cfg.train.local_epochs:g}"
         f" local epoch of Adam (lr {cfg.train.lr}, batch {cfg.train.batch_size}) for every method;"
-        " bits are 8 x the bytes of the messages really exchanged (SPEC 9), up and down.",
+        " bits are 8 x the bytes of the messages really exchanged (docs/algorithm.md §9), up and down.",
         "",
         "## Table (paper's Table I, with bits)",
         "",
@@ -189,7 +200,7 @@ def write_docs(runs: dict[str, RunSummary], walls: dict[str, float], out_md: Pat
         " min at the median round (goal: under 60 min)",
         "",
     ]
-    out_md.write_text("\n".join(text))
+    out_md.write_text(_keep_frontier("\n".join(text), out_md))
     numbers["wall_seconds"] = walls
     numbers["round_seconds_sum"] = {k: float(r.metrics["seconds"].sum()) for k, r in runs.items()}
     numbers["round_seconds_median_x_rounds"] = {

@@ -1,6 +1,6 @@
-"""Bytes of every message (SPEC 9): cluster-coded grids, dense / sparse / value tensors, message framing.
+"""Bytes of every message (docs/algorithm.md §9): cluster-coded grids, dense / sparse / value tensors, message framing.
 
-SPEC 9: "every message is encoded into bytes by the project's codec and decoded by the receiver; bits = 8 x
+§9: "every message is encoded into bytes by the project's codec and decoded by the receiver; bits = 8 x
 bytes actually produced". Values are float16 unless asked otherwise ("16-bit transmission for all methods").
 
 Formats
@@ -10,10 +10,10 @@ bit stream and padded with zero bits to a whole byte once, at its end. Value pay
 floats. dtype codes: 1 = float16, 2 = float32, 3 = float64.
 
 * **values**  ``dtype(1) varint(n) values``: no shape, no positions -- a client's upload of the values on the
-  common support in the canonical (row-major) order (SPEC 7.2, 9).
+  common support in the canonical (row-major) order (docs/algorithm.md §7.2, 9).
 * **dense**   ``dtype(1) ndim(1) varint(dim)* values``.
 * **sparse**  ``flags(1) ndim(1) varint(dim)* varint(C) bits[positions] values[C]``.
-* **grid** (cluster coding, SPEC 9) ``flags(1) varint(K) varint(M) varint(R) varint(C) bits values`` with
+* **grid** (cluster coding, docs/algorithm.md §9) ``flags(1) varint(K) varint(M) varint(R) varint(C) bits values`` with
   ``bits`` = R rectangle records ``row, col, height-1, width-1`` of ``ceil(log2 K), ceil(log2 M),
   ceil(log2 K), ceil(log2 M)`` bits, then the positions of the C scattered nonzeros; ``values`` = every
   rectangle's h*w values row-major (zeros inside a rectangle included), rectangles in record order, then the C
@@ -29,9 +29,11 @@ floats. dtype codes: 1 = float16, 2 = float32, 3 = float64.
 
 * **quantized** ``varint(levels) varint(n) varint(P) params(float32 * P) bits`` with n symbols of
   ``ceil(log2 levels)`` bits each (FedPAQ's QSGD levels, log-scale prior stds).
+* **ternary** ``flags(1) varint(n) varint(C) mu bits`` (STC's {-mu, 0, +mu} updates): ``bits`` = the C positions
+  (schemes as below) then C sign bits (1 = -mu), one stream.
 * **message** ``b"DT" version(1) len(1) kind varint(#fields) { len(1) name varint(len) payload }*``.
 
-Cluster coding (SPEC 9, "a cluster larger than 3x3 is regarded as an entirety"): the support (entries nonzero
+Cluster coding (§9, "a cluster larger than 3x3 is regarded as an entirety"): the support (entries nonzero
 *after* rounding to the value dtype) is covered by disjoint axis-aligned rectangles of at least
 ``min_cluster x min_cluster`` (``min(min_cluster, K, M)`` on grids thinner than that, so that a dense 1 x M grid
 is one rectangle too); every other nonzero is a scattered point. Rule: with ``F`` the bits of one rectangle
@@ -72,12 +74,14 @@ __all__ = [
     "decode_message",
     "decode_quantized",
     "decode_sparse",
+    "decode_ternary",
     "decode_values",
     "encode_dense",
     "encode_grid",
     "encode_message",
     "encode_quantized",
     "encode_sparse",
+    "encode_ternary",
     "encode_values",
     "grid_cost",
     "message_breakdown",
@@ -100,7 +104,7 @@ _MAX_NDIM = 8
 
 
 class CodecError(ValueError):
-    """Malformed or unsupported bytes, or values that cannot be encoded (SPEC 9)."""
+    """Malformed or unsupported bytes, or values that cannot be encoded (docs/algorithm.md §9)."""
 
 
 # ================================================================ byte primitives
@@ -253,7 +257,7 @@ def _as_real(array: np.ndarray) -> np.ndarray:
 
 
 def _cast_values(values: np.ndarray, code: int) -> np.ndarray:
-    """float64 values -> the wire dtype; NaN / Inf / overflow raise CodecError (SPEC 9: no silent overflow)."""
+    """float64 values -> the wire dtype; NaN / Inf / overflow raise CodecError (§9: no silent overflow)."""
     if values.size and not np.all(np.isfinite(values)):
         raise CodecError("cannot encode NaN or Inf")
     if code == 1 and values.size and np.abs(values).max() > _FLOAT16_MAX:
@@ -284,7 +288,7 @@ def _check_limit(n: int, max_elements: int | None, what: str) -> None:
 
 
 def encode_values(vec: np.ndarray, dtype: str = "float16") -> bytes:
-    """Values in a fixed (canonical) order, no shape and no positions (SPEC 7.2, 9: the upstream of a client,
+    """Values in a fixed (canonical) order, no shape and no positions (§7.2, 9: the upstream of a client,
     "values on the common support in a canonical order"). ``vec`` must be 1-D (or 0-D: one value)."""
     a = _as_real(vec)
     if a.ndim > 1:
@@ -295,7 +299,7 @@ def encode_values(vec: np.ndarray, dtype: str = "float16") -> bytes:
 
 
 def decode_values(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
-    """Inverse of :func:`encode_values` (SPEC 9): a 1-D float32 array (float64 for a float64 payload).
+    """Inverse of :func:`encode_values` (docs/algorithm.md §9): a 1-D float32 array (float64 for a float64 payload).
     The count is checked against the bytes present and ``max_elements`` before anything is allocated."""
     r = _Reader(data)
     dt = _read_dtype_code(r.byte())
@@ -325,14 +329,14 @@ def _decode_shape(r: _Reader) -> tuple[int, ...]:
 
 
 def encode_dense(array: np.ndarray, dtype: str = "float16") -> bytes:
-    """A dense tensor of any shape (SPEC 9 baselines, biases): dtype, ndim, shape, then every value (C order)."""
+    """A dense tensor of any shape (§9 baselines, biases): dtype, ndim, shape, then every value (C order)."""
     a = _as_real(array)
     code = _dtype_code(dtype)
     return bytes([code]) + _encode_shape(a.shape) + _cast_values(a.reshape(-1), code).tobytes()
 
 
 def decode_dense(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
-    """Inverse of :func:`encode_dense` (SPEC 9); float32 (float64 for a float64 payload). The element count must
+    """Inverse of :func:`encode_dense` (§9); float32 (float64 for a float64 payload). The element count must
     match the bytes present exactly, and not exceed ``max_elements``, before anything is allocated."""
     r = _Reader(data)
     dt = _read_dtype_code(r.byte())
@@ -435,7 +439,7 @@ def _read_flags(r: _Reader) -> tuple[np.dtype, int]:
 
 # ====================================================================== sparse
 def encode_sparse(array: np.ndarray, dtype: str = "float16") -> bytes:
-    """A sparse tensor of any shape (SPEC 9 baselines: "sparse tensors with positions"): shape, the nonzeros'
+    """A sparse tensor of any shape (§9 baselines: "sparse tensors with positions"): shape, the nonzeros'
     positions (the cheapest of index list / bitmap / Rice-coded gaps, flagged) and their values. Entries that round
     to zero in ``dtype`` are not sent."""
     a = _as_real(array)
@@ -450,7 +454,7 @@ def encode_sparse(array: np.ndarray, dtype: str = "float16") -> bytes:
 
 
 def decode_sparse(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
-    """Inverse of :func:`encode_sparse` (SPEC 9); float32 (float64 for a float64 payload). The dense output
+    """Inverse of :func:`encode_sparse` (§9); float32 (float64 for a float64 payload). The dense output
     (at most ``max_elements``, default :data:`DEFAULT_MAX_ELEMENTS`) is allocated only after every check."""
     r = _Reader(data)
     dt, scheme = _read_flags(r)
@@ -467,6 +471,48 @@ def decode_sparse(data: bytes, *, max_elements: int | None = None) -> np.ndarray
     out = np.zeros(n, dtype=vals.dtype)
     out[idx] = vals
     return out.reshape(shape)
+
+
+# ===================================================================== ternary
+def encode_ternary(idx: np.ndarray, negative: np.ndarray, mu: float, n: int, dtype: str = "float32") -> bytes:
+    """A sparse ternary vector of length ``n`` (STC, Sattler et al. 2019: entries in {-mu, 0, +mu}):
+    ``flags(1) varint(n) varint(C) mu(dtype) bits[positions, C sign bits]``. The positions (sorted distinct
+    ``idx``) use the same cheapest-of index list / bitmap / Rice-coded gaps as :func:`encode_sparse` (Rice = the
+    Golomb code with a power-of-two parameter, the paper's position coding); then one bit per position, 1 for
+    ``-mu``. ``mu`` must be finite and >= 0 (ValueError / CodecError otherwise)."""
+    idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+    neg = np.asarray(negative, dtype=bool).reshape(-1)
+    n = int(n)
+    if n < 0 or neg.shape != idx.shape:
+        raise ValueError(f"need n >= 0 and one sign per position (n={n}, {idx.size} positions, {neg.size} signs)")
+    if idx.size and (idx[0] < 0 or idx[-1] >= n or np.any(np.diff(idx) <= 0)):
+        raise ValueError(f"positions must be sorted, distinct and in 0..{n - 1}")
+    code = _dtype_code(dtype)
+    m = _cast_values(np.array([float(mu)]), code)
+    if not m[0] >= 0:
+        raise ValueError(f"mu must be >= 0, got {mu}")
+    scheme, _, k = _position_plan(idx, n)
+    bw = _BitWriter()
+    _write_positions(bw, idx, n, scheme, k)
+    bw.bits(neg.astype(np.uint8))
+    return bytes([_flags(code, scheme)]) + _varint(n) + _varint(idx.size) + m.tobytes() + bw.getvalue()
+
+
+def decode_ternary(data: bytes, *, max_elements: int | None = None) -> tuple[np.ndarray, np.ndarray, float, int]:
+    """Inverse of :func:`encode_ternary`: (positions int64, negative bool, mu, n). Bounds-checked: n <=
+    ``max_elements``, the count fits n and the bytes present, positions sorted, distinct and below n, no trailing
+    bytes. mu is returned as sent (NaN / Inf included: the caller validates)."""
+    r = _Reader(data)
+    dt, scheme = _read_flags(r)
+    n = r.varint(limit=_MAX_DIM, what="length")
+    _check_limit(n, max_elements, f"ternary vector of {n}")
+    count = r.varint(limit=min(n, 8 * r.left), what="nonzero count")
+    mu = float(_read_values(r, dt, 1)[0])
+    br = _BitReader(r.take(r.left))
+    idx = _read_positions(br, count, n, scheme)
+    negative = br.take(count).astype(bool)
+    br.finish()
+    return idx, negative, mu, n
 
 
 # ======================================================================== grid
@@ -583,7 +629,7 @@ def _disjoint_boxes(core: np.ndarray) -> np.ndarray:
 
 
 class _Search:
-    """One rectangle search over a K x M support (SPEC 9 cluster coding), fully vectorised.
+    """One rectangle search over a K x M support (docs/algorithm.md §9 cluster coding), fully vectorised.
 
     ``core``: the union of the all-nonzero ``mc x mc`` windows (the support's morphological opening), the shapes
     rectangles are cut from; nonzeros outside it (ragged edges, isolated points) stay scattered unless a rectangle
@@ -704,7 +750,7 @@ def _plan(support: np.ndarray, rects: np.ndarray, F: int, value_bits: int) -> tu
 
 
 def _find_rectangles(support: np.ndarray, min_cluster: int, value_bits: int) -> np.ndarray:
-    """Disjoint rectangles (R, 4) = (row, col, height, width) of the cluster coding (SPEC 9); see the module
+    """Disjoint rectangles (R, 4) = (row, col, height, width) of the cluster coding (§9); see the module
     docstring for the rule and :class:`_Search` for the method.
 
     The position cost ``p`` of a scattered point is first estimated from the nonzeros outside the core; when the
@@ -750,13 +796,23 @@ def _grid_parts(matrix: np.ndarray, min_cluster: int, dtype: str) -> tuple[bytes
     k, m = a.shape
     wire = _cast_values(a.reshape(-1), code).reshape(k, m)
     # The support is what survives the value dtype: a value that rounds to 0 is not sent.
-    support = wire != 0
-    rects = _find_rectangles(support, int(min_cluster), 8 * _DTYPES[code].itemsize)
+    rects, scattered, scheme, stream = _support_stream(wire != 0, int(min_cluster), 8 * _DTYPES[code].itemsize)
+    rect_vals = [wire[r0 : r0 + h, c0 : c0 + w].reshape(-1) for r0, c0, h, w in rects.tolist()]
+    header = bytes([_flags(code, scheme)]) + _varint(k) + _varint(m) + _varint(len(rects)) + _varint(scattered.size)
+    values = np.concatenate([*rect_vals, wire.reshape(-1)[scattered]]).astype(_DTYPES[code])
+    return header, stream, values.tobytes()
+
+
+def _support_stream(
+    support: np.ndarray, min_cluster: int, value_bits: int
+) -> tuple[np.ndarray, np.ndarray, int, bytes]:
+    """The cluster coding of a support's positions: (rectangles (r0, c0, h, w), scattered flat indices, position
+    scheme, bit stream = rectangle records + scattered positions + padding)."""
+    k, m = support.shape
+    rects = _find_rectangles(support, min_cluster, value_bits)
     covered = np.zeros((k, m), dtype=bool)
-    rect_vals = []
     for r0, c0, h, w in rects.tolist():
         covered[r0 : r0 + h, c0 : c0 + w] = True
-        rect_vals.append(wire[r0 : r0 + h, c0 : c0 + w].reshape(-1))
     scattered = np.flatnonzero(support & ~covered)
     scheme, _, rice_k = _position_plan(scattered, k * m)
     bw = _BitWriter()
@@ -765,13 +821,75 @@ def _grid_parts(matrix: np.ndarray, min_cluster: int, dtype: str) -> tuple[bytes
     wk, wm = _bits_for(k), _bits_for(m)
     bw.fields(fields, [wk, wm, wk, wm])
     _write_positions(bw, scattered, k * m, scheme, rice_k)
-    header = bytes([_flags(code, scheme)]) + _varint(k) + _varint(m) + _varint(len(rects)) + _varint(scattered.size)
-    values = np.concatenate([*rect_vals, wire.reshape(-1)[scattered]]).astype(_DTYPES[code])
-    return header, bw.getvalue(), values.tobytes()
+    return rects, scattered, scheme, bw.getvalue()
+
+
+def encode_support(support: np.ndarray, *, min_cluster: int = 3, value_bits: int = 16) -> bytes:
+    """The positions part of :func:`encode_grid` alone, for a support whose values travel apart (quantised):
+    ``byte(scheme) varint(K) varint(M) varint(R) varint(C)`` + the rectangle records and scattered positions.
+    ``value_bits`` (the cost of one value sent apart) lets the rectangle search weigh positions against values
+    as the grid coding does. ``decode_support(encode_support(s)) == s``; the values of a support go row-major."""
+    s = np.asarray(support, dtype=bool)
+    if s.ndim != 2 or s.size == 0:
+        raise ValueError(f"encode_support needs a non-empty 2-D mask, got shape {s.shape}")
+    k, m = s.shape
+    rects, scattered, scheme, stream = _support_stream(s, int(min_cluster), int(value_bits))
+    return bytes([scheme]) + _varint(k) + _varint(m) + _varint(len(rects)) + _varint(scattered.size) + stream
+
+
+def _rectangle_cells(r0: np.ndarray, c0: np.ndarray, h: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
+    """Flat indices of every rectangle cell, in record order and row-major inside each (no loop)."""
+    areas = h * w
+    starts = np.cumsum(areas) - areas
+    rid = np.repeat(np.arange(r0.size), areas)
+    local = np.arange(int(areas.sum())) - starts[rid]
+    return (r0[rid] + local // w[rid]) * m + c0[rid] + local % w[rid]
+
+
+def _support_head(r: _Reader, max_elements: int | None) -> tuple[int, int, int, int, int]:
+    """(scheme, K, M, rectangle count, scattered count) of a support header, bounds-checked."""
+    scheme = r.byte()
+    if scheme > 3:
+        raise CodecError(f"unknown position scheme {scheme}")
+    k = r.varint(limit=_MAX_DIM, what="rows")
+    m = r.varint(limit=_MAX_DIM, what="columns")
+    if k == 0 or m == 0:
+        raise CodecError(f"empty grid {k}x{m}")
+    _check_limit(k * m, max_elements, f"support {k}x{m}")
+    n_rect = r.varint(limit=min(k * m, 8 * r.left), what="rectangle count")
+    count = r.varint(limit=k * m, what="scattered count")
+    return scheme, k, m, n_rect, count
+
+
+def decode_support(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_support`: a (K, M) bool mask. Rectangles must lie inside the grid and not overlap,
+    scattered positions must be sorted, distinct and outside every rectangle; the bytes must end with the stream."""
+    r = _Reader(data)
+    scheme, k, m, n_rect, count = _support_head(r, max_elements)
+    br = _BitReader(r.take(r.left))
+    wk, wm = _bits_for(k), _bits_for(m)
+    f = br.fields(n_rect, [wk, wm, wk, wm])
+    r0, c0, h, w = f[:, 0], f[:, 1], f[:, 2] + 1, f[:, 3] + 1
+    if n_rect and (np.any(r0 + h > k) or np.any(c0 + w > m)):
+        raise CodecError("a rectangle lies outside the grid")
+    if float((h * w).sum(dtype=np.float64)) + count > k * m:
+        raise CodecError("rectangles and points cover more than the grid")
+    scattered = _read_positions(br, count, k * m, scheme)
+    br.finish()
+    out = np.zeros(k * m, dtype=bool)
+    if n_rect:
+        flat = _rectangle_cells(r0, c0, h, w, m)
+        out[flat] = True
+        if int(np.count_nonzero(out)) != flat.size:
+            raise CodecError("rectangles overlap")
+        if count and out[scattered].any():
+            raise CodecError("a scattered position lies inside a rectangle")
+    out[scattered] = True
+    return out.reshape(k, m)
 
 
 def encode_grid(matrix: np.ndarray, *, min_cluster: int = 3, dtype: str = "float16") -> bytes:
-    """Cluster coding of one sparse 2-D grid (SPEC 9): disjoint rectangles of at least min_cluster x min_cluster
+    """Cluster coding of one sparse 2-D grid (§9): disjoint rectangles of at least min_cluster x min_cluster
     as (row, col, height-1, width-1) + their values row-major; the leftover nonzeros with their positions
     (cheapest of index list / bitmap / Rice-coded gaps) + values. A 0-sized matrix raises ValueError; NaN / Inf or
     float16 overflow raise CodecError. ``decode_grid(encode_grid(m)) == m`` rounded to ``dtype``, exactly."""
@@ -779,7 +897,7 @@ def encode_grid(matrix: np.ndarray, *, min_cluster: int = 3, dtype: str = "float
 
 
 def grid_cost(matrix: np.ndarray, *, min_cluster: int = 3, dtype: str = "float16") -> dict[str, int]:
-    """Bits of :func:`encode_grid` by part (SPEC 9): ``header`` (flags byte and the varints K, M, R, C),
+    """Bits of :func:`encode_grid` by part (docs/algorithm.md §9): ``header`` (flags byte and the varints K, M, R, C),
     ``positions`` (the bit stream: rectangle records and scattered positions, **including its byte padding**),
     ``values``; ``total`` == 8 * len(encode_grid(matrix, ...)) exactly."""
     header, bits, values = _grid_parts(matrix, min_cluster, dtype)
@@ -817,14 +935,14 @@ def _read_grid_head(r: _Reader, max_elements: int | None) -> tuple[Any, ...]:
 
 
 def decode_grid(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
-    """Inverse of :func:`encode_grid` (SPEC 9): a (K, M) float32 matrix (float64 for a float64 payload).
+    """Inverse of :func:`encode_grid` (docs/algorithm.md §9): a (K, M) float32 matrix (float64 for a float64 payload).
 
     Bounds: K*M <= ``max_elements`` (default :data:`DEFAULT_MAX_ELEMENTS`) is checked before anything is
     allocated; rectangles must lie inside the grid and not overlap, scattered positions must be sorted, distinct
     and outside every rectangle, and the bytes must hold exactly the bit stream and values announced."""
     r = _Reader(data)
     dt, scheme, k, m, count, rec_bits, (r0, c0, h, w), n_rv = _read_grid_head(r, max_elements)
-    n, n_rect, areas = k * m, r0.size, h * w
+    n, n_rect = k * m, r0.size
     value_bytes = (n_rv + count) * dt.itemsize
     stream = r.take(r.left - value_bytes)
     br = _BitReader(stream)
@@ -837,11 +955,7 @@ def decode_grid(data: bytes, *, max_elements: int | None = None) -> np.ndarray:
     r.end()
     out = np.zeros(n, dtype=vals.dtype)
     if n_rect:
-        # flat indices of every rectangle cell, in record order and row-major inside each (no loop)
-        starts = np.cumsum(areas) - areas
-        rid = np.repeat(np.arange(n_rect), areas)
-        local = np.arange(n_rv) - starts[rid]
-        flat = (r0[rid] + local // w[rid]) * m + c0[rid] + local % w[rid]
+        flat = _rectangle_cells(r0, c0, h, w, m)
         covered = np.zeros(n, dtype=bool)
         covered[flat] = True
         if int(np.count_nonzero(covered)) != n_rv:
@@ -861,7 +975,7 @@ _MAX_PARAMS = 16
 def encode_quantized(symbols: np.ndarray, levels: int, params: Sequence[float] = ()) -> bytes:
     """Integer symbols in ``0..levels-1`` packed at ``ceil(log2 levels)`` bits each (fixed-length code), with a few
     float32 parameters that give them meaning (a QSGD norm; the range of a log-scale quantiser):
-    ``varint(levels) varint(n) varint(#params) params(float32) bits``. SPEC 9: bits = real bytes."""
+    ``varint(levels) varint(n) varint(#params) params(float32) bits``. docs/algorithm.md §9: bits = real bytes."""
     sym = np.asarray(symbols).reshape(-1)
     levels = int(levels)
     if not 2 <= levels <= _MAX_LEVELS:
@@ -898,7 +1012,7 @@ def decode_quantized(data: bytes, *, max_elements: int | None = None) -> tuple[n
 
 
 # ================================================================== accounting
-PAYLOAD_LAYOUTS = ("header", "values", "dense", "sparse", "grid", "quantized")
+PAYLOAD_LAYOUTS = ("header", "values", "dense", "sparse", "grid", "quantized", "support", "mask")
 
 
 def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
@@ -930,10 +1044,29 @@ def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
         head = 8 * r.pos
         values = 8 * (n_rv + count) * dt.itemsize
         return {"headers": head, "positions": total - head - values, "values": values}
+    elif layout == "support":
+        _support_head(r, _MAX_DIM)
+        head = 8 * r.pos
+        return {"headers": head, "positions": total - head, "values": 0}
+    elif layout == "ternary":  # values: mu and the sign bits; positions: the rest of the bit stream
+        dt, _ = _read_flags(r)
+        r.varint(limit=_MAX_DIM)
+        count = r.varint(limit=8 * r.left)
+        head = 8 * r.pos
+        values = 8 * dt.itemsize + count
+        return {"headers": head, "positions": total - head - values, "values": values}
     elif layout == "quantized":
         r.varint(limit=_MAX_LEVELS)
         r.varint(limit=8 * r.left)
         r.varint(limit=_MAX_PARAMS)
+        head = 8 * r.pos
+    elif layout == "mask":
+        # FedPM's range-coded mask (coding/masks.py): a model byte, for model 1 a varint count of ones, then
+        # the coder's words. The words count as "values", not "positions": the mask is FedPM's trained quantity
+        # itself (a sample of the keep probabilities; the frozen weights it selects never travel), not the
+        # addresses of values sent elsewhere.
+        if r.byte() == 1:
+            r.varint(limit=_MAX_DIM)
         head = 8 * r.pos
     else:
         raise ValueError(f"layout must be one of {', '.join(PAYLOAD_LAYOUTS)}, got {layout!r}")
@@ -942,7 +1075,7 @@ def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
 
 # ===================================================================== message
 def encode_message(kind: str, fields: list[tuple[str, bytes]]) -> bytes:
-    """Frame named payloads into one versioned message (SPEC 9; DESIGN: messages cross as bytes):
+    """Frame named payloads into one versioned message (docs/algorithm.md §9: messages cross as bytes):
     ``MAGIC, VERSION, kind, #fields, {name, varint length, payload}*``. Names and kind are UTF-8, <= 255 bytes."""
     kb = kind.encode()
     if len(kb) > 255:
@@ -995,14 +1128,14 @@ def _decode_frame(data: bytes, expected_kind: str | None, max_bytes: int | None)
 def decode_message(
     data: bytes, *, expected_kind: str | None = None, max_bytes: int | None = None
 ) -> tuple[str, list[tuple[str, bytes]]]:
-    """Inverse of :func:`encode_message` (SPEC 9). Raises CodecError on bad magic, unknown version, a kind other
+    """Inverse of :func:`encode_message` (§9). Raises CodecError on bad magic, unknown version, a kind other
     than ``expected_kind``, a message longer than ``max_bytes``, truncation or trailing bytes."""
     kind, fields, _ = _decode_frame(data, expected_kind, max_bytes)
     return kind, [(name, payload) for name, payload, _ in fields]
 
 
 def message_breakdown(data: bytes, *, by: str = "suffix") -> dict[str, int]:
-    """Bits of a framed message by category (SPEC 9 accounting): ``framing`` (magic, version, kind, counts,
+    """Bits of a framed message by category (§9 accounting): ``framing`` (magic, version, kind, counts,
     field names and lengths), then payload bits grouped by field name (``by="field"``) or by the part after the
     last dot (``by="suffix"``: ``dense1.mu`` -> ``mu``). The categories sum to ``total`` == 8 * len(data)."""
     if by not in ("suffix", "field"):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,14 +22,16 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: a value must have its declared type (``clients = true`` or ``rounds = "20"`` are refused, not
+    # coerced); pydantic's strict mode still takes an int where a float is declared (``lr = 1``).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class ExperimentConfig(_Section):
     name: str = "experiment"
     seed: int = Field(0, ge=0)
     rounds: int = Field(10, ge=1, le=100_000)
-    algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm"] = "dturbo"
+    algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc"] = "dturbo"
     eval_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and the last)")
     threads: int = Field(0, ge=0, description="torch threads; 0 keeps torch's default")
 
@@ -38,6 +41,9 @@ class DataConfig(_Section):
     path: str | None = None
     limit_train: int | None = Field(None, ge=1)
     limit_test: int | None = Field(None, ge=1)
+    validation: float = Field(0.0, ge=0, lt=1, description=(
+        "fraction of the training set held out (seeded, before the clients' split) to choose hyperparameters on: "
+        "val_accuracy / val_loss columns; 0: none"))
 
 
 class FederationConfig(_Section):
@@ -105,7 +111,7 @@ class TrainConfig(_Section):
 
 
 class PriorConfig(_Section):
-    """Hyperparameters of the hierarchical prior for one layer kind (SPEC 2)."""
+    """Hyperparameters of the hierarchical prior for one layer kind (docs/algorithm.md §2)."""
 
     a: float = Field(1.0, gt=0)
     b: float = Field(1.0, gt=0, description="used as given only with scale = 'absolute'")
@@ -141,7 +147,7 @@ class SpmpConfig(_Section):
 
 
 class SparsityConfig(_Section):
-    """How the support is decided (SPEC 11; docs/sparsity.md).
+    """How the support is decided (docs/algorithm.md §11; docs/sparsity.md).
 
     mode = "prior": the literal algorithm; pi_tilde >= threshold decides, r is the only knob.
     mode = "target": the MRF prior gets an external field (a prior log-odds of activity, part of
@@ -163,6 +169,27 @@ class SparsityConfig(_Section):
     )
 
 
+class TransmissionConfig(_Section):
+    """What D-Turbo-VBI's messages carry, and at how many bits per value (docs/communication.md)."""
+
+    up_bits: int = Field(16, ge=1, le=16, description=(
+        "16: mu_t on S as float16 (the paper); 1..12: the update mu_t - mu received on S, on 2**bits levels per "
+        "layer, unbiased stochastic rounding"))
+    down_bits: int = Field(16, ge=1, le=16, description=(
+        "16: cluster-coded float16 mu_G (the paper); 1..12: the support's cluster-coded positions, then mu_G on S "
+        "on 2**bits levels per layer, unbiased stochastic rounding"))
+    prior_std: Literal["sent", "rebuilt"] = Field("sent", description=(
+        "sent: sigma_prior on S travels (prior_std_dtype); rebuilt: clients compute it by E4-E5 with pi~ = 1 on S "
+        "from mu_G and sigma_G, and nothing is sent"))
+
+    @model_validator(mode="after")
+    def _bits(self) -> TransmissionConfig:
+        for key in ("up_bits", "down_bits"):
+            if 12 < getattr(self, key) < 16:
+                raise ValueError(f"{key} must be 16 (float16) or 1..12 (quantised), got {getattr(self, key)}")
+        return self
+
+
 class DturboConfig(_Section):
     sigma_mode: Literal["layer", "weight", "client"] = "layer"
     sigma_init_ratio: float = Field(0.1, gt=0)
@@ -170,8 +197,9 @@ class DturboConfig(_Section):
     gamma_update: Literal["exact", "paper"] = "exact"
     support_threshold: Probability = Field(0.5, gt=0, lt=1)
     prior_std_dtype: Literal["float16", "float32", "log8"] = Field(
-        "float16", description="how sigma_prior on S is sent (SPEC 9): float16/32, or 8-bit log-scale levels"
+        "float16", description="how sigma_prior on S is sent (§9): float16/32, or 8-bit log-scale levels"
     )
+    transmission: TransmissionConfig = Field(default_factory=TransmissionConfig)
     sparsity: SparsityConfig = Field(default_factory=SparsityConfig)
     spmp: SpmpConfig = Field(default_factory=SpmpConfig)
     prior: PriorsConfig = Field(default_factory=PriorsConfig)
@@ -205,6 +233,50 @@ class DssmConfig(_Section):
     weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
 
 
+class StcConfig(_Section):
+    """STC (Sattler et al. 2019, sparse ternary compression): per tensor, clients send the top-k of (update +
+    their error-feedback residual) as {-mu, 0, +mu} with Golomb(-Rice) coded positions; the server averages,
+    compresses the global update the same way (its own residual) and broadcasts it. Needs every client every
+    round (federation.clients_per_round unset)."""
+
+    p_up: Probability = Field(0.01, gt=0, le=1, description="fraction kept of each tensor's client update, "
+                                                            "k = ceil(p_up * size) (the paper uses 1/25 .. 1/400)")
+    p_down: Probability = Field(0.01, gt=0, le=1, description="the same for the server's broadcast update")
+    dtype: Literal["float16", "float32"] = Field("float32", description="of mu, one value per tensor and message")
+    weighting: Literal["uniform", "samples"] = Field("samples", description="mean of the updates, or by n_t")
+
+
+class FedPmConfig(_Section):
+    """FedPM (Isik et al., ICLR 2023): frozen seeded random weights, a trained keep probability per weight and
+    bias; clients upload one sampled mask, range-coded; the server's Beta-Bernoulli posterior gives the global
+    probabilities it sends down (quantised). The learning rate is [train].lr (the authors use Adam, lr 0.1)."""
+
+    lambda0: float = Field(1.0, gt=0, description="Beta(lambda0, lambda0) prior of every keep probability")
+    reset_every: int = Field(1, ge=1, description="reset the posterior to the prior every this many rounds "
+                                                  "(1: every round, as the authors' code)")
+    estimate: Literal["mode", "mean"] = Field("mode", description="theta_G = posterior mode (authors' code) or mean")
+    epsilon: float = Field(0.01, ge=0, lt=0.5, description="theta_G squeezed into [epsilon, 1 - epsilon] (authors' "
+                                                            "code: each received bit counts as epsilon / 1 - epsilon)")
+    score_init_std: float = Field(1.0, ge=0, description="round-0 scores ~ N(0, std^2), theta = sigmoid(score)")
+    weight_scale: float = Field(1.0, gt=0, description="the frozen weights and biases are this times the model's "
+                                                       "initial ones (> 1 can help deep models: a half-kept layer "
+                                                       "loses signal; the authors scale their init up)")
+    down_bits: int = Field(8, ge=2, le=16, description="theta_G sent on a uniform grid of 2^down_bits levels")
+    upload_model: Literal["best", "global", "empirical"] = Field(
+        "best", description="probability model of the coded mask: theta_G per weight ('global'), one "
+                            "Bernoulli(fraction of ones) per layer ('empirical', the cost the authors report), or "
+                            "the cheaper of the two per layer ('best')")
+    eval_mask: Literal["sample", "threshold"] = Field(
+        "sample", description="the global model's mask: one seeded sample from theta_G (authors' code) or "
+                              "theta_G >= 0.5")
+
+    @model_validator(mode="after")
+    def _mode_needs_lambda(self) -> FedPmConfig:
+        if self.estimate == "mode" and self.lambda0 < 1:
+            raise ValueError("estimate = 'mode' needs lambda0 >= 1 (the Beta mode is undefined below); use 'mean'")
+        return self
+
+
 class Config(_Section):
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -216,6 +288,8 @@ class Config(_Section):
     fedavg: FedAvgConfig = Field(default_factory=FedAvgConfig)
     fedpaq: FedPaqConfig = Field(default_factory=FedPaqConfig)
     dssm: DssmConfig = Field(default_factory=DssmConfig)
+    fedpm: FedPmConfig = Field(default_factory=FedPmConfig)
+    stc: StcConfig = Field(default_factory=StcConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)
@@ -242,16 +316,47 @@ def parse_config(data: dict[str, Any]) -> Config:
         raise ConfigError(_format_error(err)) from None
 
 
+def _declared_type(parts: list[str]) -> Any:
+    """The annotation of config key ``parts`` (``["experiment", "rounds"]``), or None for an unknown key."""
+    model: Any = Config
+    ann: Any = None
+    for p in parts:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or p not in model.model_fields:
+            return None
+        ann = model.model_fields[p].annotation
+        model = ann
+    return ann
+
+
+def _is_text(ann: Any) -> bool:
+    """Whether a key declared ``ann`` takes text: ``str``, a Literal of strings, or either or None."""
+    args = [a for a in get_args(ann) if a is not type(None)] if get_origin(ann) in (Union, UnionType) else [ann]
+    return bool(args) and all(a is str or (get_origin(a) is Literal and all(isinstance(v, str) for v in get_args(a)))
+                              for a in args)
+
+
+def parse_override_value(key: str, raw: str) -> Any:
+    """The typed value of ``--set key=raw``: text for a key declared as text (``data.path=/x``,
+    ``experiment.name=true``), else TOML (``rounds=20`` an int, ``lr=0.1`` a float, ``hidden=[64, 32]`` a list,
+    ``layer_targets={conv1 = 0.3}`` a table); a value that is not TOML stays text and is refused by validation
+    with the key's expected type."""
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+    if _is_text(_declared_type(key.strip().split("."))) and not isinstance(value, str):
+        return raw  # a name or path that happens to read as TOML (true, 2024, 1e3)
+    return value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` overrides (value parsed as TOML, falling back to a string)."""
+    """Apply ``section.key=value`` overrides (value typed by :func:`parse_override_value`)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
+        value = parse_override_value(key, raw)
         node = data
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -265,9 +370,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        # e.g. the .npz passed where the config goes: say so instead of a decoding traceback
+        hint = (" (it is a zip/.npz archive: data files go in the config's data.path)" if raw[:2] == b"PK"
+                else " (it is binary, not text)")
+        raise ConfigError(f"{path} is not a TOML file{hint}; pass an experiment config such as "
+                          f"configs/fmnist_quick.toml") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,24 +35,39 @@ from .algorithms.base import (
     message_bits,
 )
 from .algorithms.dssm import DssmClient, DssmServer
-from .algorithms.dturbo import DturboClient, DturboServer
+from .algorithms.dturbo import DturboClient, DturboServer, density_schedule
 from .algorithms.fedavg import FedAvgClient, FedAvgServer
 from .algorithms.fedpaq import FedPaqClient, FedPaqServer
-from .checkpoint import CheckpointError, atomic_write_bytes, config_fingerprint, load_checkpoint, save_checkpoint
+from .algorithms.fedpm import FedPmClient, FedPmServer
+from .algorithms.stc import StcClient, StcServer
+from .checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    atomic_write_bytes,
+    config_fingerprint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .codec import decode_message, encode_message
 from .config import Config
 from .data import Dataset, load_dataset, partition_dirichlet, partition_iid
-from .nn.models import build_model
+from .nn.models import build_model, check_input_shape
 
 BASE_COLUMNS = ["round", "accuracy", "loss", "density", "up_bits", "down_bits", "cum_bits", "seconds"]
-# The bit ledger (SPEC 9): up and down apart, each split into headers, positions and values.
+# The bit ledger (docs/algorithm.md §9): up and down apart, each split into headers, positions and values.
 LEDGER_COLUMNS = [f"{d}_{part}_bits" for d in ("up", "down") for part in LEDGER_PARTS]
 ALGORITHMS = {
     "dturbo": (DturboServer, DturboClient),
     "fedavg": (FedAvgServer, FedAvgClient),
     "fedpaq": (FedPaqServer, FedPaqClient),
     "dssm": (DssmServer, DssmClient),
+    "fedpm": (FedPmServer, FedPmClient),
+    "stc": (StcServer, StcClient),
 }
+# Private state a client algorithm keeps between rounds (STC's residuals and model copy): its optional
+# ``export_state()`` arrays go into the same atomic checkpoint file as the server state, under this prefix, and
+# back through ``import_state(arrays)`` on --resume, so that a resumed run is identical to an uninterrupted one.
+CLIENT_STATE_PREFIX = "clients/"
 
 
 @dataclass
@@ -59,6 +76,8 @@ class Federation:
     clients: list[ClientData]
     x_test: torch.Tensor
     y_test: torch.Tensor
+    x_val: torch.Tensor | None = None  # held out of the training set (data.validation), never trained on
+    y_val: torch.Tensor | None = None
 
     @property
     def total_samples(self) -> int:
@@ -72,17 +91,25 @@ def build_federation(cfg: Config, dataset: Dataset | None = None) -> Federation:
         seed=cfg.experiment.seed,
     )
     f = cfg.federation
-    if f.clients > len(ds.y_train):
-        raise ValueError(f"federation.clients ({f.clients}) exceeds the number of training samples ({len(ds.y_train)})")
+    x_train, y_train, val = ds.x_train, ds.y_train, None
+    if cfg.data.validation > 0:
+        # Carved before the clients' split, seeded apart from it: hyperparameters are chosen on it, never on test.
+        order = np.random.default_rng([cfg.experiment.seed, 0x7A1]).permutation(len(y_train))
+        n_val = max(1, round(cfg.data.validation * len(y_train)))
+        held, kept = np.sort(order[:n_val]), np.sort(order[n_val:])
+        val = (torch.from_numpy(x_train[held]), torch.from_numpy(y_train[held]))
+        x_train, y_train = x_train[kept], y_train[kept]
+    if f.clients > len(y_train):
+        raise ValueError(f"federation.clients ({f.clients}) exceeds the number of training samples ({len(y_train)})")
     if f.partition == "dirichlet":
-        parts = partition_dirichlet(ds.y_train, f.clients, f.alpha, seed=cfg.experiment.seed,
-                                    min_size=min(f.min_partition_size, len(ds.y_train) // f.clients))
+        parts = partition_dirichlet(y_train, f.clients, f.alpha, seed=cfg.experiment.seed,
+                                    min_size=min(f.min_partition_size, len(y_train) // f.clients))
     else:
-        parts = partition_iid(len(ds.y_train), f.clients, seed=cfg.experiment.seed)
-    x = torch.from_numpy(ds.x_train)
-    y = torch.from_numpy(ds.y_train)
+        parts = partition_iid(len(y_train), f.clients, seed=cfg.experiment.seed)
+    x = torch.from_numpy(x_train)
+    y = torch.from_numpy(y_train)
     clients = [ClientData(x[idx], y[idx]) for idx in (torch.from_numpy(p) for p in parts)]
-    return Federation(ds, clients, torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test))
+    return Federation(ds, clients, torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test), *(val or (None, None)))
 
 
 def model_factory(cfg: Config, dataset: Dataset) -> Callable[[], nn.Module]:
@@ -100,8 +127,36 @@ def build_algorithm(cfg: Config, fed: Federation) -> tuple[ServerAlgorithm, Clie
     factory = model_factory(cfg, fed.dataset)
     if cfg.experiment.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {cfg.experiment.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    # Input size vs model, before anything runs: a clear ModelInputError instead of a traceback mid-round.
+    # fork_rng: building reseeds torch's global RNG, which the run's own draws must not notice.
+    with torch.random.fork_rng(devices=[]):
+        check_input_shape(factory(), fed.dataset.input_shape, cfg.model.name)
     server_cls, client_cls = ALGORITHMS[cfg.experiment.algorithm]
     return server_cls(cfg, factory, fed.total_samples), client_cls(cfg, factory)
+
+
+class ScheduleWarning(UserWarning):
+    """The sparsity schedule does not reach its target within the run (a warning: short test runs do it
+    on purpose)."""
+
+
+def schedule_warning(cfg: Config) -> str | None:
+    """For D-Turbo-VBI in target mode whose ramp ends after the last round: the density the schedule reaches
+    at the last round and how to reach the target; None when the target is reached."""
+    sp = cfg.dturbo.sparsity
+    rounds = cfg.experiment.rounds
+    if cfg.experiment.algorithm != "dturbo" or sp.mode != "target" or sp.warmup_rounds + sp.ramp_rounds <= rounds:
+        return None
+    reached = density_schedule(rounds - 1, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds)
+    fix = f"set experiment.rounds >= {sp.warmup_rounds + sp.ramp_rounds}"
+    if rounds > sp.warmup_rounds:
+        fix += f" or dturbo.sparsity.ramp_rounds <= {rounds - sp.warmup_rounds}"
+    else:
+        fix += f" or dturbo.sparsity.warmup_rounds < {rounds} with a shorter ramp_rounds"
+    layers = " (the layer_targets likewise)" if sp.layer_targets else ""
+    return (f"the sparsity schedule does not reach target_density {sp.target_density:g} within the run: "
+            f"warmup_rounds {sp.warmup_rounds} + ramp_rounds {sp.ramp_rounds} > experiment.rounds {rounds}, so the "
+            f"scheduled density at the last round is {reached:.3f}{layers}; to reach the target, {fix}")
 
 
 @torch.no_grad()
@@ -118,7 +173,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 
 
 class Simulator:
-    """Runs an experiment into a run directory (DESIGN.md "A run directory")."""
+    """Runs an experiment into a run directory (README.md: "A run directory holds ...")."""
 
     def __init__(self, cfg: Config, out: Path, *, resume: bool = False, federation: Federation | None = None,
                  on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -128,6 +183,8 @@ class Simulator:
         self.on_round = on_round
         if cfg.experiment.threads:  # before anything is built: reductions depend on the thread count
             torch.set_num_threads(cfg.experiment.threads)
+        if (msg := schedule_warning(cfg)) is not None:
+            warnings.warn(msg, ScheduleWarning, stacklevel=2)
         self.fed = federation or build_federation(cfg)
         self.server, self.client = build_algorithm(cfg, self.fed)
         self.fingerprint = config_fingerprint(cfg.to_dict())
@@ -143,6 +200,15 @@ class Simulator:
 
     def _prepare(self) -> tuple[dict[str, Any], int, float, list[dict[str, Any]]]:
         """Returns (state, first round, cumulative bits, previous rows)."""
+        if self.out.exists() and not self.out.is_dir():
+            raise FileExistsError(f"--out {self.out} names a file; --out must be a directory (a new or empty one "
+                                  f"for a new run, a run directory with --resume)")
+        has_checkpoint = (self.checkpoint_dir / STATE_FILE).exists()
+        if self.resume and not has_checkpoint and self._run_files():
+            raise CheckpointError(
+                f"{self.out} has no checkpoint to resume (the run stopped before its first round was saved): run "
+                f"again without --resume into a fresh --out, or delete {self.out} and run again"
+            )
         if self.resume:
             state, counters = load_checkpoint(self.checkpoint_dir)
             if counters.get("fingerprint") != self.fingerprint:
@@ -150,6 +216,7 @@ class Simulator:
                     f"checkpoint in {self.checkpoint_dir} belongs to another configuration "
                     f"(fingerprint {counters.get('fingerprint')} != {self.fingerprint}); it was left untouched"
                 )
+            state = self._restore_client_state(state)
             expected = set(self.server.init().keys())
             if set(state) != expected:
                 raise CheckpointError(f"checkpoint in {self.checkpoint_dir} does not match the model; left untouched")
@@ -164,11 +231,22 @@ class Simulator:
                         if ln.startswith("round ") and int(ln.split()[1].rstrip(":")) <= done]
                 atomic_write_bytes(events, "".join(kept).encode())
             return state, done, float(counters["cum_bits"]), rows
+        if has_checkpoint:
+            raise FileExistsError(f"{self.out} already holds a run; use --resume to continue it, or another --out")
         if self.checkpoint_dir.exists() or self.metrics_path.exists():
-            raise FileExistsError(f"{self.out} already holds a run; use --resume to continue it or another --out")
+            # Started but no round saved: nothing to resume, yet not ours to overwrite.
+            raise FileExistsError(
+                f"{self.out} holds a run that stopped before its first round was saved (no checkpoint, so "
+                f"nothing to --resume); delete {self.out} and run again, or choose another --out"
+            )
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.out / "config.toml", self.cfg.to_toml().encode())
         return self.server.init(), 0, 0.0, []
+
+    def _run_files(self) -> bool:
+        """Whether ``out`` holds anything a run writes (a run was started there)."""
+        names = ("config.toml", "metrics.csv", "checkpoint", "events.log", "messages", "model.safetensors")
+        return any((self.out / n).exists() for n in names)
 
     def _read_rows(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -189,8 +267,11 @@ class Simulator:
         cfg = self.cfg
         state, start, cum_bits, rows = self._prepare()
         acc = loss = float("nan")
+        val = (float("nan"), float("nan"))
         if rows:
             acc, loss = float(rows[-1]["accuracy"]), float(rows[-1]["loss"])
+            if "val_accuracy" in rows[-1]:
+                val = (float(rows[-1]["val_accuracy"]), float(rows[-1]["val_loss"]))
         for rnd in range(start, cfg.experiment.rounds):
             t0 = time.perf_counter()
             result, traffic, counts, events = self._round(state, rnd)
@@ -202,9 +283,14 @@ class Simulator:
             cum_bits += up_bits + down_bits
             last = rnd == cfg.experiment.rounds - 1
             if (rnd + 1) % cfg.experiment.eval_every == 0 or last:
-                acc, loss = evaluate(self.server.global_model(state), self.fed.x_test, self.fed.y_test)
+                model = self.server.global_model(state)
+                acc, loss = evaluate(model, self.fed.x_test, self.fed.y_test)
+                if self.fed.x_val is not None:
+                    val = evaluate(model, self.fed.x_val, self.fed.y_val)
             row: dict[str, Any] = {
-                "round": rnd + 1, "accuracy": acc, "loss": loss, "density": result.metrics.pop("density"),
+                "round": rnd + 1, "accuracy": acc, "loss": loss,
+                **({"val_accuracy": val[0], "val_loss": val[1]} if self.fed.x_val is not None else {}),
+                "density": result.metrics.pop("density"),
                 "up_bits": up_bits, "down_bits": down_bits, "cum_bits": cum_bits,
                 "seconds": round(time.perf_counter() - t0, 3),
                 **ledger,
@@ -216,7 +302,7 @@ class Simulator:
             self._log_events(rnd + 1, events)
             self._save_messages(state, rnd + 1)
             self._write_rows(rows)
-            save_checkpoint(self.checkpoint_dir, state, {
+            save_checkpoint(self.checkpoint_dir, {**state, **self._client_state()}, {
                 "rounds_done": rnd + 1, "cum_bits": cum_bits, "fingerprint": self.fingerprint,
             })
             if self.on_round:
@@ -285,10 +371,12 @@ class Simulator:
             if fed.on_too_few == "stop":
                 break
         self._log_events(rnd + 1, events)
+        then = (f"the checkpoint of round {rnd} is intact: fix the cause and continue with --resume" if rnd else
+                f"no round was saved, so there is nothing to --resume: fix the cause, delete {self.out} and run "
+                f"again, or run into another --out")
         raise TooFewClientsError(
             f"round {rnd + 1}: fewer than federation.min_clients = {fed.min_clients} valid client updates after "
-            f"{attempt + 1} attempt(s) (see {self.out / 'events.log'}); the checkpoint of round {rnd} is intact: "
-            f"fix the cause and continue with --resume"
+            f"{attempt + 1} attempt(s) (see {self.out / 'events.log'}); {then}"
         )
 
     def fit_clients(self, down: bytes, clients: list[int], rnd: int) -> dict[int, bytes | ClientError]:
@@ -304,7 +392,7 @@ class Simulator:
         return answers
 
     def _ledger(self, down: bytes, receivers: int, uplinks: list[bytes]) -> dict[str, int]:
-        """Bits by direction and part (SPEC 9); an uplink that does not even frame counts as headers."""
+        """Bits by direction and part (docs/algorithm.md §9); an uplink that does not even frame counts as headers."""
         out = dict.fromkeys(LEDGER_COLUMNS, 0)
         for part, bits in message_bits(down, self.server.layouts).items():
             out[f"down_{part}_bits"] = bits * receivers
@@ -332,11 +420,28 @@ class Simulator:
         path = folder / f"round_{round_no:04d}.safetensors"
         atomic_write_bytes(path, save_numpy(self.server.support_messages(state)))
 
+    def _client_state(self) -> dict[str, Any]:
+        """The client algorithm's private state to checkpoint (CLIENT_STATE_PREFIX), if it keeps any."""
+        export = getattr(self.client, "export_state", None)
+        return {} if export is None else {CLIENT_STATE_PREFIX + k: v for k, v in export().items()}
+
+    def _restore_client_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Hand the checkpointed client state back to the client algorithm; returns the server state alone."""
+        private = {k[len(CLIENT_STATE_PREFIX):]: v for k, v in state.items() if k.startswith(CLIENT_STATE_PREFIX)}
+        if hasattr(self.client, "import_state"):
+            try:
+                self.client.import_state(private)
+            except ValueError as err:
+                raise CheckpointError(f"checkpoint in {self.checkpoint_dir}: {err}; left untouched") from None
+        return {k: v for k, v in state.items() if not k.startswith(CLIENT_STATE_PREFIX)}
+
     def _save_model(self, state: dict[str, Any]) -> None:
         model = self.server.global_model(state)
         # clone: tied parameters (sigma_mode = "client") must be separate tensors in a safetensors file
         tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         meta = {"model": self.cfg.model.name, "dataset": self.cfg.data.name, "algorithm": self.cfg.experiment.algorithm}
+        if self.fed.dataset.input_norm is not None:  # so an export can take raw inputs (dturbo.export)
+            meta["input_norm"] = json.dumps(self.fed.dataset.input_norm)
         atomic_write_bytes(self.out / "model.safetensors", save_torch(tensors, metadata=meta))
 
 
@@ -356,8 +461,9 @@ def check_finite(state: dict[str, Any], round_no: int) -> None:
     """Refuse to go on (and to checkpoint) with a NaN / Inf anywhere in the server state."""
     bad = [k for k, v in state.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v))]
     if bad:
+        kept = f"round {round_no - 1}'s is intact" if round_no > 1 else "no round was saved yet"
         raise PoisonedStateError(f"round {round_no}: the server state holds NaN/Inf in {', '.join(bad[:5])}; "
-                                 f"stopping before the checkpoint is written (round {round_no - 1}'s is intact)")
+                                 f"stopping before the checkpoint is written ({kept})")
 
 
 CORRUPTIONS = ("truncate", "garbage", "header_flip", "oversize", "wrong_kind")

@@ -1,13 +1,13 @@
-"""D-Turbo-VBI: the server and client halves of one round (SPEC 7).
+"""D-Turbo-VBI: the server and client halves of one round (docs/algorithm.md §7).
 
 Server (Module A closed forms + Module B):  aggregate -> E3 -> E4 -> E1 -> SPMP -> E2 -> support.
 Client: set mu, sigma from the downlink, train (E6) on the support only, upload mu on the support
 (canonical row-major order, no positions), sigma, biases and n_t.
 
-The support S travels implicitly as the nonzeros of the cluster-coded mu_G (SPEC 9). To keep that exact,
+The support S travels implicitly as the nonzeros of the cluster-coded mu_G (docs/algorithm.md §9). To keep that exact,
 the server keeps S equal to the nonzeros of mu_G in float16: a weight whose mean rounds to zero in 16-bit
 transmission leaves S, and a weight (re-)entering S restarts from the smallest normal float16, 2^-14,
-instead of exactly 0 (SPEC 7 says "restarts from 0"; 2^-14 ~ 6e-5 is 0 for every practical purpose).
+instead of exactly 0 (docs/algorithm.md §7 says "restarts from 0"; 2^-14 ~ 6e-5 is 0 for every practical purpose).
 """
 
 from __future__ import annotations
@@ -27,16 +27,19 @@ from ..codec import (
     decode_dense,
     decode_grid,
     decode_quantized,
+    decode_support,
     decode_values,
     encode_dense,
     encode_grid,
     encode_quantized,
+    encode_support,
     encode_values,
 )
 from ..config import Config, ConfigError, PriorConfig, SparsityConfig
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale
 from ..prior import LayerPrior, grid_shape, layer_kind, resolve_prior
+from ..quantize import decode_stochastic, encode_stochastic
 from ..spmp import grid_bp
 from .base import (
     ClientData,
@@ -62,7 +65,7 @@ LOG8_LEVELS = 256
 def encode_prior_std(values: np.ndarray, dtype: str) -> bytes:
     """sigma_prior on S (E5) for the downlink: float16 / float32 values, or ``log8``: 8-bit levels uniform in
     log(sigma_prior) between the vector's min and max (two float32 parameters), a relative error of at most
-    (log max - log min) / 510 -- SPEC 9's "documented cheaper quantisation"; a prior scale needs no more."""
+    (log max - log min) / 510 -- §9's "documented cheaper quantisation"; a prior scale needs no more."""
     if dtype != "log8":
         return encode_values(values.astype(np.float32), dtype=dtype)
     logs = np.log(np.asarray(values, dtype=np.float64).reshape(-1))
@@ -172,11 +175,14 @@ class DturboServer:
         self.total_samples = int(total_samples)
         self.layers = _layer_infos(model_factory(), cfg)
         self.layer_targets = layer_targets(self.layers, cfg.dturbo.sparsity)
-        ps_layout = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
-        self.layouts = {
-            DOWN_KIND: {"meta": "header", "mu": "grid", "sigma": "values", "prior_std": ps_layout, "bias": "dense"},
-            UP_KIND: {"meta": "header", "mu": "values", "sigma": "values", "bias": "dense", "metrics": "header"},
-        }
+        tr = cfg.dturbo.transmission
+        down = {"meta": "header", "sigma": "values", "bias": "dense"}
+        down |= {"mu": "grid"} if tr.down_bits == 16 else {"support": "support", "mu": "quantized"}
+        if tr.prior_std == "sent":
+            down["prior_std"] = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
+        up = {"meta": "header", "mu": "values" if tr.up_bits == 16 else "quantized", "sigma": "values",
+              "bias": "dense", "metrics": "header"}
+        self.layouts = {DOWN_KIND: down, UP_KIND: up}
 
     def select_clients(self, round_idx: int) -> list[int]:
         f = self.cfg.federation
@@ -184,7 +190,7 @@ class DturboServer:
 
     # ----------------------------------------------------------------- state
     def init(self) -> State:
-        """Initial state (SPEC 7): pi = pi~ = 0.5, S = all, q(rho) by E4 from the initial mu and sigma. In target mode
+        """Initial state (§7): pi = pi~ = 0.5, S = all, q(rho) by E4 from the initial mu and sigma. In target mode
         with no warm-up, pi is instead Module B's prior with its field calibrated to the first scheduled density."""
         model = self.model_factory()
         state: State = {"field": np.zeros(len(self.layers))}
@@ -225,18 +231,36 @@ class DturboServer:
 
     # -------------------------------------------------------------- downlink
     def downlink(self, state: State, round_idx: int) -> bytes:
-        """Cluster-coded mu_G (its nonzeros are S), sigma_G, sigma_prior on S (E5), biases (SPEC 7.1, 9)."""
+        """Cluster-coded mu_G (its nonzeros are S), sigma_G, sigma_prior on S (E5), biases (§7.1, 9).
+        With ``transmission.down_bits`` < 16: S's cluster-coded positions, then mu_G on S quantised (unbiased
+        stochastic rounding, seeded by the round); with ``prior_std = "rebuilt"`` no sigma_prior."""
+        tr = self.cfg.dturbo.transmission
+        rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, 0xD0])
         fields = {"meta": pack_scalars([round_idx, self.total_samples])}
         for info in self.layers:
             n = info.name
             mask = state[f"{n}.mask"]
-            fields[f"{n}.mu"] = encode_grid(state[f"{n}.mu"] * mask)
+            if tr.down_bits == 16:
+                fields[f"{n}.mu"] = encode_grid(state[f"{n}.mu"] * mask)
+            else:
+                fields[f"{n}.support"] = encode_support(mask, value_bits=tr.down_bits)
+                fields[f"{n}.mu"] = encode_stochastic(state[f"{n}.mu"][mask], tr.down_bits, rng)
             fields[f"{n}.sigma"] = self._encode_sigma(state[f"{n}.sigma"], mask)
-            fields[f"{n}.prior_std"] = encode_prior_std(
-                self.prior_std(state, info)[mask], self.cfg.dturbo.prior_std_dtype
-            )
+            if tr.prior_std == "sent":
+                fields[f"{n}.prior_std"] = encode_prior_std(
+                    self.prior_std(state, info)[mask], self.cfg.dturbo.prior_std_dtype
+                )
             fields[f"{n}.bias"] = encode_dense(state[f"{n}.bias"], dtype="float16")
         return frame(DOWN_KIND, fields)
+
+    @staticmethod
+    def _sigma_grid_on(sigma: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """sigma as a grid from a layer's scalar or its values on the support ``mask`` (1 elsewhere)."""
+        if sigma.size == 1:
+            return np.full(mask.shape, float(sigma.reshape(-1)[0]))
+        out = np.ones(mask.shape)
+        out[mask] = sigma.reshape(-1)
+        return out
 
     @staticmethod
     def _encode_sigma(sigma: np.ndarray, mask: np.ndarray) -> bytes:
@@ -259,7 +283,10 @@ class DturboServer:
         for info in self.layers:
             n = info.name
             k = int(state[f"{n}.mask"].sum())
-            mu = decode_values(_need(fields, f"{n}.mu"), max_elements=k)
+            if self.cfg.dturbo.transmission.up_bits == 16:
+                mu = decode_values(_need(fields, f"{n}.mu"), max_elements=k)
+            else:  # the update on S, quantised
+                mu = decode_stochastic(_need(fields, f"{n}.mu"), self.cfg.dturbo.transmission.up_bits, k)
             if mu.shape != (k,):
                 raise MessageError(f"{n}.mu has {mu.size} values, the support has {k}")
             sig_len = 1 if state[f"{n}.sigma"].size == 1 else k
@@ -284,7 +311,7 @@ class DturboServer:
         return 4 * total + 64 * len(self.layers) + 4096
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
-        """Server step of SPEC 7.3-7.5 on the uploads that decode and validate."""
+        """Server step of docs/algorithm.md §7.3-7.5 on the uploads that decode and validate."""
         valid: list[tuple[int, dict[str, np.ndarray], np.ndarray]] = []
         rejected: list[str] = []
         for i, data in enumerate(uplinks):
@@ -302,6 +329,9 @@ class DturboServer:
             mask = state[f"{n}.mask"]
             mu = np.zeros(info.grid, dtype=np.float64)
             mu[mask] = sum(pt * v[1][f"{n}.mu"].astype(np.float64) for pt, v in zip(p, valid, strict=True))
+            if self.cfg.dturbo.transmission.up_bits < 16:
+                # Updates: added to the server's own mu_G, so the download's quantisation noise never enters it.
+                mu[mask] += state[f"{n}.mu"][mask]
             sig = sum(pt * v[1][f"{n}.sigma"].astype(np.float64) for pt, v in zip(p, valid, strict=True))
             if state[f"{n}.sigma"].size > 1:
                 full = state[f"{n}.sigma"].astype(np.float64).reshape(info.grid).copy()
@@ -325,7 +355,7 @@ class DturboServer:
         return RoundResult(state=new, metrics=metrics, rejected=rejected)
 
     def _server_step(self, state: State, round_idx: int) -> dict[str, float]:
-        """E3 -> E4 -> E1 -> SPMP -> E2 -> support (SPEC 7.3-7.5). Mutates ``state``."""
+        """E3 -> E4 -> E1 -> SPMP -> E2 -> support (docs/algorithm.md §7.3-7.5). Mutates ``state``."""
         d = self.cfg.dturbo
         sp = d.sparsity
         thr_lo = float(vbi.safe_logit(d.support_threshold))
@@ -348,7 +378,7 @@ class DturboServer:
             state[f"{n}.pt_lo"], state[f"{n}.a_t"], state[f"{n}.b_t"] = pt_lo, a_t, b_t
             eta.append(evidence)
             eta_next.append(_tie(vbi.support_evidence(a_t, b_t, **g), info))
-        # Support rule (SPEC 7.5), in target mode only after the warm-up rounds.
+        # Support rule (docs/algorithm.md §7.5), in target mode only after the warm-up rounds.
         apply_support = sp.mode == "prior" or round_idx >= sp.warmup_rounds
         for info in self.layers:
             n = info.name
@@ -497,6 +527,14 @@ class DturboServer:
         return out
 
 
+def rebuilt_prior_std(info: LayerInfo, mu: np.ndarray, sigma: np.ndarray, form: str) -> np.ndarray:
+    """sigma_prior as a client rebuilds it (``transmission.prior_std = "rebuilt"``): E4 then E5 with pi~ = 1, i.e.
+    q(rho) = Gamma(a + 1/2, b + (mu^2 + sigma^2) / 2) from the downloaded mu_G and sigma_G. The server's E4 used its
+    own pi~ (>= the support threshold on S) and the unrounded mu: docs/communication.md states how far they differ."""
+    a_t, b_t = vbi.precision_posterior(1.0, mu, sigma, **info.prior.gamma_kwargs(), form=form)
+    return vbi.prior_std(a_t, b_t)
+
+
 def _tie(evidence: np.ndarray, info: LayerInfo) -> np.ndarray:
     """The E1 message of a layer with tied rows: all weights of a row share one support variable, whose
     evidence is the sum of theirs (broadcast over the row, so E3 gives every weight the row's posterior)."""
@@ -544,22 +582,35 @@ class DturboClient:
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         fields = fields_dict(downlink, DOWN_KIND)
         round_idx, total = (int(v) for v in unpack_scalars(_need(fields, "meta"), 2))
+        tr = self.cfg.dturbo.transmission
         model = self.model
         layers = bayesian_layers(model)
-        masks = []
+        masks, starts = [], []
         for info, (_, layer) in zip(self.layers, layers, strict=True):
             n = info.name
-            mu = decode_grid(_need(fields, f"{n}.mu")).astype(np.float64)
+            if tr.down_bits == 16:
+                mu = decode_grid(_need(fields, f"{n}.mu"), max_elements=int(np.prod(info.grid))).astype(np.float64)
+                mask = mu != 0
+            else:
+                mask = decode_support(_need(fields, f"{n}.support"), max_elements=int(np.prod(info.grid)))
+                mu = np.zeros(mask.shape)
+                mu[mask] = decode_stochastic(_need(fields, f"{n}.mu"), tr.down_bits, int(mask.sum()))
             if mu.shape != info.grid:
                 raise MessageError(f"{n}.mu grid {mu.shape} does not match the model's {info.grid}")
-            mask = mu != 0
             k = int(mask.sum())
-            sigma = decode_values(_need(fields, f"{n}.sigma"))
+            sigma = decode_values(_need(fields, f"{n}.sigma"), max_elements=max(k, 1))
+            if sigma.size not in (1, k) or not np.all(np.isfinite(sigma)) or np.any(sigma <= 0):
+                raise MessageError(f"{n}.sigma: expected 1 or {k} finite values > 0")
             ps = np.ones(info.grid)
-            ps[mask] = decode_prior_std(_need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
+            if tr.prior_std == "sent":
+                ps[mask] = decode_prior_std(_need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
+            else:
+                ps[mask] = rebuilt_prior_std(info, mu, DturboServer._sigma_grid_on(sigma, mask),
+                                             self.cfg.dturbo.gamma_update)[mask]
             bias = decode_dense(_need(fields, f"{n}.bias")).reshape(-1)
             _load_layer(layer, mu, mask, sigma, bias if layer.bias is not None else None, ps)
             masks.append(mask)
+            starts.append(layer.weight_mu.detach().double().numpy().reshape(info.grid))  # what training starts from
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         for _, layer in layers:
             layer.generator = gen
@@ -571,10 +622,14 @@ class DturboClient:
 
         result = train_local(model, data, self.cfg.train, gen, penalty)
         up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
-        for info, (_, layer), mask in zip(self.layers, layers, masks, strict=True):
+        rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
+        for info, (_, layer), mask, start in zip(self.layers, layers, masks, starts, strict=True):
             n = info.name
             mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
-            up[f"{n}.mu"] = encode_values(mu[mask].astype(np.float32), dtype="float16")
+            if tr.up_bits == 16:
+                up[f"{n}.mu"] = encode_values(mu[mask].astype(np.float32), dtype="float16")
+            else:  # the update from the weights received, quantised (the server adds it to its own mu_G)
+                up[f"{n}.mu"] = encode_stochastic(mu[mask] - start[mask], tr.up_bits, rng)
             sigma = layer.sigma.detach().numpy()
             up[f"{n}.sigma"] = DturboServer._encode_sigma(sigma, mask)
             bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)

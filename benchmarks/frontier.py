@@ -1,0 +1,968 @@
+"""The accuracy-vs-bits frontier (issue 12): every method on one protocol, settings chosen on validation.
+
+    python benchmarks/frontier.py --dry-run                 # the plan and its estimated time
+    python benchmarks/frontier.py                           # select, seeds, report (reuses finished runs)
+    python benchmarks/frontier.py --stage select --jobs 2   # seed 0 of every candidate setting
+    python benchmarks/frontier.py --stage seeds             # seeds 1, 2 of the chosen settings that need them
+    python benchmarks/frontier.py --stage report            # from benchmarks/results/frontier_runs/ alone
+    # a smoke test that touches nothing committed:
+    python benchmarks/frontier.py --rounds 2 --limit-train 2000 --only fedavg16_lr2e-3 dturbo_base \\
+        --runs-root /tmp/fr/runs --results /tmp/fr/results --docs /tmp/fr/docs
+
+Stages. "select": every candidate of the grid (CANDIDATES) with seed 0; per method line the candidate with the
+highest final *validation* accuracy is chosen (D-Turbo-VBI: among those with final density <= 15%). "seeds":
+seeds 1 and 2 of the chosen settings of D-Turbo-VBI, FedAvg 32/16-bit and the two peers nearest D-Turbo-VBI
+(fewest bits to reach a validation target, see :func:`nearest_peers`). "report": frontier.json, the figure,
+the tables and the checks of issue 12 part 4 (test accuracy is what is reported; it never selects anything).
+
+Runs are subprocesses (``python -m dturbo run CONFIG --out runs/frontier/<label>_s<seed> --no-figures``, one torch
+thread each), ``--jobs`` at a time. A finished run's metrics.csv and config.toml are copied to
+benchmarks/results/frontier_runs/<label>_s<seed>.{csv,toml} (committed): a run whose copy there is complete (and
+whose config is the one wanted) is never run again, and the report is built from those files alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from dturbo.config import Config, ConfigError, parse_config  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------- the protocol
+PROTOCOL: dict[str, Any] = {
+    "dataset": "fashion-mnist",
+    "data_path": "/usr/share/datasets/fashion-mnist",
+    "validation": 0.1,
+    "model": "alexnet-small",
+    "clients": 10,
+    "partition": "dirichlet",
+    "alpha": 0.5,
+    "clients_per_round": "all (DSSM samples its own decaying fraction, part of that method)",
+    "rounds": 20,
+    "local_epochs": 1,
+    "batch_size": 64,
+    "optimizer": "adam",
+    "threads": 1,
+    "eval_every": 1,
+    "seeds": [0, 1, 2],
+    "why_rounds": (
+        "20 rounds: the comparison protocol's (docs/results.md, configs/fmnist_compare/), so the numbers stand "
+        "beside it; D-Turbo-VBI's support settles after a short ramp (no warm-up, a few ramp rounds), so more than "
+        "half of the rounds show its steady state; and 3 seeds of every required method fit one 2-core session "
+        "(see --dry-run)."
+    ),
+    "selection": (
+        "per method line, seed 0 of every candidate; the highest final val_accuracy (validation split carved "
+        "from the training set before the federation split) wins; D-Turbo-VBI only among candidates with final "
+        "density <= 15%; test accuracy is only reported"
+    ),
+    "seeded": (
+        "seeds 0, 1, 2 for dturbo, fedavg32, fedavg16 and the two peers whose chosen setting reaches "
+        "T_val = FedAvg-16's final val_accuracy - 1 point with the fewest bits on seed 0 (peers that never reach "
+        "it ranked after, by final val_accuracy); one seed for the rest"
+    ),
+    "bits": "8 x the bytes of the messages really exchanged, up + down (docs/algorithm.md §9)",
+}
+SEEDS = (0, 1, 2)
+DENSITY_MAX = 0.15  # issue 12 part 4: at most 15% nonzero weights
+# The calibrated support lands on the target within a few hundredths of a percent (24.96-25.00% for a 25% target,
+# benchmarks/results/dturbo_variants.md): a 15% target must count as "at most 15%".
+DENSITY_TOL = 5e-4
+STEADY_ROUNDS = 5  # steady state: the mean over the last 5 rounds
+FIXED_TARGETS = (0.80, 0.85)  # accuracies (test, 0..1) for the bits-to-reach columns, beside T
+N_NEAREST = 2  # peers with 3 seeds
+GOALS = {"gap_points": 1.0, "vs_fedavg16": 1 / 5, "vs_others": 1 / 2, "bits_per_param": 1.5}
+
+# Seconds a round takes here, single-threaded, two runs sharing the 2 cores: benchmarks/results/fmnist_compare.json
+# "round_seconds_median_x_rounds" / 20 rounds (dturbo 605 s, fedavg 331 s, fedpaq 323 s, dssm 165 s: DSSM trains
+# fewer clients). FedPM and STC were not timed yet: assumed to cost a FedAvg round (same local epoch of Adam).
+SECONDS_PER_ROUND = {"dturbo": 30.3, "fedavg": 16.5, "fedpaq": 16.5, "dssm": 8.3, "stc": 16.5, "fedpm": 16.5}
+FULL_TRAIN = 60_000  # Fashion-MNIST training images: --limit-train scales the estimate (roughly: eval is fixed)
+
+# -------------------------------------------------------------------------------------------- the candidates
+LINES = ["dturbo", "dturbo_paper16", "fedavg32", "fedavg16", "fedpaq", "dssm", "stc", "fedpm"]
+LINE_NAMES = {
+    "dturbo": "D-Turbo-VBI", "dturbo_paper16": "D-Turbo-VBI, paper's 16-bit protocol", "fedavg32": "FedAvg 32-bit",
+    "fedavg16": "FedAvg 16-bit", "fedpaq": "FedPAQ", "dssm": "DSSM", "stc": "STC", "fedpm": "FedPM",
+}
+ALWAYS_SEEDED = ["dturbo", "fedavg32", "fedavg16"]
+PEERS = ["fedpaq", "dssm", "stc", "fedpm"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One hyperparameter setting: ``label`` unique, ``line`` the method line it competes in."""
+
+    label: str
+    line: str
+    algorithm: str
+    overrides: dict[str, Any]
+    note: str
+
+
+# D-Turbo-VBI's settings shared by both of its lines: the best of the comparison's variants (beta, initial sigma;
+# benchmarks/results/dturbo_variants.md).
+_DT_COMMON = {"dturbo.sigma_mode": "layer", "dturbo.sigma_init_ratio": 0.02, "dturbo.beta": 0.003,
+              "dturbo.sparsity.mode": "target", "dturbo.sparsity.scope": "global", "train.lr": 0.002}
+# The communication-efficient base the ablation varies one factor at a time (issue 12 part 3's levers).
+DT_BASE = {**_DT_COMMON, "dturbo.transmission.up_bits": 4, "dturbo.transmission.down_bits": 8,
+           "dturbo.transmission.prior_std": "rebuilt", "dturbo.prior_std_dtype": "log8",
+           "dturbo.sparsity.target_density": 0.12, "dturbo.sparsity.warmup_rounds": 0,
+           "dturbo.sparsity.ramp_rounds": 6}
+DT_ABLATION: list[tuple[str, dict[str, Any], str]] = [
+    ("dturbo_base", {}, "base: up 4 bits (update), down 8 bits, sigma_prior rebuilt, 12% target, no warm-up, "
+                        "6-round ramp, beta 0.003"),
+    ("dturbo_up8", {"dturbo.transmission.up_bits": 8}, "up 8 bits"),
+    ("dturbo_down4", {"dturbo.transmission.down_bits": 4}, "down 4 bits"),
+    ("dturbo_down16", {"dturbo.transmission.down_bits": 16}, "down float16, cluster-coded (the paper's)"),
+    ("dturbo_sent", {"dturbo.transmission.prior_std": "sent"}, "sigma_prior sent (8-bit log levels)"),
+    ("dturbo_t10", {"dturbo.sparsity.target_density": 0.10}, "10% target"),
+    ("dturbo_t15", {"dturbo.sparsity.target_density": 0.15}, "15% target"),
+    ("dturbo_warm2", {"dturbo.sparsity.warmup_rounds": 2}, "2 dense warm-up rounds"),
+    ("dturbo_ramp3", {"dturbo.sparsity.ramp_rounds": 3}, "3-round ramp"),
+    ("dturbo_beta0.01", {"dturbo.beta": 0.01}, "beta 0.01"),
+]
+# The paper's protocol: every value 16-bit, sigma_prior sent as float16; the comparison's schedule (25% target,
+# 5 dense warm-up rounds, 10-round ramp: configs/fmnist_compare/dturbo.toml), i.e. what was reported before.
+DT_PAPER16 = {**_DT_COMMON, "dturbo.transmission.up_bits": 16, "dturbo.transmission.down_bits": 16,
+              "dturbo.transmission.prior_std": "sent", "dturbo.prior_std_dtype": "float16",
+              "dturbo.sparsity.target_density": 0.25, "dturbo.sparsity.warmup_rounds": 5,
+              "dturbo.sparsity.ramp_rounds": 10}
+
+CANDIDATES: list[Candidate] = [
+    *(Candidate(label, "dturbo", "dturbo", {**DT_BASE, **o}, note) for label, o, note in DT_ABLATION),
+    Candidate("dturbo_paper16", "dturbo_paper16", "dturbo", DT_PAPER16,
+              "16-bit up and down, float16 sigma_prior sent, 25% target, 5 warm-up + 10 ramp rounds"),
+    # FedAvg: the learning rate of the comparison (0.002) and Adam's default (0.001).
+    *(Candidate(f"fedavg{b}_lr{lr:.0e}".replace("e-0", "e-"), f"fedavg{b}", "fedavg",
+                {"fedavg.dtype": f"float{b}", "train.lr": lr}, f"lr {lr:g}")
+      for b in (32, 16) for lr in (0.001, 0.002)),
+    # FedPAQ: QSGD s = 1 (2 bits a coordinate, the paper's setting) and s = 7 (4 bits); float16 download.
+    *(Candidate(f"fedpaq_s{s}", "fedpaq", "fedpaq", {"fedpaq.levels": s, "fedpaq.dtype": "float16",
+                                                     "fedpaq.weighting": "uniform", "train.lr": 0.002},
+                f"s = {s} ({math.ceil(math.log2(2 * s + 1))} bits a coordinate)") for s in (1, 7)),
+    # DSSM: top-k ratio gamma of the update, with its decaying client fraction (the comparison's) or every client.
+    *(Candidate(label, "dssm", "dssm", {"dssm.gamma": g, "dssm.c0": 1.0, "dssm.decay": d, "dssm.min_clients": 3,
+                                        "dssm.mode": "update", "dssm.dtype": "float16", "train.lr": 0.002}, note)
+      for label, g, d, note in (("dssm_g0.1", 0.1, 0.1, "gamma 0.1, client fraction exp(-0.1 t)"),
+                                ("dssm_g0.05", 0.05, 0.1, "gamma 0.05, client fraction exp(-0.1 t)"),
+                                ("dssm_g0.1_all", 0.1, 0.0, "gamma 0.1, every client"))),
+    # STC: the paper's sparsity range is 1/25 .. 1/400; 1% and 4%, both directions.
+    *(Candidate(f"stc_p{p:g}", "stc", "stc", {"stc.p_up": p, "stc.p_down": p, "train.lr": 0.002}, f"p = {p:g}")
+      for p in (0.01, 0.04)),
+    # FedPM: the score learning rate (the authors: Adam, lr 0.1).
+    *(Candidate(f"fedpm_lr{lr:g}", "fedpm", "fedpm", {"train.lr": lr}, f"score lr {lr:g}") for lr in (0.1, 0.03)),
+]
+BY_LABEL = {c.label: c for c in CANDIDATES}
+
+
+# ------------------------------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class Settings:
+    """Paths and the smoke-test overrides of one invocation."""
+
+    runs_root: Path = ROOT / "runs" / "frontier"
+    results: Path = ROOT / "benchmarks" / "results"
+    docs: Path = ROOT / "docs"
+    rounds: int | None = None
+    limit_train: int | None = None
+    limit_test: int | None = None
+    validation: bool = True
+
+    @property
+    def runs_csv(self) -> Path:
+        return self.results / "frontier_runs"
+
+    @property
+    def n_rounds(self) -> int:
+        return self.rounds or int(PROTOCOL["rounds"])
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+
+
+def config_dict(cand: Candidate, seed: int, s: Settings) -> dict[str, Any]:
+    """The full config of one run: the protocol, then the candidate's overrides."""
+    tree: dict[str, Any] = {
+        "experiment": {"name": f"frontier_{cand.label}_s{seed}", "seed": seed, "rounds": s.n_rounds,
+                       "algorithm": cand.algorithm, "eval_every": PROTOCOL["eval_every"],
+                       "threads": PROTOCOL["threads"]},
+        "data": {"name": PROTOCOL["dataset"], "path": PROTOCOL["data_path"]},
+        "federation": {"clients": PROTOCOL["clients"], "partition": PROTOCOL["partition"], "alpha": PROTOCOL["alpha"]},
+        "model": {"name": PROTOCOL["model"]},
+        "train": {"local_epochs": PROTOCOL["local_epochs"], "batch_size": PROTOCOL["batch_size"], "lr": 0.002,
+                  "optimizer": PROTOCOL["optimizer"]},
+    }
+    if s.validation:
+        tree["data"]["validation"] = PROTOCOL["validation"]
+    if s.limit_train:
+        tree["data"]["limit_train"] = s.limit_train
+    if s.limit_test:
+        tree["data"]["limit_test"] = s.limit_test
+    for key, value in cand.overrides.items():
+        _set(tree, key, value)
+    return tree
+
+
+def resolved(tree: dict[str, Any]) -> dict[str, Any]:
+    """The config as dturbo resolves it (defaults filled in): what a run's config.toml holds."""
+    return parse_config(tree).to_dict()
+
+
+def toml_config(path: Path) -> dict[str, Any] | None:
+    try:
+        return parse_config(tomllib.loads(path.read_text())).to_dict()
+    except (OSError, tomllib.TOMLDecodeError, ConfigError):
+        return None
+
+
+def csv_rows(path: Path) -> int:
+    try:
+        return max(0, len(path.read_text().strip().splitlines()) - 1)
+    except OSError:
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+@dataclass
+class Job:
+    cand: Candidate
+    seed: int
+    want: dict[str, Any]  # resolved config
+    # done (committed copy complete) / copy (run dir complete) / resume / todo / conflict (run dir of another config)
+    status: str = "todo"
+    rounds_left: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.cand.label}_s{self.seed}"
+
+    def seconds(self, s: Settings) -> float:
+        scale = min(1.0, (s.limit_train or FULL_TRAIN) / FULL_TRAIN)
+        return self.rounds_left * SECONDS_PER_ROUND.get(self.cand.algorithm, 16.5) * scale
+
+
+def plan_job(cand: Candidate, seed: int, s: Settings) -> Job:
+    """What is left to do for one run (committed copy, run directory, or nothing yet)."""
+    want = resolved(config_dict(cand, seed, s))
+    job = Job(cand, seed, want)
+    rounds = want["experiment"]["rounds"]
+    csv_path, toml_path = s.runs_csv / f"{job.name}.csv", s.runs_csv / f"{job.name}.toml"
+    if csv_rows(csv_path) >= rounds and toml_config(toml_path) == want:
+        job.status = "done"
+        return job
+    run_dir = s.runs_root / job.name
+    have = toml_config(run_dir / "config.toml")
+    if have is not None and have != want:
+        # Never resumed nor overwritten: the grid (or a smoke override) changed; the user decides.
+        job.status = "conflict"
+        return job
+    done_rows = csv_rows(run_dir / "metrics.csv")
+    if have is not None and done_rows >= rounds and (run_dir / "model.safetensors").exists():
+        job.status = "copy"
+    elif have is not None and (run_dir / "checkpoint" / "state.safetensors").exists():
+        job.status, job.rounds_left = "resume", rounds - done_rows
+    else:
+        job.status, job.rounds_left = "todo", rounds
+    return job
+
+
+_print_lock = threading.Lock()
+
+
+def say(msg: str) -> None:
+    with _print_lock:
+        print(f"[frontier {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def execute(job: Job, s: Settings) -> bool:
+    """Run (or resume) one job as a subprocess, then copy its metrics and config to the committed folder."""
+    run_dir = s.runs_root / job.name
+    if job.status in ("todo", "resume"):
+        if job.status == "todo" and run_dir.exists():
+            # Our own directory of a run cut before its first checkpoint: nothing to resume.
+            shutil.rmtree(run_dir)
+        cfg_path = s.runs_root / "_configs" / f"{job.name}.toml"
+        cfg_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg_path.write_text(parse_config(job.want).to_toml())
+        cmd = [sys.executable, "-m", "dturbo", "run", str(cfg_path), "--out", str(run_dir), "--no-figures"]
+        if job.status == "resume":
+            cmd.append("--resume")
+        # One torch thread per run (experiment.threads = 1 too): float sums depend on the thread count, and two
+        # runs then share 2 cores without oversubscription.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+        log = s.runs_root / f"{job.name}.log"
+        say(f"{job.name}: {job.status} ({job.rounds_left} rounds, ~{job.seconds(s) / 60:.1f} min), log {log}")
+        t0 = time.perf_counter()
+        with open(log, "a") as f:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            tail = "\n    ".join(log.read_text().strip().splitlines()[-6:])
+            say(f"{job.name}: FAILED (exit {rc}); last lines of {log}:\n    {tail}")
+            return False
+        say(f"{job.name}: finished in {(time.perf_counter() - t0) / 60:.1f} min")
+    if job.status != "done":
+        s.runs_csv.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run_dir / "metrics.csv", s.runs_csv / f"{job.name}.csv")
+        shutil.copyfile(run_dir / "config.toml", s.runs_csv / f"{job.name}.toml")
+    return True
+
+
+def makespan(seconds: list[float], jobs: int) -> float:
+    """Wall time of longest-first list scheduling on ``jobs`` slots (how :func:`run_jobs` orders them)."""
+    slots = [0.0] * max(1, jobs)
+    for t in sorted(seconds, reverse=True):
+        slots[slots.index(min(slots))] += t
+    return max(slots)
+
+
+def run_jobs(jobs: list[Job], s: Settings, n: int) -> list[Job]:
+    """Run what is left, ``n`` at a time, longest first; returns the jobs that failed."""
+    clash = [j for j in jobs if j.status == "conflict"]
+    if clash:
+        raise SystemExit("run directories of another config than the one wanted (the grid or the overrides "
+                         "changed?): remove or move them, then run again: "
+                         + ", ".join(str(s.runs_root / j.name) for j in clash))
+    for j in jobs:
+        if j.status in ("done", "copy"):
+            say(f"{j.name}: {'complete in ' + str(s.runs_csv) if j.status == 'done' else 'complete run, copied'}")
+    todo = sorted(jobs, key=lambda j: -j.seconds(s))
+    with ThreadPoolExecutor(max_workers=max(1, n)) as pool:
+        ok = list(pool.map(lambda j: execute(j, s), todo))
+    return [j for j, good in zip(todo, ok, strict=True) if not good]
+
+
+def print_plan(title: str, jobs: list[Job], s: Settings, n: int) -> float:
+    left = [j for j in jobs if j.status in ("todo", "resume")]
+    print(f"== {title}: {len(jobs)} runs, {len(left)} to run")
+    for j in jobs:
+        extra = f" ({j.rounds_left} rounds, ~{j.seconds(s) / 60:.1f} min single-threaded)" if j in left else ""
+        why = " (its run directory holds another config: remove or move it)" if j.status == "conflict" else ""
+        print(f"  {j.name:28s} {j.cand.algorithm:7s} {j.status}{extra}{why}")
+    wall = makespan([j.seconds(s) for j in left], n)
+    print(f"  estimated wall time at {n} job(s): {wall / 60:.0f} min "
+          f"(CPU {sum(j.seconds(s) for j in left) / 60:.0f} min)")
+    return wall
+
+
+# --------------------------------------------------------------------------------------- reading the results
+@dataclass
+class Run:
+    """One finished run as committed: candidate, seed, its config and its metrics columns."""
+
+    cand: Candidate
+    seed: int
+    cfg: Config
+    m: dict[str, np.ndarray]
+    params: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_acc(self) -> float:
+        return float(self.m["accuracy"][-1])
+
+    @property
+    def final_val(self) -> float:
+        return float(self.m["val_accuracy"][-1]) if "val_accuracy" in self.m else float("nan")
+
+    @property
+    def density(self) -> float:
+        return float(self.m["density"][-1])
+
+    @property
+    def total_bits(self) -> float:
+        return float(self.m["cum_bits"][-1])
+
+    def bits_to(self, target: float, column: str = "accuracy") -> float | None:
+        """Cumulative bits (up + down) at the first round whose ``column`` is >= target; None if never."""
+        acc = np.nan_to_num(self.m[column], nan=-1.0)
+        hit = np.flatnonzero(acc >= target - 1e-12)
+        return float(self.m["cum_bits"][hit[0]]) if hit.size else None
+
+    def per_param(self, direction: str) -> float:
+        """Steady state: mean over the last STEADY_ROUNDS rounds of bits / (participating clients x params)."""
+        k = min(STEADY_ROUNDS, len(self.m["round"]))
+        bits = self.m[f"{direction}_bits"][-k:]
+        who = self.m["participants"][-k:] if "participants" in self.m else np.full(k, self.cfg.federation.clients)
+        return float(np.mean(bits / (np.maximum(who, 1) * self.params)))
+
+
+def read_csv(path: Path) -> dict[str, np.ndarray]:
+    """metrics.csv as float columns (empty cells NaN), like dturbo.report.read_metrics for a file."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {k: np.array([float(r[k]) if r[k] != "" else np.nan for r in rows]) for k in (rows[0] if rows else [])}
+
+
+_INPUTS = {"fashion-mnist": ((1, 28, 28), 10), "mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
+           "cifar100": ((3, 32, 32), 100)}
+
+
+@cache
+def model_params(model: str, dataset: str, hidden: tuple[int, ...] = (200, 100), width: float = 1.0) -> int:
+    """Weights + biases of the model (sigma and other variational parameters are not the model's parameters)."""
+    from dturbo.nn.models import build_model
+
+    shape, classes = _INPUTS[dataset]
+    net = build_model(model, shape, classes, hidden=hidden, width=width)
+    return sum(p.numel() for n, p in net.named_parameters() if n.endswith(("weight_mu", "bias")))
+
+
+def load_runs(s: Settings, rounds: int | None = None) -> list[Run]:
+    """Every complete committed run (csv + toml) of a known candidate; ``rounds``: those of this length."""
+    out = []
+    for csv_path in sorted(s.runs_csv.glob("*_s*.csv")):
+        label, _, seed = csv_path.stem.rpartition("_s")
+        if label not in BY_LABEL or not seed.isdigit():
+            continue
+        toml_path = csv_path.with_suffix(".toml")
+        if not toml_path.exists():
+            continue
+        cfg = parse_config(tomllib.loads(toml_path.read_text()))
+        if rounds is not None and cfg.experiment.rounds != rounds:
+            continue
+        m = read_csv(csv_path)
+        if not m or len(m["round"]) < cfg.experiment.rounds:
+            continue  # a cut run: not a result
+        params = model_params(cfg.model.name, cfg.data.name, tuple(cfg.model.hidden), cfg.model.width)
+        out.append(Run(BY_LABEL[label], int(seed), cfg, m, params))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ selection
+@dataclass
+class Selection:
+    chosen: dict[str, str]  # line -> candidate label
+    table: list[dict[str, Any]]  # every seed-0 candidate, its val accuracy, density, chosen or not
+    warnings: list[str]
+    metric: str
+
+
+def select(runs: list[Run], metric: str = "val_accuracy") -> Selection:
+    """Per line, the seed-0 candidate with the highest final ``metric`` (never test accuracy, unless a smoke test
+    without a validation split asks for it); D-Turbo-VBI among those with final density <= 15%."""
+    seed0 = [r for r in runs if r.seed == 0]
+    chosen: dict[str, str] = {}
+    warn: list[str] = []
+    table = []
+    for line in LINES:
+        cands = [r for r in seed0 if r.cand.line == line]
+        if not cands:
+            continue
+        if any(metric not in r.m for r in cands):
+            raise SystemExit(f"{line}: metrics without a '{metric}' column: selection needs the validation split "
+                             "(data.validation); a smoke test without it may pass --select-on accuracy")
+        pool = cands
+        if line == "dturbo":
+            pool = [r for r in cands if r.density <= DENSITY_MAX + DENSITY_TOL]
+            if not pool:
+                pool = cands
+                warn.append(f"dturbo: no candidate ends at <= {DENSITY_MAX:.0%} density: the best overall is taken")
+        best = max(pool, key=lambda r: (float(r.m[metric][-1]), -r.total_bits))
+        chosen[line] = best.cand.label
+        for r in cands:
+            table.append({"line": line, "label": r.cand.label, "note": r.cand.note, "final_val_accuracy":
+                          float(r.m[metric][-1]), "final_density": r.density, "total_bits": r.total_bits,
+                          "chosen": r is best})
+    for w in warn:
+        print(f"WARNING: {w}")
+    return Selection(chosen, table, warn, metric)
+
+
+def nearest_peers(runs: list[Run], sel: Selection, metric: str = "val_accuracy") -> tuple[list[str], dict]:
+    """The N_NEAREST peer lines whose chosen setting reaches T_val = FedAvg-16's final validation accuracy - 1
+    point with the fewest bits on seed 0 (the strongest competitors on D-Turbo-VBI's part of the plane); peers that
+    never reach it follow, by final validation accuracy. Only validation numbers: this picks what to repeat."""
+    seed0 = {r.cand.label: r for r in runs if r.seed == 0}
+    ref = seed0.get(sel.chosen.get("fedavg16", ""))
+    t_val = None if ref is None else float(ref.m[metric][-1]) - 0.01
+    rank = []
+    for line in PEERS:
+        r = seed0.get(sel.chosen.get(line, ""))
+        if r is None:
+            continue
+        b = None if t_val is None else r.bits_to(t_val, metric)
+        rank.append((b is None, b or 0.0, -float(r.m[metric][-1]), line))
+    rank.sort()
+    info = {"t_val": t_val, "ranking": [{"line": x[3], "bits_to_t_val": None if x[0] else x[1]} for x in rank]}
+    return [x[3] for x in rank[:N_NEAREST]], info
+
+
+# --------------------------------------------------------------------------------------------------- report
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs))
+
+
+def _std(xs: list[float]) -> float:
+    return float(np.std(xs, ddof=1)) if len(xs) > 1 else float("nan")
+
+
+def _mbit(b: float | None) -> str:
+    return "never" if b is None else f"{b / 1e6:,.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.3f}"
+
+
+@dataclass
+class Line:
+    """The chosen setting of one method line and its seeds."""
+
+    line: str
+    runs: list[Run]
+
+    @property
+    def name(self) -> str:
+        return LINE_NAMES[self.line]
+
+    def acc(self) -> list[float]:
+        return [r.final_acc for r in self.runs]
+
+    def bits_to(self, target: float) -> float | None:
+        """Mean over seeds of the bits to reach ``target``; None when a seed never reaches it."""
+        b = [r.bits_to(target) for r in self.runs]
+        return None if any(x is None for x in b) else _mean(b)  # type: ignore[arg-type]
+
+    def reached(self, target: float) -> str:
+        n = sum(r.bits_to(target) is not None for r in self.runs)
+        return f"{n}/{len(self.runs)}"
+
+    def per_param(self, direction: str) -> float:
+        return _mean([r.per_param(direction) for r in self.runs])
+
+    @property
+    def density(self) -> float:
+        return _mean([r.density for r in self.runs])
+
+
+def build_lines(runs: list[Run], sel: Selection) -> dict[str, Line]:
+    out = {}
+    for line in LINES:
+        label = sel.chosen.get(line)
+        rs = sorted((r for r in runs if r.cand.label == label), key=lambda r: r.seed)
+        if rs:
+            out[line] = Line(line, rs)
+    return out
+
+
+def run_record(r: Run, sel: Selection) -> dict[str, Any]:
+    """One entry of frontier.json's "runs" (the issue's keys first, then extras)."""
+    chosen_line = next((ln for ln, lab in sel.chosen.items() if lab == r.cand.label), None)
+    ok = ~np.isnan(r.m["accuracy"])
+    rec: dict[str, Any] = {
+        "method": r.cfg.experiment.algorithm,
+        "label": chosen_line or r.cand.label,
+        "seed": r.seed,
+        "final_density": r.density,
+        "curve": [[int(rd), float(b), float(a)] for rd, b, a in
+                  zip(r.m["round"][ok], r.m["cum_bits"][ok], r.m["accuracy"][ok], strict=True)],
+        "setting": r.cand.label,
+        "line": r.cand.line,
+        "chosen": chosen_line is not None,
+        "note": r.cand.note,
+        "overrides": r.cand.overrides,
+        "final_accuracy": r.final_acc,
+        "final_val_accuracy": None if math.isnan(r.final_val) else r.final_val,
+        "total_bits": r.total_bits,
+        "params": r.params,
+        "steady_bits_per_param_round_client": {"up": r.per_param("up"), "down": r.per_param("down")},
+    }
+    if "val_accuracy" in r.m:
+        okv = ~np.isnan(r.m["val_accuracy"])
+        rec["val_curve"] = [[int(rd), float(b), float(a)] for rd, b, a in
+                            zip(r.m["round"][okv], r.m["cum_bits"][okv], r.m["val_accuracy"][okv], strict=True)]
+    return rec
+
+
+def frontier_figure(lines: dict[str, Line], target: float | None, path: Path) -> list[Path]:
+    """Test accuracy vs cumulative bits (log x), one line per method: mean over seeds, min-max band."""
+    import matplotlib.pyplot as plt
+
+    from dturbo.report import _save, bits_log_axis
+
+    fig, ax = plt.subplots(figsize=(8.5, 5.0 + 0.2 * len(lines)), layout="constrained")
+    for i, ln in enumerate(lines.values()):
+        n = min(len(r.m["round"]) for r in ln.runs)
+        bits = np.mean([r.m["cum_bits"][:n] for r in ln.runs], axis=0)
+        acc = 100 * np.array([r.m["accuracy"][:n] for r in ln.runs])
+        mean = np.nanmean(acc, axis=0)
+        style = "--" if ln.line == "dturbo_paper16" else "-"
+        lw = 2.2 if ln.line == "dturbo" else 1.4
+        ax.plot(bits, mean, style, marker="o", ms=2.5, lw=lw, color=f"C{i % 10}",
+                label=f"{ln.name} ({ln.runs[0].cand.label}): {np.mean(ln.acc()) * 100:.1f}%, "
+                      f"{100 * ln.density:.0f}% nonzero, {len(ln.runs)} seed{'s' if len(ln.runs) > 1 else ''}")
+        if len(ln.runs) >= 3:
+            ax.fill_between(bits, np.nanmin(acc, axis=0), np.nanmax(acc, axis=0), color=f"C{i % 10}", alpha=0.18,
+                            lw=0)
+    if target is not None:
+        ax.axhline(100 * target, color="0.4", lw=0.8, ls=":")
+        ax.annotate(f"T = {100 * target:.1f}%", (0.01, 100 * target), xycoords=("axes fraction", "data"),
+                    xytext=(0, 3), textcoords="offset points", fontsize=8, color="0.3")
+    ax.set_xscale("log")
+    ax.set(xlabel="cumulative communication, up + down (bits, log scale)", ylabel="test accuracy (%)",
+           title="Accuracy vs communication (mean over seeds; band: min-max of 3 seeds)")
+    ax.grid(alpha=0.3, which="major")
+    ax.grid(alpha=0.12, which="minor")
+    lo = min(np.nanmin(100 * r.m["accuracy"]) for ln in lines.values() for r in ln.runs)
+    hi = max(np.nanmax(100 * r.m["accuracy"]) for ln in lines.values() for r in ln.runs)
+    ax.set_ylim(max(0.0, 5 * math.floor(lo / 5)), min(100.0, 5 * math.ceil(hi / 5) + 1))
+    fig.legend(loc="outside lower center", fontsize=8, ncols=1, frameon=False)
+    bits_log_axis(ax)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path)
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def checks(lines: dict[str, Line], target: float | None) -> tuple[list[str], dict[str, Any]]:
+    """Issue 12 part 4, pass/miss with the numbers."""
+    out: list[str] = []
+    nums: dict[str, Any] = {}
+    d = lines.get("dturbo")
+    if d is None:
+        return ["- no D-Turbo-VBI run: nothing to check"], nums
+    d_acc = _mean(d.acc())
+    f32 = lines.get("fedavg32")
+    if f32 is not None:
+        gap = 100 * (_mean(f32.acc()) - d_acc)
+        ok = gap <= GOALS["gap_points"] + 1e-9 and d.density <= DENSITY_MAX + DENSITY_TOL
+        nums["accuracy_gap_points"], nums["accuracy_and_density"] = gap, ok
+        out.append(f"- **{'pass' if ok else 'miss'}**: accuracy within {GOALS['gap_points']:.1f} point of FedAvg "
+                   f"32-bit with at most {DENSITY_MAX:.0%} nonzero: D-Turbo-VBI {100 * d_acc:.2f}% vs "
+                   f"{100 * _mean(f32.acc()):.2f}% ({gap:.2f} points below; negative: above), "
+                   f"{100 * d.density:.2f}% nonzero "
+                   f"(means of {len(d.runs)} / {len(f32.runs)} seeds).")
+    if target is not None:
+        db = d.bits_to(target)
+        f16 = lines.get("fedavg16")
+        if f16 is not None:
+            fb = f16.bits_to(target)
+            ok16 = db is not None and fb is not None and db <= GOALS["vs_fedavg16"] * fb
+            nums["bits_ratio_vs_fedavg16"] = None if db is None or fb is None else db / fb
+            out.append(f"- **{'pass' if ok16 else 'miss'}**: to reach T = {100 * target:.2f}% at most 1/5 of FedAvg "
+                       f"16-bit's bits: {_mbit(db)} / {_mbit(fb)} Mbit = {_ratio(db, fb)} (goal <= 0.200).")
+        others = {k: v for k, v in lines.items() if k not in ("dturbo", "dturbo_paper16", "fedavg16")}
+        worst_ok = db is not None
+        parts = []
+        nums["bits_ratio_vs_others"] = {}
+        for k, ln in others.items():
+            ob = ln.bits_to(target)
+            if ob is None:
+                parts.append(f"{ln.name} never reaches T ({ln.reached(target)} seeds)")
+                continue
+            r = None if db is None else db / ob
+            nums["bits_ratio_vs_others"][k] = r
+            worst_ok = worst_ok and r is not None and r <= GOALS["vs_others"]
+            parts.append(f"{ln.name} {_mbit(db)} / {_mbit(ob)} Mbit = {_ratio(db, ob)}")
+        out.append(f"- **{'pass' if worst_ok else 'miss'}**: at most 1/2 of the bits of every other method that "
+                   f"reaches T: " + ("; ".join(parts) or "no other method") + " (goal <= 0.500 each).")
+    up, down = d.per_param("up"), d.per_param("down")
+    ss = (up + down) / 2
+    nums["steady_bits_per_param"] = {"up": up, "down": down, "mean": ss}
+    out.append(f"- **{'pass' if ss <= GOALS['bits_per_param'] else 'miss'}**: steady state at most "
+               f"{GOALS['bits_per_param']} bits per parameter per round per client, up and down averaged: "
+               f"up {up:.3f}, down {down:.3f}, mean {ss:.3f} (last {STEADY_ROUNDS} rounds).")
+    p = lines.get("dturbo_paper16")
+    if p is not None:
+        pb = None if target is None else p.bits_to(target)
+        out.append(f"- The paper's protocol (16-bit everywhere, `{p.runs[0].cand.label}`), beside it: "
+                   f"{100 * _mean(p.acc()):.2f}%, {100 * p.density:.1f}% nonzero, "
+                   f"{p.runs[0].total_bits / 1e6:,.1f} Mbit in all, bits to T {_mbit(pb)} Mbit, steady state up "
+                   f"{p.per_param('up'):.3f} / down {p.per_param('down'):.3f} bits per parameter.")
+    # Where a peer does better than D-Turbo-VBI, say so with the numbers.
+    wins = []
+    for k, ln in lines.items():
+        if k in ("dturbo", "dturbo_paper16"):
+            continue
+        acc = _mean(ln.acc())
+        for t in ([target] if target is not None else []) + list(FIXED_TARGETS):
+            ob, db = ln.bits_to(t), d.bits_to(t)
+            if ob is not None and (db is None or ob < db):
+                wins.append(f"{ln.name} reaches {100 * t:.1f}% with {_mbit(ob)} Mbit, D-Turbo-VBI with {_mbit(db)}")
+        if acc > d_acc and ln.runs[0].total_bits <= d.runs[0].total_bits:
+            wins.append(f"{ln.name} ends higher ({100 * acc:.2f}% vs {100 * d_acc:.2f}%) with fewer bits in all "
+                        f"({ln.runs[0].total_bits / 1e6:,.1f} vs {d.runs[0].total_bits / 1e6:,.1f} Mbit)")
+    nums["peer_wins"] = wins
+    out.append("- Where another method beats D-Turbo-VBI: " + ("; ".join(wins) + "." if wins else "nowhere on these "
+               "measures (bits to T and to the fixed accuracies, final accuracy at no more bits)."))
+    return out, nums
+
+
+def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, target: float | None,
+                    peers: dict[str, Any], fig_rel: str, s: Settings) -> tuple[str, dict[str, Any]]:
+    """The markdown body (### headings) and the numbers of the checks."""
+    targets = ([target] if target is not None else []) + list(FIXED_TARGETS)
+    tnames = [f"T = {100 * target:.1f}%" if target is not None and t == target else f"{100 * t:.0f}%"
+              for t in targets]
+    md: list[str] = []
+    n_rounds = max((len(r.m["round"]) for r in runs), default=0)
+    params = runs[0].params if runs else 0
+    smoke = s.rounds is not None or s.limit_train is not None or not s.validation
+    md += [f"Regenerated by `python benchmarks/frontier.py` from `benchmarks/results/frontier_runs/` (do not edit by "
+           f"hand). Protocol: {PROTOCOL['dataset']}, {PROTOCOL['model']} ({params:,} weights and biases), "
+           f"{PROTOCOL['clients']} clients, Dirichlet({PROTOCOL['alpha']}), every client every round, "
+           f"{n_rounds} rounds, {PROTOCOL['local_epochs']} local epoch of Adam (batch {PROTOCOL['batch_size']}) for "
+           f"every method, one torch thread; {100 * PROTOCOL['validation']:.0f}% of the training set held out for "
+           f"validation. Every setting was chosen on the final validation accuracy of seed 0 "
+           f"(`{sel.metric}`); the accuracies below are test accuracies. {PROTOCOL['why_rounds']}", ""]
+    if smoke:
+        md += [f"**Smoke test** (rounds {s.rounds}, limit_train {s.limit_train}, validation "
+               f"{'on' if s.validation else 'off'}): not a result.", ""]
+    md += [f"![accuracy vs bits]({fig_rel})", ""]
+    head = ["method", "setting", "seeds", "final test accuracy (%)", "nonzero (%)", *[f"Mbit to {t}" for t in tnames]]
+    head += ["÷ FedAvg-16 at T", "D-Turbo-VBI ÷ this at T", "up bits/param/round", "down bits/param/round",
+             "total Mbit"]
+    rows = []
+    f16 = lines.get("fedavg16")
+    d = lines.get("dturbo")
+    for ln in lines.values():
+        a = ln.acc()
+        acc = f"{100 * _mean(a):.2f} ± {100 * _std(a):.2f}" if len(a) > 1 else f"{100 * a[0]:.2f}"
+        bt = [ln.bits_to(t) for t in targets]
+        cells = [_mbit(b) if b is not None else f"never ({ln.reached(t)})" for b, t in zip(bt, targets, strict=True)]
+        tb = ln.bits_to(target) if target is not None else None
+        to16 = _ratio(tb, f16.bits_to(target)) if f16 is not None and target is not None else "n/a"
+        d_to = _ratio(d.bits_to(target), tb) if d is not None and target is not None else "n/a"
+        rows.append([ln.name, f"`{ln.runs[0].cand.label}`", str(len(ln.runs)), acc, f"{100 * ln.density:.1f}", *cells,
+                     to16, d_to, f"{ln.per_param('up'):.3f}", f"{ln.per_param('down'):.3f}",
+                     f"{_mean([r.total_bits for r in ln.runs]) / 1e6:,.1f}"])
+    md += ["### Bits to reach fixed accuracies, and per parameter", ""]
+    md += [f"T = FedAvg-16's final test accuracy (mean over its seeds) - 1 point. Mbit to an accuracy: cumulative bits"
+           f" up + down at the first round whose test accuracy reaches it, mean over seeds (\"never (k/n)\": only k"
+           f" of n seeds reach it). Bits per parameter per round: per participating client, mean of the last "
+           f"{STEADY_ROUNDS} rounds (steady state), {params:,} parameters.", ""]
+    md += _md_table(head, rows) + [""]
+    # Ratios of D-Turbo-VBI's bits to every method's, at each target.
+    if d is not None:
+        rrows = []
+        for ln in lines.values():
+            if ln.line == "dturbo":
+                continue
+            rrows.append([ln.name, *[_ratio(d.bits_to(t), ln.bits_to(t)) for t in targets]])
+        md += ["Bits of D-Turbo-VBI ÷ bits of each method to reach the same accuracy (n/a: one of them never does):",
+               "", *_md_table(["method", *tnames], rrows), ""]
+    # The ablation of D-Turbo-VBI's levers (seed 0).
+    abl = sorted((r for r in runs if r.seed == 0 and r.cand.line in ("dturbo", "dturbo_paper16")),
+                 key=lambda r: [c.label for c in CANDIDATES].index(r.cand.label))
+    if abl:
+        md += ["### D-Turbo-VBI's levers (one factor at a time around `dturbo_base`, seed 0)", ""]
+        arows = [[f"`{r.cand.label}`" + (" (chosen)" if sel.chosen.get(r.cand.line) == r.cand.label else ""),
+                  r.cand.note, "-" if math.isnan(r.final_val) else f"{100 * r.final_val:.2f}",
+                  f"{100 * r.final_acc:.2f}", f"{100 * r.density:.1f}", f"{r.total_bits / 1e6:,.1f}",
+                  f"{r.per_param('up'):.3f}", f"{r.per_param('down'):.3f}"] for r in abl]
+        md += _md_table(["setting", "what changed", "val acc (%)", "test acc (%)", "nonzero (%)", "total Mbit",
+                         "up bits/param/round", "down bits/param/round"], arows) + [""]
+    # Every candidate of the selection.
+    md += ["### Selection (seed 0, final validation accuracy)", ""]
+    srows = [[LINE_NAMES[t["line"]], f"`{t['label']}`" + (" **chosen**" if t["chosen"] else ""), t["note"],
+              f"{100 * t['final_val_accuracy']:.2f}", f"{100 * t['final_density']:.1f}",
+              f"{t['total_bits'] / 1e6:,.1f}"] for t in sel.table]
+    md += _md_table(["method", "setting", "what", f"final {sel.metric} (%)", "nonzero (%)", "total Mbit"], srows)
+    md += [""] + [f"Warning: {w}" for w in sel.warnings]
+    tv = peers.get("t_val")
+    if peers.get("ranking"):
+        ranked = ", ".join(f"{LINE_NAMES[x['line']]} ({_mbit(x['bits_to_t_val'])} Mbit)" for x in peers["ranking"])
+        t_val = "n/a" if tv is None else f"{100 * tv:.2f}%"
+        md += [f"Peers repeated with 3 seeds: the first {N_NEAREST} of those whose chosen setting reaches T_val = "
+               f"{t_val} (FedAvg-16's final validation accuracy - 1 point) with the fewest bits on seed 0: {ranked}.",
+               ""]
+    else:
+        md += ["No peer (FedPAQ, DSSM, STC, FedPM) has a selection run yet.", ""]
+    lines_out, nums = checks(lines, target)
+    md += ["### Issue 12's numbers to reach", "", *lines_out, ""]
+    return "\n".join(md), nums
+
+
+def replace_section(doc: Path, body: str) -> None:
+    """Put ``body`` between the frontier markers of ``doc`` (inserted after the title when missing)."""
+    start, end = "<!-- frontier:start -->", "<!-- frontier:end -->"
+    block = f"{start}\n## Accuracy vs bits: the frontier\n\n{body.rstrip()}\n{end}"
+    text = doc.read_text() if doc.exists() else "# Results\n"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        first, nl, rest = text.partition("\n")
+        text = f"{first}\n\n{block}\n{nl}{rest.lstrip(chr(10))}" if first.startswith("# ") else f"{block}\n\n{text}"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def report(s: Settings, metric: str) -> dict[str, Any]:
+    """frontier.json, the figure, frontier.md and the docs/results.md section, from the committed files alone."""
+    runs = load_runs(s, s.n_rounds)
+    if not runs:
+        raise SystemExit(f"no complete run of {s.n_rounds} rounds in {s.runs_csv}")
+    sel = select(runs, metric)
+    lines = build_lines(runs, sel)
+    f16 = lines.get("fedavg16")
+    target = None if f16 is None else _mean(f16.acc()) - 0.01
+    _, peers = nearest_peers(runs, sel, metric)
+    fig = s.docs / "results" / "frontier.png"
+    frontier_figure(lines, target, fig)
+    fig_rel = os.path.relpath(fig, s.docs)
+    body, nums = report_markdown(lines, runs, sel, target, peers, fig_rel, s)
+    (s.results / "frontier.md").write_text(
+        "# Accuracy vs bits: the frontier\n\n" + body.replace(f"]({fig_rel})",
+                                                               f"]({os.path.relpath(fig, s.results)})"))
+    replace_section(s.docs / "results.md", body)
+    protocol = {**PROTOCOL, "rounds": s.n_rounds, "limit_train": s.limit_train, "limit_test": s.limit_test,
+                "validation": PROTOCOL["validation"] if s.validation else None,
+                "params": runs[0].params, "target_T": target, "fixed_targets": list(FIXED_TARGETS),
+                "selection_metric": metric}
+    out = {
+        "protocol": protocol,
+        "runs": [run_record(r, sel) for r in sorted(runs, key=lambda r: (LINES.index(r.cand.line), r.cand.label,
+                                                                         r.seed))],
+        "chosen": sel.chosen,
+        "selection": sel.table,
+        "selection_warnings": sel.warnings,
+        "seeded_peers": peers,
+        "checks": nums,
+        "candidates": {c.label: {"line": c.line, "method": c.algorithm, "overrides": c.overrides, "note": c.note}
+                       for c in CANDIDATES},
+    }
+    (s.results / "frontier.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(body)
+    print(f"wrote {s.results / 'frontier.json'}, {s.results / 'frontier.md'}, {fig}, {s.docs / 'results.md'}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def select_jobs(s: Settings, only: list[str] | None) -> list[Job]:
+    return [plan_job(c, 0, s) for c in CANDIDATES if not only or c.label in only]
+
+
+def seed_jobs(s: Settings, only: list[str] | None, metric: str, *, dry: bool) -> tuple[list[Job], str]:
+    """Seeds 1, 2 of the chosen settings of ALWAYS_SEEDED and the nearest peers (from the selection's files).
+    Before the selection, a dry run plans with each line's first candidate; a real one runs nothing."""
+    runs = load_runs(s, s.n_rounds)
+    note = ""
+    try:
+        sel = select(runs, metric) if runs else None
+    except SystemExit as err:
+        sel, note = None, str(err)
+    if sel is None or "dturbo" not in sel.chosen:
+        if not dry:
+            return [], note or "no selection yet (D-Turbo-VBI's seed-0 runs missing): no seed runs"
+        # A dry run before the selection: plan with the first candidate of each line.
+        chosen = {c.line: c.label for c in reversed(CANDIDATES)}
+        lines = ALWAYS_SEEDED + PEERS[:N_NEAREST]
+        note = note or "selection not complete: planned with each line's first candidate and two peers"
+    else:
+        chosen = sel.chosen
+        have = {r.cand.label for r in runs if r.seed == 0}
+        # A line whose candidates have not all finished seed 0 is not chosen yet (nor, then, are the nearest peers):
+        # its seeds would be spent on a setting that may lose. --only overrides (the user picked the runs).
+        unsettled = [ln for ln in LINES if any(c.label not in have for c in CANDIDATES if c.line == ln)]
+        if only:
+            unsettled = []
+        peers, _ = nearest_peers(runs, sel, metric)
+        if any(ln in unsettled for ln in PEERS + ["fedavg16"]):
+            peers = []
+        lines = [ln for ln in ALWAYS_SEEDED if ln in chosen and ln not in unsettled] + peers
+        if unsettled and dry:  # plan what the finished selection will ask for: 5 lines
+            chosen = {**{c.line: c.label for c in reversed(CANDIDATES)}, **chosen}
+            lines = ALWAYS_SEEDED + (peers or PEERS[:N_NEAREST])
+            note = f"selection not complete for {', '.join(unsettled)}: planned with the settings chosen so far"
+        elif unsettled:
+            note = (f"selection not complete for {', '.join(unsettled)}: no seeds for them"
+                    + (" nor for the peers" if not peers else ""))
+    jobs = [plan_job(BY_LABEL[chosen[ln]], seed, s) for ln in lines for seed in SEEDS[1:]
+            if not only or chosen[ln] in only]
+    return jobs, note
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=["select", "seeds", "report", "all"], default="all")
+    ap.add_argument("--only", nargs="+", metavar="LABEL", help="only these candidate labels (runs; the report "
+                                                                  "always uses every committed run)")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time, run nothing")
+    ap.add_argument("--rounds", type=int, help=f"override the protocol's {PROTOCOL['rounds']} rounds (smoke tests)")
+    ap.add_argument("--limit-train", type=int, help="training images (smoke tests)")
+    ap.add_argument("--limit-test", type=int, help="test images (smoke tests)")
+    ap.add_argument("--no-validation", action="store_true",
+                    help="leave data.validation out (only while dturbo lacks it; needs --select-on accuracy)")
+    ap.add_argument("--select-on", choices=["val_accuracy", "accuracy"], default="val_accuracy",
+                    help="selection column; 'accuracy' (test) only for smoke tests without a validation split")
+    ap.add_argument("--runs-root", type=Path, default=ROOT / "runs" / "frontier")
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
+                    help="frontier.json, frontier.md and frontier_runs/ go here")
+    ap.add_argument("--docs", type=Path, default=ROOT / "docs",
+                    help="results.md (its frontier section) and results/frontier.png go here")
+    args = ap.parse_args()
+    unknown = [x for x in args.only or [] if x not in BY_LABEL]
+    if unknown:
+        ap.error(f"unknown label(s) {', '.join(unknown)}; known: {', '.join(BY_LABEL)}")
+    if args.select_on == "accuracy":
+        print("WARNING: selecting on TEST accuracy: a smoke test only, never a result")
+    s = Settings(runs_root=args.runs_root, results=args.results, docs=args.docs, rounds=args.rounds,
+                 limit_train=args.limit_train, limit_test=args.limit_test, validation=not args.no_validation)
+    try:
+        run_stages(args, s)
+    except ConfigError as err:
+        hint = ("\n(data.validation is not in this dturbo yet: --no-validation --select-on accuracy for a smoke test)"
+                if "validation" in str(err) else "")
+        raise SystemExit(f"{err}{hint}") from None
+
+
+def run_stages(args: argparse.Namespace, s: Settings) -> None:
+    """The stages asked for (or their plan, with --dry-run)."""
+    failed: list[Job] = []
+    if args.dry_run:
+        total = 0.0
+        if args.stage in ("select", "all"):
+            total += print_plan("select (seed 0 of every candidate)", select_jobs(s, args.only), s, args.jobs)
+        if args.stage in ("seeds", "all"):
+            jobs, note = seed_jobs(s, args.only, args.select_on, dry=True)
+            if note:
+                print(f"  ({note})")
+            total += print_plan("seeds (1, 2 of the chosen settings)", jobs, s, args.jobs)
+        print(f"== estimated total: {total / 60:.0f} min at {args.jobs} job(s) "
+              f"(seconds a round: {SECONDS_PER_ROUND}; from benchmarks/results/fmnist_compare.json)")
+        return
+    s.runs_root.mkdir(parents=True, exist_ok=True)
+    if args.stage in ("select", "all"):
+        failed += run_jobs(select_jobs(s, args.only), s, args.jobs)
+    if args.stage in ("seeds", "all"):
+        jobs, note = seed_jobs(s, args.only, args.select_on, dry=False)
+        if note:
+            say(note)
+        failed += run_jobs(jobs, s, args.jobs)
+    if args.stage in ("report", "all"):
+        report(s, args.select_on)
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(j.name for j in failed)}")
+
+
+if __name__ == "__main__":
+    main()

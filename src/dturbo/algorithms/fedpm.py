@@ -1,0 +1,372 @@
+"""FedPM (Isik, Pase, Gunduz, Weissman, Zorzi, "Sparse Random Networks for Communication-Efficient Federated
+Learning", ICLR 2023; the authors' code is BerivanIsik/sparse-random-networks): train a mask, not the weights.
+Only the paper's abstract and contribution list could be read here; the details below follow the authors' code
+(``server.py``, ``client.py``, ``models/masked_layers.py``, ``utils/random.py``), named where they decide.
+
+* Weights **and biases** stay frozen at the model's seeded initial values (times ``weight_scale``; the authors
+  use a scaled signed-constant init so that a half-kept deep network keeps its signal): the server and every
+  client rebuild them from the model factory, so they never travel (paper, contribution 4: the final model is
+  "a random seed and a binary mask"). As in the authors' code (``MaskedLinear``/``MaskedConv2d``: ``bias_mask``
+  beside ``mask``), biases are masked too.
+* Each parameter has a score s; theta = sigmoid(s) is the probability that it is kept. A forward pass of local
+  training uses w_init * m with a fresh m ~ Bernoulli(theta) per minibatch and a straight-through estimator: the
+  gradient reaches theta as if m = theta (the authors' ``Bern`` autograd function; theirs also multiplies the
+  gradient by theta; we pass it straight, the plain straight-through estimator).
+* Download: the global probabilities theta_G, on a uniform grid of 2^``down_bits`` levels; a client
+  starts its scores at logit(theta_G).
+* Upload: one mask m ~ Bernoulli(theta_local) per client, range-coded (:mod:`dturbo.coding.masks`)
+  with theta_G as the probability model both ends hold, or with the layer's fraction of ones (the empirical
+  entropy the authors' code reports as the bitrate), whichever is shorter (``upload_model``).
+* Server, "Bayesian aggregation" (paper, contribution 3): per parameter a Beta(alpha, beta) with the prior
+  Beta(lambda0, lambda0); alpha += sum of the received bits, beta += clients - that sum; the prior is reset every
+  ``reset_every`` rounds (the authors' code resets every round). theta_G is the posterior mode
+  (alpha - 1) / (alpha + beta - 2) (the authors' code) or mean, squeezed into [epsilon, 1 - epsilon] (their code
+  counts each received bit as epsilon or 1 - epsilon: with lambda0 = 1 the same numbers).
+* Evaluation: the authors evaluate the network with a mask sampled from theta_G; ``eval_mask = "sample"`` draws
+  one seeded mask per round (the model one would deploy: seed + mask), ``"threshold"`` keeps theta_G >= 0.5.
+  :meth:`FedPmServer.global_model` is the ordinary network with weights w_init * mask, so ``density`` is real.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..codec import CodecError, decode_quantized, encode_quantized
+from ..coding.masks import decode_mask_payload, encode_mask_payload
+from ..config import Config
+from ..nn.bayes import bayesian_layers
+from .base import (
+    ClientData,
+    MessageError,
+    RoundResult,
+    State,
+    client_generator,
+    fields_dict,
+    frame,
+    pack_scalars,
+    sample_uniform,
+    unpack_scalars,
+)
+from .local import train_local
+from .point import PointLayer, _need, _theta, make_deterministic, point_layers
+
+# Seed-sequence tags: every random draw is a pure function of (seed, round, client, tag), so resume is exact.
+_TAG_SCORES, _TAG_GATES, _TAG_UPLOAD, _TAG_EVAL = 0x5C0, 0x6A7, 0x0B1, 0xE7A
+# Scores are logit(theta_G) with theta_G kept this far from 0 and 1 (a wire level of 0 or 1 is finite then).
+_LOGIT_CLAMP = 1e-6
+
+
+# ------------------------------------------------------------------------------------------ shared pieces
+def quantize_probs(theta: np.ndarray, bits: int) -> np.ndarray:
+    """Levels 0..2^bits - 1 of probabilities on the uniform grid (round to nearest): what the downlink carries."""
+    top = (1 << bits) - 1
+    return np.rint(np.clip(np.asarray(theta, dtype=np.float64), 0.0, 1.0) * top).astype(np.int32)
+
+
+def dequantize_probs(levels: np.ndarray, bits: int) -> np.ndarray:
+    """float64 probabilities of the levels. Server and clients compute them by this one function, so the range
+    coder's model is bit-identical at both ends."""
+    return np.asarray(levels, dtype=np.float64) / float((1 << bits) - 1)
+
+
+def beta_update(alpha: np.ndarray, beta: np.ndarray, masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Beta-Bernoulli conjugate update (the Bayesian aggregation) with K masks (K, n): alpha + ones, beta +
+    zeros, per bit."""
+    m = np.asarray(masks, dtype=np.float64).reshape(len(masks), -1)
+    ones = m.sum(axis=0)
+    return alpha + ones, beta + (m.shape[0] - ones)
+
+
+def posterior_probs(alpha: np.ndarray, beta: np.ndarray, estimate: str, epsilon: float) -> np.ndarray:
+    """theta_G from the posterior: mode (alpha - 1) / (alpha + beta - 2) or mean alpha / (alpha + beta), mapped
+    into [epsilon, 1 - epsilon] (the authors' code: received bits count as epsilon / 1 - epsilon)."""
+    if estimate == "mode":
+        est = (alpha - 1.0) / (alpha + beta - 2.0)
+    else:
+        est = alpha / (alpha + beta)
+    return epsilon + (1.0 - 2.0 * epsilon) * np.clip(est, 0.0, 1.0)
+
+
+def _entropy_bits(p: np.ndarray) -> float:
+    """Mean binary entropy (bits) of the probabilities."""
+    q = np.clip(p, 1e-12, 1 - 1e-12)
+    return float(np.mean(-(q * np.log2(q) + (1 - q) * np.log2(1 - q))))
+
+
+class _BernoulliSTE(torch.autograd.Function):
+    """m ~ Bernoulli(theta) in the forward pass, dm/dtheta := 1 in the backward pass (straight-through)."""
+
+    @staticmethod
+    def forward(ctx: object, theta: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        return torch.bernoulli(theta, generator=generator)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _Gate(nn.Module):
+    """A parametrization of a frozen tensor: x -> x * m, m ~ Bernoulli(sigmoid(score)), one draw per access
+    (one per forward pass: the layer reads its weight once)."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        super().__init__()
+        self.score = nn.Parameter(torch.zeros(shape))
+        self.generator: torch.Generator | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * _BernoulliSTE.apply(torch.sigmoid(self.score), self.generator)
+
+
+def _gen(seed: int, round_idx: int, client_id: int, tag: int) -> torch.Generator:
+    ss = np.random.SeedSequence([seed, round_idx, client_id, tag])
+    g = torch.Generator()
+    g.manual_seed(int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1)))
+    return g
+
+
+def frozen_model(model_factory: Callable[[], nn.Module], scale: float) -> nn.Module:
+    """The network with its frozen parameters: the factory's seeded initial weights and biases times ``scale``,
+    as an ordinary (deterministic) network. Server and clients both build it; nothing of it travels."""
+    model = make_deterministic(model_factory())
+    if scale != 1.0:
+        with torch.no_grad():
+            for _, layer in bayesian_layers(model):
+                layer.weight_mu.mul_(scale)
+                if layer.bias is not None:
+                    layer.bias.mul_(scale)
+    return model
+
+
+def _decode_down_theta(payload: bytes, info: PointLayer, bits: int) -> np.ndarray:
+    levels, n_levels, _ = decode_quantized(payload, max_elements=info.size)
+    if n_levels != 1 << bits or levels.shape != (info.size,):
+        raise MessageError(f"{info.name}.theta: expected {info.size} levels of {bits} bits, got {levels.size} "
+                           f"of {n_levels} levels")
+    return dequantize_probs(levels, bits)
+
+
+# ----------------------------------------------------------------------------------------------- server
+class FedPmServer:
+    """Server half: Beta-Bernoulli aggregation of the clients' masks, quantised theta_G down (module docstring)."""
+
+    name = "fedpm"
+
+    def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module], total_samples: int) -> None:
+        self.cfg = cfg
+        self.model_factory = model_factory
+        self.total_samples = int(total_samples)
+        model = frozen_model(model_factory, cfg.fedpm.weight_scale)
+        self.layers = point_layers(model)
+        # the frozen parameters [weight row-major, bias] per layer: only for density; they are never sent
+        self.frozen = {info.name: _theta(layer) for info, (_, layer) in zip(self.layers, bayesian_layers(model),
+                                                                             strict=True)}
+        self.n_params = sum(info.size for info in self.layers)
+        self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
+        self.layouts = {
+            self.down_kind: {"meta": "header", "theta": "quantized"},
+            self.up_kind: {"meta": "header", "metrics": "header", "mask": "mask"},
+        }
+
+    @property
+    def bits(self) -> int:
+        return self.cfg.fedpm.down_bits
+
+    def _eval_masks(self, probs: dict[str, np.ndarray], rounds_done: int) -> dict[str, np.ndarray]:
+        """The global model's mask per layer after ``rounds_done`` rounds (module docstring, Evaluation)."""
+        if self.cfg.fedpm.eval_mask == "threshold":
+            return {n: (p >= 0.5).astype(np.uint8) for n, p in probs.items()}
+        rng = np.random.default_rng([self.cfg.experiment.seed, rounds_done, _TAG_EVAL])
+        return {n: (rng.random(p.size) < p).astype(np.uint8) for n, p in probs.items()}
+
+    def init(self) -> State:
+        f = self.cfg.fedpm
+        rng = np.random.default_rng([self.cfg.experiment.seed, _TAG_SCORES])
+        state: State = {}
+        probs = {}
+        for info in self.layers:
+            score = f.score_init_std * rng.standard_normal(info.size)  # the authors' code: randn scores
+            level = quantize_probs(1.0 / (1.0 + np.exp(-score)), self.bits)
+            probs[info.name] = dequantize_probs(level, self.bits)
+            state[f"{info.name}.level"] = level
+            state[f"{info.name}.alpha"] = np.full(info.size, f.lambda0)
+            state[f"{info.name}.beta"] = np.full(info.size, f.lambda0)
+        for n, keep in self._eval_masks(probs, 0).items():
+            state[f"{n}.keep"] = keep
+        return state
+
+    def probs(self, state: State) -> dict[str, np.ndarray]:
+        """theta_G per layer exactly as the clients decode it (the range coder's shared model)."""
+        return {info.name: dequantize_probs(state[f"{info.name}.level"], self.bits) for info in self.layers}
+
+    def select_clients(self, round_idx: int) -> list[int]:
+        f = self.cfg.federation
+        return sample_uniform(self.cfg.experiment.seed, round_idx, f.clients, f.clients_per_round)
+
+    def downlink(self, state: State, round_idx: int) -> bytes:
+        fields = {"meta": pack_scalars([round_idx, self.total_samples])}
+        for info in self.layers:
+            fields[f"{info.name}.theta"] = encode_quantized(state[f"{info.name}.level"], 1 << self.bits)
+        return frame(self.down_kind, fields)
+
+    def decode_uplink(self, data: bytes, probs: dict[str, np.ndarray],
+                      round_idx: int | None = None) -> tuple[int, dict[str, np.ndarray], float]:
+        """Decode and validate one upload: (n_t, mask per layer, local nll); MessageError / CodecError with a
+        reason otherwise (wrong kind, stale round, bad n_t, missing layer, malformed or truncated mask)."""
+        # at most 24 bits per coded bit plus headers: a bound on what an honest client can send
+        bound = sum(3 * info.size + 64 for info in self.layers) + 4096
+        fields = fields_dict(data, self.up_kind, max_bytes=bound)
+        meta = unpack_scalars(_need(fields, "meta"), 3)
+        if round_idx is not None and meta[0] != round_idx:
+            raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
+        n_t = meta[2]
+        if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= self.total_samples):
+            raise MessageError(f"invalid sample count n_t={n_t}")
+        masks = {}
+        for info in self.layers:
+            try:
+                masks[info.name] = decode_mask_payload(_need(fields, f"{info.name}.mask"), probs[info.name],
+                                                       info.size)
+            except CodecError as err:
+                raise CodecError(f"{info.name}.mask: {err}") from None
+        nll = float(unpack_scalars(_need(fields, "metrics"), 1)[0])
+        if not math.isfinite(nll):
+            raise MessageError(f"non-finite local loss {nll}")
+        return int(n_t), masks, nll
+
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
+        t0 = time.perf_counter()
+        f = self.cfg.fedpm
+        probs = self.probs(state)
+        valid, rejected, sizes = [], [], []
+        for i, data in enumerate(uplinks):
+            try:
+                valid.append(self.decode_uplink(data, probs, round_idx))
+                sizes.append(len(data))
+            except (MessageError, CodecError) as err:
+                rejected.append(f"uplink {i}: {err}")
+        if not valid:
+            raise MessageError("no valid client update this round: " + "; ".join(rejected))
+        reset = round_idx % f.reset_every == 0
+        new: State = dict(state)
+        new_probs = {}
+        for info in self.layers:
+            n = info.name
+            a0 = np.full(info.size, f.lambda0) if reset else state[f"{n}.alpha"]
+            b0 = np.full(info.size, f.lambda0) if reset else state[f"{n}.beta"]
+            alpha, beta = beta_update(a0, b0, np.stack([v[1][n] for v in valid]))
+            level = quantize_probs(posterior_probs(alpha, beta, f.estimate, f.epsilon), self.bits)
+            new[f"{n}.alpha"], new[f"{n}.beta"], new[f"{n}.level"] = alpha, beta, level
+            new_probs[n] = dequantize_probs(level, self.bits)
+        nonzero = total = 0
+        for info, (n, keep) in zip(self.layers, self._eval_masks(new_probs, round_idx + 1).items(), strict=True):
+            new[f"{n}.keep"] = keep
+            w = self.frozen[n][: info.size - info.n_bias] * keep[: info.size - info.n_bias]
+            nonzero += int(np.count_nonzero(w))
+            total += w.size
+        n_t = np.array([v[0] for v in valid], dtype=np.float64)
+        all_p = np.concatenate(list(new_probs.values()))
+        metrics = {
+            "density": nonzero / total,
+            "train_nll": math.fsum(float(w) * v[2] for w, v in zip(n_t / n_t.sum(), valid, strict=True)),
+            "clients_ok": float(len(valid)),
+            "clients_rejected": float(len(rejected)),
+            "bits_per_param_up": 8.0 * float(np.mean(sizes)) / self.n_params,  # whole upload, framing included
+            "theta_entropy": _entropy_bits(all_p),  # mean H(theta_G): what a mask that follows theta_G costs
+            "server_seconds": round(time.perf_counter() - t0, 3),
+        }
+        return RoundResult(state=new, metrics=metrics, rejected=rejected)
+
+    def global_model(self, state: State) -> nn.Module:
+        """The ordinary network with weights w_init * mask and biases b_init * mask, in eval mode."""
+        model = frozen_model(self.model_factory, self.cfg.fedpm.weight_scale)
+        with torch.no_grad():
+            for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
+                keep = torch.from_numpy(state[f"{info.name}.keep"].astype(np.float32))
+                nw = info.size - info.n_bias
+                w_keep = keep[:nw].reshape(layer.weight_mu.shape)
+                layer.weight_mu.mul_(w_keep)
+                layer.mask.copy_(w_keep)
+                if layer.bias is not None:
+                    layer.bias.mul_(keep[nw:])
+        return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------- client
+class FedPmClient:
+    """Client half: scores from logit(theta_G), local training of the scores through sampled masks, one
+    sampled mask uploaded range-coded (module docstring)."""
+
+    name = "fedpm"
+
+    def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
+        self.cfg = cfg
+        self.model = frozen_model(model_factory, cfg.fedpm.weight_scale)
+        self.layers = point_layers(self.model)
+        self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
+        self.gates: list[tuple[_Gate, _Gate | None]] = []
+        for _, layer in bayesian_layers(self.model):
+            pair: list[_Gate | None] = []
+            for pname in ("weight_mu", "bias"):
+                tensor = getattr(layer, pname)
+                if tensor is None:
+                    pair.append(None)
+                    continue
+                gate = _Gate(tensor.shape)
+                # unsafe: skip parametrize's trial forward (it would draw from torch's global RNG)
+                parametrize.register_parametrization(layer, pname, gate, unsafe=True)
+                layer.parametrizations[pname].original.requires_grad_(False)  # frozen: only scores train
+                pair.append(gate)
+            self.gates.append((pair[0], pair[1]))  # type: ignore[arg-type]
+
+    def frozen(self) -> dict[str, np.ndarray]:
+        """The frozen parameters [weight row-major, bias] per layer as this client holds them (for tests)."""
+        out = {}
+        for info, (_, layer) in zip(self.layers, bayesian_layers(self.model), strict=True):
+            w = layer.parametrizations["weight_mu"].original.detach().double().numpy().reshape(-1)
+            b = (layer.parametrizations["bias"].original.detach().double().numpy() if layer.bias is not None
+                 else np.zeros(0))
+            out[info.name] = np.concatenate([w, b])
+        return out
+
+    def _set_scores(self, info: PointLayer, gates: tuple[_Gate, _Gate | None], theta: np.ndarray) -> None:
+        p = np.clip(theta, _LOGIT_CLAMP, 1 - _LOGIT_CLAMP)
+        score = torch.from_numpy(np.log(p) - np.log1p(-p)).float()
+        nw = info.size - info.n_bias
+        with torch.no_grad():
+            gates[0].score.copy_(score[:nw].reshape(gates[0].score.shape))
+            if gates[1] is not None:
+                gates[1].score.copy_(score[nw:])
+
+    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
+        fields = fields_dict(downlink, self.down_kind)
+        round_idx, _ = (int(v) for v in unpack_scalars(_need(fields, "meta"), 2))
+        bits, seed = self.cfg.fedpm.down_bits, self.cfg.experiment.seed
+        probs = []
+        for info, gates in zip(self.layers, self.gates, strict=True):
+            theta = _decode_down_theta(_need(fields, f"{info.name}.theta"), info, bits)
+            self._set_scores(info, gates, theta)
+            probs.append(theta)
+        mask_gen = _gen(seed, round_idx, client_id, _TAG_GATES)
+        for gates in self.gates:
+            for gate in gates:
+                if gate is not None:
+                    gate.generator = mask_gen
+        result = train_local(self.model, data, self.cfg.train, client_generator(seed, round_idx, client_id))
+        rng = np.random.default_rng([seed, round_idx, client_id, _TAG_UPLOAD])
+        up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
+        for info, gates, theta_g in zip(self.layers, self.gates, probs, strict=True):
+            scores = [g.score.detach().double().reshape(-1) for g in gates if g is not None]
+            theta_local = torch.sigmoid(torch.cat(scores)).numpy()
+            # the one sample sent (the authors' code: n_samples = 1)
+            mask = (rng.random(info.size) < theta_local).astype(np.uint8)
+            up[f"{info.name}.mask"] = encode_mask_payload(mask, theta_g, self.cfg.fedpm.upload_model)
+        up["metrics"] = pack_scalars([result.nll])
+        return frame(self.up_kind, up)

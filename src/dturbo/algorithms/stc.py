@@ -1,0 +1,451 @@
+"""STC, sparse ternary compression in both directions (Sattler, Wiedemann, Mueller, Samek, "Robust and
+Communication-Efficient Federated Learning from Non-IID Data", IEEE TNNLS 2020, arXiv:1903.02891; REFERENCE.md).
+
+The paper's Algorithm 1, ``STC_p(T)`` on one tensor T: keep the k = ceil(p * numel) entries of largest |T|,
+mu = mean |kept|, send ``sign(T_i) * mu`` at the kept positions, the positions Golomb coded. Its Algorithm 2
+(federated learning with STC, "extending to downstream compression"):
+
+* client i, round t: train from the global model W; ``A_i = (W_local - W) + R_i``; send ``S_i = STC_{p_up}(A_i)``;
+  keep ``R_i = A_i - S_i`` (error feedback: what was not sent is sent later);
+* server: ``A = R + sum_i w_i S_i`` (w_i = n_i / n, or 1 / |I_t|); broadcast ``S = STC_{p_down}(A)``; keep
+  ``R = A - S``; ``W <- W + S``. Every client applies the same S to its own copy of W, so W never travels again.
+
+As in the authors' code (``compression_utils.stc`` of felisat/federated-learning), compression is per parameter
+tensor: a layer's weight and its bias are compressed apart, each with its own k and mu. Ties at the k-th
+magnitude go to the lower index, and an all-zero entry is never "kept" (it would carry a sign it does not have).
+mu is rounded to its wire dtype (``[stc] dtype``) *before* the residual is formed, so sent + residual equals
+the accumulated update up to one float64 rounding, and the receiver rebuilds exactly what the sender subtracted.
+
+Wire (codec :func:`~dturbo.codec.encode_ternary`): per tensor n, the count, mu, the positions (the cheapest of
+index list / bitmap / Rice-coded gaps; at STC's densities Rice, i.e. Golomb with a power-of-two parameter, as in
+the paper's "lossless encoding"), one sign bit per position. The ledger books mu and the sign bits as values,
+the position stream as positions.
+
+Downlink: round 0 carries the initial model dense in float32 (the one time W travels; the paper's clients start
+from a common model too, this counts what that costs); every later round carries only the ternary update S of
+the previous aggregation, plus an 8-byte digest (sha256) of the model it yields. The server state holds W, its
+residual R and the pending S, so the server side is checkpointed whole.
+
+Client state (private in STC: residuals R_i, and the copy of W the updates apply to):
+
+* kept in the client object, the residuals **per client id** (one client object serves every id in the
+  in-process runner), the global model **once per process**: every client receives every broadcast (the
+  ledger counts the downlink to each of them, injected drops included), so their copies are the same bytes and
+  one copy stands for all (a round in which no client at all runs leaves it behind: the next round then fails).
+  A client whose copy does not yield the digest, or that has no copy of the previous round, raises
+  :class:`~dturbo.algorithms.base.ClientError` (counted as failed, with the reason): it never trains from wrong
+  weights. Hence STC needs every client every round (``federation.clients_per_round`` unset or equal to
+  ``clients``; a :class:`~dturbo.config.ConfigError` otherwise): the paper's weight-update caching for partial
+  participation is not implemented;
+* a round is a pure function of (downlink, data, residual at the start of that round): a retried round
+  (``federation.on_too_few = "retry"``) starts again from the same residual instead of adding the update twice;
+* resume: :meth:`StcClient.export_state` / :meth:`StcClient.import_state` give the residuals and the model copy
+  to the in-process runner, which saves them in the same atomic checkpoint file as the server state (under
+  ``clients/``), so a resumed run is bit-identical to an uninterrupted one;
+* Flower: the ClientApp keeps the client object per process, so with the in-process grid (one process) a run is
+  exact as above (tested). A process that does not keep it (Flower's deployment engine starts a ClientApp
+  process per message; a restarted SuperNode; a resumed Flower run, whose checkpoint holds no client state) has
+  no model copy: its clients fail with that reason instead of training. Carrying :meth:`StcClient.export_state`
+  in the node's ``Context.state`` would lift this; it is not done here.
+* an upload lost on the way (dropped, late, corrupted) is lost for good: the client's residual already counts
+  it as sent and nothing sends it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from torch import nn
+
+from ..codec import CodecError, decode_dense, decode_ternary, encode_dense, encode_ternary
+from ..config import Config, ConfigError
+from ..nn.bayes import bayesian_layers
+from .base import (
+    ClientData,
+    ClientError,
+    MessageError,
+    RoundResult,
+    State,
+    client_generator,
+    fields_dict,
+    frame,
+    pack_scalars,
+    sample_uniform,
+    unpack_scalars,
+)
+from .local import train_local
+from .point import PointLayer, _load, _need, _theta, make_deterministic, point_layers
+
+DOWN_KIND, UP_KIND = "stc/down", "stc/up"
+DIGEST_BYTES = 8
+_FLOAT16_MAX = 65504.0
+_MODE_DENSE, _MODE_UPDATE = 0, 1
+
+
+# ============================================================ the compressor (Algorithm 1)
+def stc_k(n: int, p: float) -> int:
+    """Entries kept of a tensor of n: k = ceil(p * n), at least 1 (the authors' code), 0 for an empty tensor."""
+    return min(n, max(1, math.ceil(p * n))) if n else 0
+
+
+def top_k_indices(v: np.ndarray, k: int) -> np.ndarray:
+    """Sorted positions of the k largest |v| (ties at the k-th magnitude: lower index first), zeros never
+    included (so fewer than k when v has fewer nonzeros). O(n): one partition, no sort of the whole vector."""
+    a = np.abs(np.asarray(v, dtype=np.float64).reshape(-1))
+    k = min(int(k), int(np.count_nonzero(a)))
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if k == a.size:
+        return np.arange(a.size, dtype=np.int64)
+    thr = np.partition(a, a.size - k)[a.size - k]  # the k-th largest magnitude (> 0 as k <= nonzeros)
+    greater = np.flatnonzero(a > thr)
+    ties = np.flatnonzero(a == thr)[: k - greater.size]
+    return np.sort(np.concatenate([greater, ties])).astype(np.int64)
+
+
+def wire_mu(mu: float, dtype: str) -> float:
+    """mu as the receiver will read it: rounded to ``dtype`` (float16 clipped to its largest value; the residual
+    keeps the rest, so nothing is lost)."""
+    if dtype == "float16":
+        return float(np.float16(min(mu, _FLOAT16_MAX)))
+    return float(np.float32(mu))
+
+
+def ternary_dense(idx: np.ndarray, negative: np.ndarray, mu: float, n: int) -> np.ndarray:
+    """The float64 vector of n with ``-mu`` / ``+mu`` at ``idx`` (by ``negative``), 0 elsewhere."""
+    out = np.zeros(n, dtype=np.float64)
+    out[idx] = np.where(negative, -mu, mu)
+    return out
+
+
+def stc_compress(acc: np.ndarray, p: float, dtype: str) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """``STC_p`` of one accumulated tensor (update + residual), the paper's Algorithm 1 with error feedback:
+    (positions, negative, mu on the wire, new residual = acc - sent), all in float64."""
+    acc = np.asarray(acc, dtype=np.float64).reshape(-1)
+    idx = top_k_indices(acc, stc_k(acc.size, p))
+    kept = acc[idx]
+    mu = wire_mu(float(np.abs(kept).mean()), dtype) if idx.size else 0.0
+    negative = kept < 0
+    return idx, negative, mu, acc - ternary_dense(idx, negative, mu, acc.size)
+
+
+def model_digest(theta: np.ndarray) -> bytes:
+    """8 bytes of sha256 over the float32 model: a client checks that its rebuilt model is the server's."""
+    return hashlib.sha256(np.ascontiguousarray(theta, dtype="<f4").tobytes()).digest()[:DIGEST_BYTES]
+
+
+# ================================================================== tensor layout
+@dataclass(frozen=True)
+class StcTensor:
+    """One compressed tensor (a layer's weight or bias) as a slice of the flat model vector."""
+
+    name: str  # "dense1.w" / "dense1.bias"
+    start: int
+    size: int
+
+    @property
+    def sl(self) -> slice:
+        return slice(self.start, self.start + self.size)
+
+
+def stc_tensors(layers: list[PointLayer]) -> list[StcTensor]:
+    """Weight then bias of every layer, in the order of the flat vector (point.py's theta, layer after layer)."""
+    out, pos = [], 0
+    for info in layers:
+        for name, size in ((f"{info.name}.w", info.size - info.n_bias), (f"{info.name}.bias", info.n_bias)):
+            if size:
+                out.append(StcTensor(name, pos, size))
+                pos += size
+    return out
+
+
+def _flat_state(state: State, layers: list[PointLayer]) -> np.ndarray:
+    return np.concatenate([np.concatenate([state[f"{i.name}.w"].reshape(-1), state[f"{i.name}.bias"].reshape(-1)])
+                           for i in layers]).astype(np.float32)
+
+
+def _decode_update(fields: dict[str, bytes], tensors: list[StcTensor], total: int,
+                   max_kept: dict[str, int] | None = None) -> tuple[np.ndarray, int]:
+    """The float64 dense update of a message's ``<tensor>.delta`` fields and the entries it keeps. Raises
+    MessageError / CodecError with a reason: wrong length, more entries than k, mu not finite or negative
+    (bad, unsorted or duplicate positions and truncation are the codec's CodecError)."""
+    out = np.zeros(total, dtype=np.float64)
+    kept = 0
+    for t in tensors:
+        idx, negative, mu, n = decode_ternary(_need(fields, f"{t.name}.delta"), max_elements=t.size)
+        if n != t.size:
+            raise MessageError(f"{t.name}.delta has length {n}, expected {t.size}")
+        if max_kept is not None and idx.size > max_kept[t.name]:
+            raise MessageError(f"{t.name}.delta keeps {idx.size} entries, more than k = {max_kept[t.name]}")
+        if not (math.isfinite(mu) and mu >= 0):
+            raise MessageError(f"{t.name}.delta has an invalid magnitude mu = {mu}")
+        out[t.start + idx] = np.where(negative, -mu, mu)
+        kept += idx.size
+    return out, kept
+
+
+# ========================================================================= server
+class StcServer:
+    """Server half (Algorithm 2): weighted mean of the ternary updates, its own STC with error feedback on the
+    global update, W <- W + S; broadcasts S (round 0: W dense)."""
+
+    name = "stc"
+
+    def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module], total_samples: int) -> None:
+        f = cfg.federation
+        if f.clients_per_round is not None and f.clients_per_round < f.clients:
+            raise ConfigError(
+                "config key 'federation.clients_per_round': experiment.algorithm = 'stc' needs every client every "
+                "round (leave clients_per_round unset): its downlink is an update of the previous global model, "
+                "which a client that skipped a round does not hold (the paper's update caching for partial "
+                "participation is not implemented)")
+        self.cfg = cfg
+        self.model_factory = model_factory
+        self.total_samples = int(total_samples)
+        self.layers = point_layers(model_factory())
+        self.tensors = stc_tensors(self.layers)
+        self.size = sum(t.size for t in self.tensors)
+        self.k_up = {t.name: stc_k(t.size, cfg.stc.p_up) for t in self.tensors}
+        self.layouts = {
+            DOWN_KIND: {"meta": "header", "digest": "header", "w": "dense", "bias": "dense", "delta": "ternary"},
+            UP_KIND: {"meta": "header", "metrics": "header", "delta": "ternary"},
+        }
+
+    def init(self) -> State:
+        model = self.model_factory()
+        state: State = {}
+        for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
+            theta = _theta(layer)
+            state[f"{info.name}.w"] = theta[: info.size - info.n_bias].reshape(info.grid).astype(np.float32)
+            state[f"{info.name}.bias"] = theta[info.size - info.n_bias :].astype(np.float32)
+        for t in self.tensors:
+            state[f"{t.name}.residual"] = np.zeros(t.size, dtype=np.float64)  # the server's error feedback R
+            state[f"{t.name}.sent"] = np.zeros(t.size, dtype=np.float32)  # S of the last round, broadcast next
+        return state
+
+    def select_clients(self, round_idx: int) -> list[int]:
+        return sample_uniform(self.cfg.experiment.seed, round_idx, self.cfg.federation.clients, None)
+
+    def downlink(self, state: State, round_idx: int) -> bytes:
+        theta = _flat_state(state, self.layers)
+        mode = _MODE_DENSE if round_idx == 0 else _MODE_UPDATE
+        fields = {"meta": pack_scalars([round_idx, self.total_samples, mode])}
+        for t in self.tensors:
+            if mode == _MODE_DENSE:
+                fields[t.name] = encode_dense(theta[t.sl], dtype="float32")
+            else:
+                sent = state[f"{t.name}.sent"]
+                idx = np.flatnonzero(sent)
+                mu = float(abs(sent[idx[0]])) if idx.size else 0.0
+                fields[f"{t.name}.delta"] = encode_ternary(idx, sent[idx] < 0, mu, t.size, dtype=self.cfg.stc.dtype)
+        fields["digest"] = model_digest(theta)
+        return frame(DOWN_KIND, fields)
+
+    def decode_uplink(self, data: bytes, round_idx: int | None = None) -> tuple[int, np.ndarray, int, float]:
+        """(n_t, dense float64 update, entries kept, train nll) of one upload; MessageError / CodecError with a
+        reason when it is malformed, stale, too long, or does not fit the model."""
+        bound = sum(2 * t.size // 8 + 64 for t in self.tensors) + 4096  # bitmap + signs is the worst case
+        fields = fields_dict(data, UP_KIND, max_bytes=bound)
+        extra = set(fields) - {"meta", "metrics", *(f"{t.name}.delta" for t in self.tensors)}
+        if extra:
+            raise MessageError(f"unexpected fields {sorted(extra)}")
+        meta = unpack_scalars(_need(fields, "meta"), 3)
+        if round_idx is not None and meta[0] != round_idx:
+            raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
+        n_t = meta[2]
+        if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= self.total_samples):
+            raise MessageError(f"invalid sample count n_t={n_t}")
+        update, kept = _decode_update(fields, self.tensors, self.size, self.k_up)
+        nll = float(unpack_scalars(_need(fields, "metrics"), 1)[0])
+        return int(n_t), update, kept, nll
+
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
+        t0 = time.perf_counter()
+        valid, rejected = [], []
+        for i, data in enumerate(uplinks):
+            try:
+                valid.append(self.decode_uplink(data, round_idx))
+            except (MessageError, CodecError) as err:
+                rejected.append(f"uplink {i}: {err}")
+        if not valid:
+            raise MessageError("no valid client update this round: " + "; ".join(rejected))
+        n_t = np.array([v[0] for v in valid], dtype=np.float64)
+        w = n_t / n_t.sum() if self.cfg.stc.weighting == "samples" else np.full(len(valid), 1.0 / len(valid))
+        mean = w @ np.stack([v[1] for v in valid])  # sum_i w_i S_i, float64
+        theta = _flat_state(state, self.layers)
+        new: State = dict(state)
+        step = np.zeros(self.size, dtype=np.float32)
+        kept_down = 0
+        for t in self.tensors:
+            acc = mean[t.sl] + state[f"{t.name}.residual"]
+            idx, negative, mu, residual = stc_compress(acc, self.cfg.stc.p_down, self.cfg.stc.dtype)
+            sent = ternary_dense(idx, negative, mu, t.size).astype(np.float32)  # exact: mu is a wire value
+            new[f"{t.name}.residual"], new[f"{t.name}.sent"] = residual, sent
+            step[t.sl] = sent
+            kept_down += idx.size
+        theta = theta + step  # float32, as every client computes it (model_digest checks that they do)
+        pos = 0
+        for info in self.layers:
+            n_w = info.size - info.n_bias
+            new[f"{info.name}.w"] = theta[pos : pos + n_w].reshape(info.grid)
+            new[f"{info.name}.bias"] = theta[pos + n_w : pos + info.size]
+            pos += info.size
+        weights = [new[f"{i.name}.w"] for i in self.layers]
+        metrics = {
+            "density": sum(int(np.count_nonzero(x)) for x in weights) / sum(x.size for x in weights),
+            "up_density": float(np.mean([v[2] for v in valid])) / self.size,  # entries a client sends / all
+            "down_density": kept_down / self.size,
+            "train_nll": math.fsum(wi * v[3] for wi, v in zip(w, valid, strict=True)),
+            "clients_ok": float(len(valid)),
+            "clients_rejected": float(len(rejected)),
+            "server_seconds": round(time.perf_counter() - t0, 3),
+        }
+        return RoundResult(state=new, metrics=metrics, rejected=rejected)
+
+    def global_model(self, state: State) -> nn.Module:
+        model = make_deterministic(self.model_factory())
+        for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
+            _load(layer, state[f"{info.name}.w"], state[f"{info.name}.bias"])
+        return model.eval()
+
+
+# ========================================================================= client
+@dataclass
+class _ModelCopy:
+    round: int  # the round whose downlink produced it
+    digest: bytes
+    theta: np.ndarray  # float32, flat
+
+
+@dataclass
+class _Residual:
+    round: int  # the round that produced ``after``
+    before: np.ndarray | None  # the residual entering that round (None when restored from a checkpoint)
+    after: np.ndarray  # float64, flat
+
+
+class StcClient:
+    """Client half (Algorithm 2): rebuild W from the broadcast, train, send STC_{p_up}(update + residual), keep the
+    new residual. State: residuals per client id, one model copy per process (module docstring)."""
+
+    name = "stc"
+
+    def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
+        self.cfg = cfg
+        self.model = make_deterministic(model_factory())
+        self.layers = point_layers(self.model)
+        self.tensors = stc_tensors(self.layers)
+        self.size = sum(t.size for t in self.tensors)
+        self._model: _ModelCopy | None = None
+        self._residuals: dict[int, _Residual] = {}
+
+    # ------------------------------------------------------------- downlink
+    def global_weights(self, downlink: bytes, client_id: int) -> tuple[int, np.ndarray]:
+        """(round, the global model as a float32 flat vector) from a downlink and the model copy; ClientError when
+        the copy is missing or does not match (never trains from wrong weights)."""
+        fields = fields_dict(downlink, DOWN_KIND)
+        round_idx, _, mode = (int(v) for v in unpack_scalars(_need(fields, "meta"), 3))
+        digest = _need(fields, "digest")
+        have = self._model
+        if mode == _MODE_DENSE:
+            theta = np.zeros(self.size, dtype=np.float32)
+            for t in self.tensors:
+                v = decode_dense(_need(fields, t.name), max_elements=t.size).reshape(-1)
+                if v.size != t.size:
+                    raise MessageError(f"{t.name}: {v.size} values in the downlink, the model has {t.size}")
+                theta[t.sl] = v
+        elif mode == _MODE_UPDATE:
+            if have is not None and have.round == round_idx and have.digest == digest:
+                return round_idx, have.theta  # this round's broadcast was applied already (a retried round)
+            if have is None or have.round != round_idx - 1:
+                held = "no copy" if have is None else f"the model of round {have.round}"
+                raise ClientError(
+                    f"client {client_id}: the downlink of round {round_idx} is an update of the model of round "
+                    f"{round_idx - 1}, and this client holds {held} (its state was lost, e.g. a restarted process; "
+                    f"STC needs clients that keep their state)")
+            update, _ = _decode_update(fields, self.tensors, self.size)
+            theta = have.theta + update.astype(np.float32)  # float32, as the server computes it
+        else:
+            raise MessageError(f"unknown downlink mode {mode}")
+        if model_digest(theta) != digest:
+            raise ClientError(f"client {client_id}: the model rebuilt from the downlink of round {round_idx} does "
+                              f"not match the server's (digest): refusing to train from wrong weights")
+        self._model = _ModelCopy(round_idx, digest, theta)
+        return round_idx, theta
+
+    def _residual_entering(self, client_id: int, round_idx: int) -> np.ndarray:
+        """R_i at the start of ``round_idx``: zero in round 0 (a run starts clean, also in a reused process) and
+        for a client that never sent; the one entering the round when the round is run again (a retry)."""
+        e = self._residuals.get(client_id)
+        if round_idx == 0 or e is None:
+            return np.zeros(self.size, dtype=np.float64)
+        if e.round < round_idx:
+            return e.after
+        if e.round == round_idx and e.before is not None:
+            return e.before
+        raise ClientError(f"client {client_id}: holds the residual of round {e.round}, cannot run round {round_idx}")
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
+        round_idx, start = self.global_weights(downlink, client_id)
+        pos = 0
+        for info, (_, layer) in zip(self.layers, bayesian_layers(self.model), strict=True):
+            n_w = info.size - info.n_bias
+            _load(layer, start[pos : pos + n_w], start[pos + n_w : pos + info.size])
+            pos += info.size
+        gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
+        result = train_local(self.model, data, self.cfg.train, gen)
+        local = np.concatenate([_theta(layer) for _, layer in bayesian_layers(self.model)])
+        before = self._residual_entering(client_id, round_idx)
+        acc = (local - start.astype(np.float64)) + before
+        if not np.all(np.isfinite(acc)):
+            raise ClientError(f"client {client_id}: the local update is not finite")
+        after = np.empty_like(acc)
+        up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
+        s = self.cfg.stc
+        for t in self.tensors:
+            idx, negative, mu, after[t.sl] = stc_compress(acc[t.sl], s.p_up, s.dtype)
+            up[f"{t.name}.delta"] = encode_ternary(idx, negative, mu, t.size, dtype=s.dtype)
+        up["metrics"] = pack_scalars([result.nll])
+        self._residuals[client_id] = _Residual(round_idx, before, after)
+        return frame(UP_KIND, up)
+
+    # ------------------------------------------------------------ resume
+    def export_state(self) -> dict[str, np.ndarray]:
+        """The private state to checkpoint after a round: the model copy and every client's residual (each
+        with the round that made it). Empty when no client of this object has run."""
+        out: dict[str, np.ndarray] = {}
+        if self._model is not None:
+            out["model"] = self._model.theta
+            out["model_round"] = np.array([self._model.round], dtype=np.int64)
+            out["model_digest"] = np.frombuffer(self._model.digest, dtype=np.uint8).copy()
+        for cid, e in sorted(self._residuals.items()):
+            out[f"residual/{cid}"] = e.after
+            out[f"residual_round/{cid}"] = np.array([e.round], dtype=np.int64)
+        return out
+
+    def import_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Inverse of :meth:`export_state` (on resume); ValueError when the arrays do not fit this model."""
+        self._model, self._residuals = None, {}
+        try:
+            if "model" in arrays:
+                theta = np.asarray(arrays["model"], dtype=np.float32)
+                digest = np.asarray(arrays["model_digest"], dtype=np.uint8).tobytes()
+                if theta.shape != (self.size,) or len(digest) != DIGEST_BYTES or model_digest(theta) != digest:
+                    raise ValueError("the model copy does not fit the model or its digest")
+                self._model = _ModelCopy(int(arrays["model_round"][0]), digest, theta.copy())
+            for key, after in arrays.items():
+                if key.startswith("residual/"):
+                    cid = int(key.split("/", 1)[1])
+                    after = np.asarray(after, dtype=np.float64)
+                    if after.shape != (self.size,):
+                        raise ValueError(f"residual of client {cid} has shape {after.shape}, expected ({self.size},)")
+                    self._residuals[cid] = _Residual(int(arrays[f"residual_round/{cid}"][0]), None, after.copy())
+        except (KeyError, IndexError, TypeError) as err:
+            raise ValueError(f"checkpointed STC client state is incomplete ({err})") from None
+

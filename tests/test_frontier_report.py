@@ -1,0 +1,128 @@
+"""The frontier benchmark's report (benchmarks/frontier.py) from hand-made metrics files: no training."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def fr() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("frontier", ROOT / "benchmarks" / "frontier.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["frontier"] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# (label, seed): test accuracy, validation accuracy, cumulative bits (Mbit), final density, up / down bits a
+# parameter a round (per client).
+FAKE = {
+    ("dturbo_base", 0): ([0.60, 0.795, 0.81], [0.6, 0.80, 0.82], [2, 4, 6], 0.12, 0.5, 1.5),
+    ("dturbo_base", 1): ([0.60, 0.70, 0.80], [0.6, 0.70, 0.80], [2, 4, 6], 0.12, 0.5, 1.5),
+    ("dturbo_base", 2): ([0.80, 0.82, 0.83], [0.8, 0.82, 0.83], [2, 4, 6], 0.12, 0.5, 1.5),
+    # higher validation accuracy, but 30% nonzero: D-Turbo-VBI's selection must skip it
+    ("dturbo_up8", 0): ([0.70, 0.85, 0.86], [0.7, 0.85, 0.90], [3, 6, 9], 0.30, 1.0, 2.0),
+    # FedAvg-16: lr 1e-3 wins on validation although its test accuracy is lower
+    ("fedavg16_lr1e-3", 0): ([0.50, 0.70, 0.80], [0.5, 0.7, 0.85], [10, 20, 30], 1.0, 16.0, 16.0),
+    ("fedavg16_lr2e-3", 0): ([0.50, 0.80, 0.84], [0.5, 0.7, 0.80], [10, 20, 30], 1.0, 16.0, 16.0),
+    ("fedavg32_lr2e-3", 0): ([0.55, 0.80, 0.82], [0.5, 0.8, 0.82], [20, 40, 60], 1.0, 32.0, 32.0),
+}
+
+
+def write_fake(fr: ModuleType, settings: object) -> int:
+    """The committed files (csv + toml) of FAKE's runs; returns the model's parameter count."""
+    params = fr.model_params("alexnet-small", "fashion-mnist")
+    out = settings.runs_csv
+    out.mkdir(parents=True)
+    for (label, seed), (acc, val, mbit, dens, up, down) in FAKE.items():
+        cfg = fr.parse_config(fr.config_dict(fr.BY_LABEL[label], seed, settings))
+        (out / f"{label}_s{seed}.toml").write_text(cfg.to_toml())
+        lines = ["round,accuracy,loss,val_accuracy,density,up_bits,down_bits,cum_bits,participants"]
+        for r in range(ROUNDS):
+            lines.append(f"{r + 1},{acc[r]},1.0,{val[r]},{dens},{up * 10 * params},{down * 10 * params},"
+                         f"{mbit[r] * 1e6},10")
+        (out / f"{label}_s{seed}.csv").write_text("\n".join(lines) + "\n")
+    return params
+
+
+def test_report_from_files(fr: ModuleType, tmp_path: Path) -> None:
+    s = fr.Settings(runs_root=tmp_path / "runs", results=tmp_path / "results", docs=tmp_path / "docs",
+                    rounds=ROUNDS)
+    params = write_fake(fr, s)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results.md").write_text("# Results\n\nolder text\n")
+    fr.report(s, "val_accuracy")
+    doc_path = tmp_path / "docs" / "results.md"
+    fr.replace_section(doc_path, (s.results / "frontier.md").read_text().split("\n", 2)[2])  # replaced, not added
+
+    data = json.loads((s.results / "frontier.json").read_text())
+    assert set(data) >= {"protocol", "runs"}
+    assert data["protocol"]["validation"] == 0.1 and data["protocol"]["threads"] == 1
+    assert data["protocol"]["params"] == params
+    assert len(data["runs"]) == len(FAKE)
+    for run in data["runs"]:
+        assert {"method", "label", "seed", "final_density", "curve"} <= set(run)
+        assert isinstance(run["seed"], int) and 0 <= run["final_density"] <= 1
+        assert [p[0] for p in run["curve"]] == [1, 2, 3]
+        assert all(isinstance(p[0], int) and 0 <= p[2] <= 1 for p in run["curve"])
+        assert all(a[1] < b[1] for a, b in zip(run["curve"], run["curve"][1:], strict=False))
+    labels = {(r["label"], r["seed"]): r for r in data["runs"]}
+    # The chosen settings carry the issue's labels; the others keep their own.
+    assert labels[("dturbo", 0)]["setting"] == "dturbo_base" and labels[("dturbo", 0)]["method"] == "dturbo"
+    assert ("dturbo_up8", 0) in labels  # better on validation, but over 15% nonzero
+    assert labels[("fedavg16", 0)]["setting"] == "fedavg16_lr1e-3"  # chosen on validation, not test
+    assert ("fedavg16_lr2e-3", 0) in labels and ("fedavg32", 0) in labels
+    assert labels[("dturbo", 0)]["curve"][1] == [2, 4e6, 0.795]
+
+    # Bits to reach, by hand. T = FedAvg-16's final test accuracy - 1 point = 0.80 - 0.01 = 0.79.
+    # D-Turbo-VBI: seed 0 reaches 0.79 at round 2 (4 Mbit), seed 1 at round 3 (6), seed 2 at round 1 (2): mean 4.
+    # FedAvg-16 (lr 1e-3): round 3, 30 Mbit; FedAvg-32: round 2, 40 Mbit.
+    checks = data["checks"]
+    assert data["protocol"]["target_T"] == pytest.approx(0.79)
+    assert checks["bits_ratio_vs_fedavg16"] == pytest.approx(4 / 30)
+    assert checks["bits_ratio_vs_others"]["fedavg32"] == pytest.approx(4 / 40)
+    assert checks["accuracy_gap_points"] == pytest.approx(100 * (0.82 - (0.81 + 0.80 + 0.83) / 3))
+    assert checks["steady_bits_per_param"]["up"] == pytest.approx(0.5)
+    assert checks["steady_bits_per_param"]["mean"] == pytest.approx(1.0)
+    runs = fr.load_runs(s, ROUNDS)
+    line = fr.build_lines(runs, fr.select(runs))["dturbo"]
+    assert line.bits_to(0.79) == pytest.approx(4e6)
+    assert line.bits_to(0.80) == pytest.approx((6 + 6 + 2) / 3 * 1e6)  # seed 1 reaches 0.80 exactly at round 3
+    assert line.bits_to(0.85) is None and line.reached(0.85) == "0/3"
+
+    md = (s.results / "frontier.md").read_text()
+    assert "| D-Turbo-VBI | `dturbo_base` | 3 | 81.33 ± 1.53 | 12.0 | 4.0 | 4.7 | never (0/3) |" in md
+    assert "| FedAvg 16-bit | `fedavg16_lr1e-3` | 1 | 80.00 | 100.0 | 30.0 |" in md
+    assert "| FedAvg 32-bit | `fedavg32_lr2e-3` | 1 | 82.00 | 100.0 | 40.0 |" in md
+    assert "| `dturbo_up8` | up 8 bits | 90.00 | 86.00 | 30.0 | 9.0 | 1.000 | 2.000 |" in md
+    assert "| FedAvg 16-bit | `fedavg16_lr1e-3` **chosen** |" in md
+    assert md.count("**pass**") == 4  # accuracy and density, 1/5 of FedAvg-16, 1/2 of the others, bits/param
+
+    doc = doc_path.read_text()
+    assert doc.startswith("# Results\n\n<!-- frontier:start -->\n## Accuracy vs bits: the frontier\n")
+    assert doc.count("<!-- frontier:start -->") == 1 and doc.count("<!-- frontier:end -->") == 1
+    assert doc.rstrip().endswith("older text")
+    assert (tmp_path / "docs" / "results" / "frontier.png").stat().st_size > 0
+    assert "](../docs/results/frontier.png)" in md
+
+
+def test_plan_reuses_committed_runs(fr: ModuleType, tmp_path: Path) -> None:
+    """A run whose committed csv is complete (same config) is not run again; a shorter one is."""
+    s = fr.Settings(runs_root=tmp_path / "runs", results=tmp_path / "results", docs=tmp_path / "docs",
+                    rounds=ROUNDS)
+    write_fake(fr, s)
+    assert fr.plan_job(fr.BY_LABEL["fedavg32_lr2e-3"], 0, s).status == "done"
+    longer = fr.Settings(runs_root=s.runs_root, results=s.results, docs=s.docs, rounds=ROUNDS + 1)
+    job = fr.plan_job(fr.BY_LABEL["fedavg32_lr2e-3"], 0, longer)
+    assert job.status == "todo" and job.rounds_left == ROUNDS + 1
+    assert fr.makespan([3.0, 3.0, 2.0, 2.0], 2) == 5.0  # longest first, as run_jobs orders them
