@@ -42,11 +42,14 @@ Client state (private in STC: residuals R_i, and the copy of W the updates apply
 * resume: :meth:`StcClient.export_state` / :meth:`StcClient.import_state` give the residuals and the model copy
   to the in-process runner, which saves them in the same atomic checkpoint file as the server state (under
   ``clients/``), so a resumed run is bit-identical to an uninterrupted one;
-* Flower: the ClientApp keeps the client object per process, so with the in-process grid (one process) a run is
-  exact as above (tested). A process that does not keep it (Flower's deployment engine starts a ClientApp
-  process per message; a restarted SuperNode; a resumed Flower run, whose checkpoint holds no client state) has
-  no model copy: its clients fail with that reason instead of training. Carrying :meth:`StcClient.export_state`
-  in the node's ``Context.state`` would lift this; it is not done here.
+* Flower: after each successful round the ClientApp saves this node's part of :meth:`StcClient.export_state`
+  (the model copy, its own residual) in the node's ``Context.state``, which the SuperNode keeps across the
+  messages of a run, and imports it into a client object that did not make it (Flower's deployment engine may
+  start a ClientApp process per message), so a run is exact as above, in process and per message (tested;
+  :mod:`dturbo.flower.client_app`). What ``Context.state`` does not outlive still loses the state: a restarted
+  SuperNode, or a resumed Flower run (a new run, and its checkpoint holds no client state); those clients then
+  fail with that reason instead of training. On a deployment so does a node that missed a broadcast (its train
+  message was not delivered): its own copy of the model is behind (in one process one copy serves all, as above).
 * an upload lost on the way (dropped, late, corrupted) is lost for good: the client's residual already counts
   it as sent and nothing sends it again.
 """

@@ -9,17 +9,30 @@ and the client algorithm (:func:`dturbo.sim.build_algorithm`), then answers
 ``client.fit(down, data, partition_id)``. What it builds is cached per process (Flower's deployment engine
 starts a fresh ClientApp process per message, the in-process grid reuses one). torch and the algorithms are
 imported on the first train message only, so that the discovery query of a fresh process answers fast.
+
+Client state: a client algorithm that keeps private state between rounds (one with ``export_state`` /
+``import_state``, e.g. STC's model copy and error-feedback residual) has it saved in the node's
+``context.state``, which the SuperNode keeps across the messages of one run: after a successful ``fit`` its
+``export_state()`` goes into the ArrayRecord :data:`STATE` (this node's own keys only, see
+:func:`own_state`), the record it replaces into :data:`STATE_ENTERING` (the state that entered that round, for
+a retried round) and the round and a token into the ConfigRecord :data:`STATE_META`. Before ``fit`` it is
+imported, unless this process's client object made that state itself (the token matches: the in-process
+grid, where one object serves every node, then goes on exactly as the in-process Simulator). Algorithms
+without ``export_state`` are untouched.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import tomllib
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..config import Config, parse_config
@@ -41,7 +54,13 @@ class ClientRuntime:
     cfg: Config
     federation: Federation
     client: ClientAlgorithm
+    # partition id -> token of the client state this process's client object made for it and still holds
+    synced: dict[int, str] = field(default_factory=dict)
 
+
+# names in a node's context.state (the client algorithm's private state, see the module docstring)
+STATE, STATE_ENTERING, STATE_META = "dturbo.client_state", "dturbo.client_state_entering", "dturbo.client_state_meta"
+_PER_CLIENT_KEY = re.compile(r".*/(\d+)")
 
 _CACHE: dict[tuple[str, str | None], ClientRuntime] = {}
 
@@ -102,10 +121,74 @@ def train(msg: Message, context: Context) -> Message:
     data = client_data(runtime, pid, num)
     down = wire.record_bytes(msg.content, wire.DOWN)
     try:
+        restore_state(runtime, context, pid, rnd)
         up = runtime.client.fit(down, data, pid)
     except ClientError as err:  # the algorithm's own failure (e.g. diverged): a reason, not a crash
         log.warning("client %d, round %d: %s", pid, rnd + 1, err)
         failure = ConfigRecord({"client": pid, "round": rnd, "reason": str(err)})
         return Message(RecordDict({wire.FAILURE: failure}), reply_to=msg)
+    save_state(runtime, context, pid, rnd)
     reply = RecordDict({wire.UP: wire.bytes_record(up), wire.TASK: ConfigRecord({"client": pid, "round": rnd})})
     return Message(reply, reply_to=msg)
+
+
+# ------------------------------------------------------------------ client state in context.state
+def own_state(arrays: dict[str, np.ndarray], partition_id: int) -> dict[str, np.ndarray]:
+    """The entries of an ``export_state()`` that belong to this node: every key but those of the form
+    ``<name>/<client id>`` of another client id (a client object of the in-process grid serves every node;
+    STC's ``residual/<cid>``, ``residual_round/<cid>``)."""
+    out = {}
+    for key, value in arrays.items():
+        m = _PER_CLIENT_KEY.fullmatch(key)
+        if m is None or int(m.group(1)) == partition_id:
+            out[key] = value
+    return out
+
+
+def restore_state(runtime: ClientRuntime, context: Context, partition_id: int, round_idx: int) -> None:
+    """Before ``fit``: hand the state saved in ``context.state`` to the client algorithm, unless this process's
+    client object made it itself. For a round run again (a retry), the state that entered that round.
+    ClientError when the saved state does not fit the client algorithm."""
+    from ..algorithms.base import ClientError
+
+    client = runtime.client
+    state = context.state
+    meta = None if state is None else state.get(STATE_META)
+    if not hasattr(client, "import_state") or not isinstance(meta, ConfigRecord):
+        return
+    token, saved_round = str(meta["token"]), int(meta["round"])
+    if runtime.synced.get(partition_id) == token:
+        return  # this object holds that state (and has kept what it needs to run the round again)
+    record = state.get(STATE_ENTERING if saved_round == round_idx else STATE)
+    if not isinstance(record, ArrayRecord):
+        return  # a retry of the first round this node ran: nothing entered it
+    arrays = {k: a.numpy() for k, a in record.items()}
+    runtime.synced.clear()  # import_state replaces the object's whole state: it holds no other node's any more
+    try:
+        client.import_state(arrays)
+    except ValueError as err:
+        raise ClientError(f"client {partition_id}: the client state saved on this SuperNode does not fit "
+                          f"({err})") from None
+
+
+def save_state(runtime: ClientRuntime, context: Context, partition_id: int, round_idx: int) -> None:
+    """After a successful ``fit`` of ``round_idx``: this node's part of ``export_state()`` into
+    ``context.state`` (the state it replaces kept as the one entering the round, unless the round was a retry)."""
+    export = getattr(runtime.client, "export_state", None)
+    state = context.state
+    if export is None or state is None:
+        return
+    arrays = own_state(export(), partition_id)
+    record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    meta = state.get(STATE_META)
+    if not isinstance(meta, ConfigRecord) or int(meta["round"]) != round_idx:
+        # a new round: the state it replaces is the one that entered this round
+        previous = state.get(STATE)
+        if isinstance(previous, ArrayRecord):
+            state[STATE_ENTERING] = previous
+        elif STATE_ENTERING in state:
+            del state[STATE_ENTERING]
+    state[STATE] = record
+    token = uuid.uuid4().hex
+    state[STATE_META] = ConfigRecord({"round": round_idx, "token": token})
+    runtime.synced[partition_id] = token
