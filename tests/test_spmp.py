@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.special import expit
 
-from dturbo.spmp import GridBPResult, grid_bp, grid_bp_many
+from dturbo.spmp import GridBPResult, grid_bp
 
 DEMO_CONV = dict(p01_row=0.288, p11_row=0.49, p01_col=0.288, p11_col=0.49)  # reference demo, conv layers
 DEMO_DENSE = dict(p01_row=0.3, p11_row=0.48, p01_col=0.3, p11_col=0.48)  # reference demo, dense layers
@@ -58,10 +58,9 @@ def test_chain_is_exact(shape: tuple[int, int], coupling: str, start: float | st
     u = rng.normal(scale=2.0, size=shape)
     st = dict(start_row=0.2, start_col=0.7) if start == "mixed" else dict(start_row=start, start_col=start)
     ref = brute_force(u, **COUPLINGS[coupling], **st)
-    for schedule in ("flooding", "sweep"):
-        res = grid_bp(u, **COUPLINGS[coupling], **st, schedule=schedule)
-        np.testing.assert_allclose(res.belief, ref, atol=1e-9, rtol=0)
-        assert res.converged and res.iterations >= 1
+    res = grid_bp(u, **COUPLINGS[coupling], **st)
+    np.testing.assert_allclose(res.belief, ref, atol=1e-9, rtol=0)
+    assert res.converged and res.iterations >= 1
 
 
 def test_long_chain_is_exact_and_finite() -> None:
@@ -106,30 +105,18 @@ LOOPY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("schedule", ["flooding", "sweep"])
 @pytest.mark.parametrize("case", range(len(LOOPY_CASES)))
-def test_close_to_brute_force_on_small_loopy_grids(case: int, schedule: str) -> None:
+def test_close_to_brute_force_on_small_loopy_grids(case: int) -> None:
     shape, coupling, start, bound = LOOPY_CASES[case]
     rng = np.random.default_rng(100 + case)
     u = rng.normal(scale=2.0, size=shape)
-    res = grid_bp(u, **coupling, start_row=start, start_col=start, tol=1e-12, max_iter=500, schedule=schedule)
+    res = grid_bp(u, **coupling, start_row=start, start_col=start, tol=1e-12, max_iter=500)
     ref = brute_force(u, **coupling, start_row=start, start_col=start)
     assert res.converged
     err = np.abs(expit(res.belief) - expit(ref)).max()
     assert err < bound, err
     # Loopy BP is approximate, not arbitrary: it is much closer to the truth than the unary alone.
     assert err < 0.5 * np.abs(expit(u) - expit(ref)).max()
-
-
-def test_flooding_and_sweep_reach_the_same_fixed_point() -> None:
-    rng = np.random.default_rng(5)
-    u = rng.normal(scale=2.0, size=(9, 13))
-    kw = dict(**DEMO_CONV, start_row=0.3, start_col=0.3, tol=1e-12, max_iter=500)
-    a = grid_bp(u, **kw)
-    b = grid_bp(u, **kw, schedule="sweep")
-    assert a.converged and b.converged
-    np.testing.assert_allclose(a.belief, b.belief, atol=1e-9, rtol=0)
-    assert b.iterations < a.iterations  # each sweep iteration carries messages across whole lines
 
 
 # ------------------------------------------------------------------------------------------- extrinsic
@@ -196,12 +183,11 @@ def test_start_factors_are_part_of_the_extrinsic() -> None:
 
 def test_symmetric_factor_zero_unary_gives_zero_belief() -> None:
     # psi symmetric under 0 <-> 1 (p11 = 1 - p01) and no evidence: every marginal is exactly 1/2.
-    for schedule in ("flooding", "sweep"):
-        for shape in [(5, 6), (1, 9), (9, 1)]:
-            res = grid_bp(np.zeros(shape), p01_row=0.3, p11_row=0.7, p01_col=0.2, p11_col=0.8, schedule=schedule)
-            np.testing.assert_allclose(res.belief, 0.0, atol=1e-12)
-            np.testing.assert_allclose(res.extrinsic, 0.0, atol=1e-12)
-            assert res.converged
+    for shape in [(5, 6), (1, 9), (9, 1)]:
+        res = grid_bp(np.zeros(shape), p01_row=0.3, p11_row=0.7, p01_col=0.2, p11_col=0.8)
+        np.testing.assert_allclose(res.belief, 0.0, atol=1e-12)
+        np.testing.assert_allclose(res.extrinsic, 0.0, atol=1e-12)
+        assert res.converged
 
 
 def test_clustering_prior_pulls_neighbours_together() -> None:
@@ -215,12 +201,11 @@ def test_clustering_prior_pulls_neighbours_together() -> None:
 # -------------------------------------------------------------------------------- iterations and damping
 
 
-@pytest.mark.parametrize("schedule", ["flooding", "sweep"])
-def test_damping_reaches_the_same_fixed_point(schedule: str) -> None:
+def test_damping_reaches_the_same_fixed_point() -> None:
     rng = np.random.default_rng(4)
     u = rng.normal(scale=2.0, size=(6, 9))
-    a = grid_bp(u, **DEMO_CONV, start_row=0.3, tol=1e-12, max_iter=1000, schedule=schedule)
-    b = grid_bp(u, **DEMO_CONV, start_row=0.3, tol=1e-12, max_iter=1000, damping=0.5, schedule=schedule)
+    a = grid_bp(u, **DEMO_CONV, start_row=0.3, tol=1e-12, max_iter=1000)
+    b = grid_bp(u, **DEMO_CONV, start_row=0.3, tol=1e-12, max_iter=1000, damping=0.5)
     assert a.converged and b.converged
     np.testing.assert_allclose(a.belief, b.belief, atol=1e-9, rtol=0)
     assert b.iterations > a.iterations
@@ -251,12 +236,11 @@ def test_iteration_cap_and_convergence_flag() -> None:
 # ------------------------------------------------------------------------------------ numerics and input
 
 
-@pytest.mark.parametrize("schedule", ["flooding", "sweep"])
 @pytest.mark.parametrize("scale", [50.0, 1e4])
-def test_large_unary_stays_finite(schedule: str, scale: float) -> None:
+def test_large_unary_stays_finite(scale: float) -> None:
     u = np.array([[1.0, -1.0, 1.0, 1.0], [-1.0, 1.0, -1.0, 1.0], [1.0, 1.0, -1.0, -1.0]]) * scale
     for grid in (u, u[:1], u[:, :1]):
-        res = grid_bp(grid, **STRONG, start_row=0.3, start_col=0.3, schedule=schedule)
+        res = grid_bp(grid, **STRONG, start_row=0.3, start_col=0.3)
         assert np.all(np.isfinite(res.belief)) and np.all(np.isfinite(res.extrinsic))
         assert np.all(np.sign(res.belief) == np.sign(grid))
         # Saturated nodes send the factor's limit messages, so the extrinsic is a bounded prior-size number.
@@ -281,7 +265,6 @@ def test_large_unary_stays_finite(schedule: str, scale: float) -> None:
         (dict(max_iter=0), "max_iter"),
         (dict(max_iter=2.5), "max_iter"),
         (dict(tol=-1e-6), "tol"),
-        (dict(schedule="random"), "schedule"),
     ],
 )
 def test_invalid_parameters_are_rejected(bad: dict, name: str) -> None:
@@ -314,22 +297,6 @@ def test_input_is_not_modified_and_integer_input_is_accepted() -> None:
 
 
 # -------------------------------------------------------------------------------------------- many layers
-
-
-def test_grid_bp_many_matches_single_calls() -> None:
-    rng = np.random.default_rng(11)
-    shapes = [(6, 49), (1, 20), (10, 84)]
-    unaries = [rng.normal(scale=2.0, size=s) for s in shapes]
-    params = [DEMO_CONV, {**DEMO_DENSE, "start_row": 0.3}, {**STRONG, "max_iter": 3}]
-    out = grid_bp_many(unaries, params, tol=1e-8, max_iter=100)
-    assert len(out) == 3
-    for u, p, r in zip(unaries, params, out, strict=True):
-        ref = grid_bp(u, **{"tol": 1e-8, "max_iter": 100, **p})
-        np.testing.assert_array_equal(r.belief, ref.belief)
-        assert r.iterations == ref.iterations
-    assert out[2].iterations == 3  # a per-layer setting overrides the shared one
-    with pytest.raises(ValueError, match="parameter sets"):
-        grid_bp_many(unaries, params[:2])
 
 
 def test_alexnet_grids_converge_quickly_at_demo_couplings() -> None:
