@@ -10,7 +10,7 @@ from scipy.optimize import minimize_scalar
 from scipy.special import expit
 
 from dturbo import vbi
-from dturbo.spmp import grid_bp
+from dturbo.spmp import Transitions, grid_bp
 
 pos = st.floats(0.05, 20.0)
 small_pos = st.floats(1e-4, 5.0)
@@ -121,11 +121,11 @@ def test_e2_divides_out_exactly_the_node_own_input():
 
     for u0, u1 in [(0.0, 0.0), (2.0, -1.0), (-3.0, 4.0), (5.0, 5.0)]:
         assert abs((marginal0(u0, u1) - u0) - marginal0(0.0, u1)) < 1e-12
-        res = grid_bp(np.array([[u0, u1]]), p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5)
+        res = grid_bp(np.array([[u0, u1]]), Transitions(p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5))
         lo_h = float(res.extrinsic[0, 0])
         assert lo_h == float(res.belief[0, 0] - u0)  # E2 literally: belief minus the node's own input
         assert abs(lo_h - marginal0(0.0, u1)) < 1e-9
-        off = grid_bp(np.array([[-7.0, u1]]), p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5)
+        off = grid_bp(np.array([[-7.0, u1]]), Transitions(p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5))
         assert abs(float(off.extrinsic[0, 0]) - lo_h) < 1e-12  # u_0-free
 
 

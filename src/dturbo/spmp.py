@@ -9,6 +9,9 @@ The grid MRF of a layer (docs/algorithm.md §2) has, for every node s_n of the K
 - optional start factors: P(active) = ``start_row`` on the first node (m = 0) of every row chain and
   ``start_col`` on the first node (k = 0) of every column chain. They belong to the prior (Module B).
 
+The pairwise and start factors of a layer are one record, :class:`Transitions` (a layer's prior holds it:
+``prior.LayerPrior.transitions``); :func:`grid_bp` takes the unary input, that record and the solver's settings.
+
 Output (E2): the belief log-odds of every s_n and the extrinsic log-odds ``belief - unary``, i.e. the product
 of everything Module B knows (messages from the grid neighbours and the start factors) without what Module A
 told it.
@@ -39,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GridBPResult", "grid_bp"]
+__all__ = ["GridBPResult", "Transitions", "grid_bp"]
 
 # Node log-odds are clipped to +-_CLIP before exponentiation. exp(300) ~ 1e130, and a cavity odds is at most
 # that times four bounded messages, far from float64 overflow; beyond +-300 a node is saturated anyway (its
@@ -70,11 +73,33 @@ def _probability(p: Any, name: str, *, allow_none: bool = False) -> float | None
     return v
 
 
-def _factor(p01: Any, p11: Any, name: str) -> np.ndarray:
+@dataclass(frozen=True)
+class Transitions:
+    """The grid MRF's factors of one layer (docs/algorithm.md §2), Module B's prior.
+
+    ``p01_row``, ``p11_row``: the factor between horizontal neighbours (k, m) and (k, m+1) is
+    P_row = [[1-p01_row, p01_row], [1-p11_row, p11_row]] (rows: s_prev, columns: s_next); ``p01_col``,
+    ``p11_col`` the same between vertical neighbours (k, m) and (k+1, m). ``start_row``: P(active) start factor on
+    the first column (m = 0) of every row chain, or None; ``start_col``: on the first row (k = 0) of every column
+    chain, or None. Every probability is checked when the record is made (in (0, 1); a ValueError names the
+    parameter) and stored as a float."""
+
+    p01_row: float
+    p11_row: float
+    p01_col: float
+    p11_col: float
+    start_row: float | None = None
+    start_col: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("p01_row", "p11_row", "p01_col", "p11_col", "start_row", "start_col"):
+            value = _probability(getattr(self, name), name, allow_none=name.startswith("start"))
+            object.__setattr__(self, name, value)
+
+
+def _factor(p01: float, p11: float) -> np.ndarray:
     """psi[s_prev, s_next] = P[s_prev, s_next] with P = [[1-p01, p01], [1-p11, p11]] (docs/algorithm.md §2)."""
-    a = _probability(p01, f"p01_{name}")
-    b = _probability(p11, f"p11_{name}")
-    return np.array([[1.0 - a, a], [1.0 - b, b]], dtype=np.float64)
+    return np.array([[1.0 - p01, p01], [1.0 - p11, p11]], dtype=np.float64)
 
 
 def _moebius(f: np.ndarray) -> tuple[float, float, float]:
@@ -140,13 +165,8 @@ def _check_unary(unary: Any) -> np.ndarray:
 
 def grid_bp(
     unary: np.ndarray,
+    transitions: Transitions,
     *,
-    p01_row: float,
-    p11_row: float,
-    p01_col: float,
-    p11_col: float,
-    start_row: float | None = None,
-    start_col: float | None = None,
     max_iter: int = 50,
     tol: float = 1e-6,
     damping: float = 0.0,
@@ -155,11 +175,7 @@ def grid_bp(
 
     Args:
         unary: (K, M) log-odds, the A -> B message of E1. Must be finite; any magnitude is handled.
-        p01_row, p11_row: row transition probabilities; the factor between (k, m) and (k, m+1) is
-            P_row = [[1-p01_row, p01_row], [1-p11_row, p11_row]] (rows: s_prev, columns: s_next).
-        p01_col, p11_col: the same for (k, m) and (k+1, m).
-        start_row: P(active) start factor on the first column (m = 0) of every row chain, or None.
-        start_col: P(active) start factor on the first row (k = 0) of every column chain, or None.
+        transitions: the layer's pairwise and start factors (:class:`Transitions`).
         max_iter: iteration cap (>= 1).
         tol: stop when the largest change of any message, in log-odds, is below ``tol``.
         damping: in [0, 1); new = (1 - damping) * computed + damping * old, in log-odds.
@@ -173,14 +189,16 @@ def grid_bp(
         ``iterations = 1`` and ``converged = True`` for any damping (the fixed point is unique).
 
     Raises:
-        ValueError: for a non-2-D, empty or non-finite ``unary``, a probability outside (0, 1) (the message
-            names the parameter), or invalid ``max_iter``, ``tol`` or ``damping``.
+        ValueError: for a non-2-D, empty or non-finite ``unary``, or invalid ``max_iter``, ``tol`` or ``damping``
+            (a probability outside (0, 1) is refused when the :class:`Transitions` record is made).
+        TypeError: when ``transitions`` is not a :class:`Transitions` record.
     """
+    if not isinstance(transitions, Transitions):
+        raise TypeError(f"transitions must be a Transitions record, got {type(transitions).__name__}")
     u = _check_unary(unary)
-    fr = _factor(p01_row, p11_row, "row")
-    fc = _factor(p01_col, p11_col, "col")
-    s_row = _probability(start_row, "start_row", allow_none=True)
-    s_col = _probability(start_col, "start_col", allow_none=True)
+    fr = _factor(transitions.p01_row, transitions.p11_row)
+    fc = _factor(transitions.p01_col, transitions.p11_col)
+    s_row, s_col = transitions.start_row, transitions.start_col
     if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
         raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
     if not (isinstance(tol, int | float | np.floating) and tol >= 0.0):
