@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from scipy.special import expit
 
-from dturbo.spmp import GridBPResult, grid_bp
+from dturbo.spmp import GridBPResult, Transitions, grid_bp
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -73,14 +73,14 @@ def bench_model(repeats: int, rng: np.random.Generator) -> dict:
     unaries = [rng.normal(scale=2.0, size=shape) for _, shape, _ in ALEXNET_SMALL]
     results: list[GridBPResult] = []
     for u, (_, _, p) in zip(unaries, ALEXNET_SMALL, strict=True):  # warm-up (imports, allocator)
-        grid_bp(u, **p)
+        grid_bp(u, Transitions(**p))
     totals, per_grid = [], {name: [] for name, _, _ in ALEXNET_SMALL}
     for _ in range(repeats):
         results = []
         t_all = time.perf_counter()
         for u, (name, _, p) in zip(unaries, ALEXNET_SMALL, strict=True):
             t0 = time.perf_counter()
-            results.append(grid_bp(u, **p))
+            results.append(grid_bp(u, Transitions(**p)))
             per_grid[name].append(time.perf_counter() - t0)
         totals.append(time.perf_counter() - t_all)
     return {
@@ -139,12 +139,12 @@ def bench_vs_sumproduct(repeats: int, rng: np.random.Generator, skip: bool) -> d
     unary = rng.normal(scale=2.0, size=(40, 84))
     p = DENSE
     times = []
-    res = grid_bp(unary, **p)
+    res = grid_bp(unary, Transitions(**p))
     for _ in range(repeats):
         t0 = time.perf_counter()
-        res = grid_bp(unary, **p)
+        res = grid_bp(unary, Transitions(**p))
         times.append(time.perf_counter() - t0)
-    fixed_point = grid_bp(unary, **p, tol=1e-13, max_iter=1000)
+    fixed_point = grid_bp(unary, Transitions(**p), tol=1e-13, max_iter=1000)
     out: dict = {
         "grid": [40, 84],
         "transitions": p,

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dturbo import codec
+from dturbo.algorithms.base import MessageError, message_bits
 from dturbo.codec import (
     MAGIC,
     VERSION,
@@ -25,8 +26,7 @@ from dturbo.codec import (
     encode_message,
     encode_sparse,
     encode_values,
-    grid_cost,
-    message_breakdown,
+    payload_bits,
 )
 from dturbo.testing import mutate
 
@@ -97,7 +97,8 @@ def test_grid_round_trip_random_clustered(seed):
     mat *= rng.choice([1e-6, 1.0, 300.0])  # subnormal float16, plain, large
     data = encode_grid(mat, min_cluster=int(rng.integers(1, 5)))
     np.testing.assert_array_equal(decode_grid(data), as16(mat))
-    assert grid_cost(mat, min_cluster=3)["total"] == 8 * len(encode_grid(mat))
+    for payload in (data, encode_grid(mat, min_cluster=3)):
+        assert sum(payload_bits(payload, "grid").values()) == 8 * len(payload)
 
 
 @fast(150)
@@ -149,7 +150,8 @@ def test_grid_dtypes(dtype):
     want = mat.astype(dtype)
     assert out.dtype == (np.float64 if dtype == "float64" else np.float32)
     np.testing.assert_array_equal(out, want.astype(out.dtype))
-    assert grid_cost(mat, dtype=dtype)["total"] == 8 * len(encode_grid(mat, dtype=dtype))
+    payload = encode_grid(mat, dtype=dtype)
+    assert sum(payload_bits(payload, "grid").values()) == 8 * len(payload)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (7, 1), (2, 2), (1, 300), (300, 1), (2, 500), (3, 3), (5, 600)])
@@ -209,8 +211,9 @@ def test_full_4x4_blocks_cost_their_values_plus_a_small_header(n_blocks):
     # per block one record of 4 x 6 bits; header: flags, K, M, counts (5 bytes) and the padding byte
     assert values <= bits <= values + n_blocks * 24 + 6 * 8
     assert values <= bits <= values + n_blocks * 64 + 128  # the bound of the brief
-    cost = grid_cost(mat)
-    assert cost == {"header": 40, "positions": 8 * ((24 * n_blocks + 7) // 8), "values": values, "total": bits}
+    cost = payload_bits(data, "grid")
+    assert cost == {"headers": 40, "positions": 8 * ((24 * n_blocks + 7) // 8), "values": values}
+    assert sum(cost.values()) == bits
     assert len(rects_of(data)) == n_blocks
 
 
@@ -223,7 +226,7 @@ def test_dense_and_empty_grids(shape):
     empty = np.zeros(shape)
     assert 8 * len(encode_grid(empty)) <= 64
     np.testing.assert_array_equal(decode_grid(encode_grid(empty)), empty)
-    assert grid_cost(empty)["values"] == 0
+    assert payload_bits(encode_grid(empty), "grid")["values"] == 0
 
 
 def test_clusters_cost_less_than_the_same_number_of_scattered_points():
@@ -233,10 +236,10 @@ def test_clusters_cost_less_than_the_same_number_of_scattered_points():
     scat = np.zeros((84, 120))
     scat.reshape(-1)[rng.choice(84 * 120, size=800, replace=False)] = rng.normal(size=800)
     assert np.count_nonzero(clus) == np.count_nonzero(scat) == 800
-    c, s = grid_cost(clus), grid_cost(scat)
+    c, s = payload_bits(encode_grid(clus), "grid"), payload_bits(encode_grid(scat), "grid")
     assert c["values"] == s["values"] == 800 * 16
     assert c["positions"] <= 64 and s["positions"] > 800 * 3
-    assert c["total"] < 0.85 * s["total"]
+    assert sum(c.values()) < 0.85 * sum(s.values())
 
 
 def test_cluster_coding_beats_sparse_coding_on_clustered_grids():
@@ -252,7 +255,7 @@ def test_rectangles_may_carry_a_few_zeros():
     mat[5, 7] = mat[13, 2] = 0.0  # two holes: one 20 x 20 rectangle (2 zeros sent) beats any split
     data = encode_grid(mat)
     assert rects_of(data).tolist() == [[0, 0, 20, 20]]
-    assert grid_cost(mat)["values"] == 400 * 16
+    assert payload_bits(data, "grid")["values"] == 400 * 16
     np.testing.assert_array_equal(decode_grid(data), mat)
 
 
@@ -451,20 +454,27 @@ def test_message_framing_and_errors():
             decode_message(msg[:cut])
 
 
-def test_message_breakdown_sums_to_the_bytes():
+def test_message_bits_sum_to_the_bytes():
+    """The ledger's accounting (algorithms/base.message_bits over codec.payload_bits): framing and field names are
+    headers, each payload is split by the encoder that made it, and the parts sum to the message's bits."""
     grid = encode_grid(np.eye(20))
-    msg = encode_message("dturbo/down", [("dense1.mu", grid), ("dense1.bias", encode_dense(np.ones(20))),
+    dense = encode_dense(np.ones(20))
+    msg = encode_message("dturbo/down", [("dense1.mu", grid), ("dense1.bias", dense),
                                          ("dense2.mu", grid), ("meta", b"12")])
-    parts = message_breakdown(msg)
-    assert parts["total"] == 8 * len(msg)
-    assert sum(v for key, v in parts.items() if key != "total") == parts["total"]
-    assert parts["mu"] == 2 * 8 * len(grid) and parts["meta"] == 16
-    by_field = message_breakdown(msg, by="field")
-    assert by_field["dense1.mu"] == 8 * len(grid) and by_field["framing"] == parts["framing"]
-    odd = message_breakdown(encode_message("k", [("x.total", b"abc")]))
-    assert odd["field:total"] == 24 and odd["total"] == 8 * len(encode_message("k", [("x.total", b"abc")]))
-    with pytest.raises(ValueError):
-        message_breakdown(msg, by="layer")
+    layouts = {"dturbo/down": {"mu": "grid", "bias": "dense", "meta": "header"}}
+    parts = message_bits(msg, layouts)
+    assert set(parts) == {"headers", "positions", "values"}
+    assert sum(parts.values()) == 8 * len(msg)
+    g, d = payload_bits(grid, "grid"), payload_bits(dense, "dense")
+    assert sum(g.values()) == 8 * len(grid) and g["values"] == 20 * 16
+    framing = 8 * (len(msg) - 2 * len(grid) - len(dense) - 2)
+    assert parts["values"] == 2 * g["values"] + d["values"]
+    assert parts["positions"] == 2 * g["positions"] + d["positions"]
+    assert parts["headers"] == framing + 2 * g["headers"] + d["headers"] + 16  # the meta field is all header
+    with pytest.raises(MessageError, match="no ledger layout"):
+        message_bits(msg, {"dturbo/down": {"mu": "grid", "bias": "dense"}})
+    with pytest.raises(MessageError, match="no ledger layout"):
+        message_bits(msg, {})
 
 
 # --------------------------------------------------------------------------------------- malformed input: errors

@@ -21,7 +21,7 @@ from dturbo.codec import decode_grid, decode_message, decode_values, encode_dens
 from dturbo.config import parse_config
 from dturbo.nn.bayes import bayesian_layers
 from dturbo.nn.models import build_model
-from dturbo.spmp import grid_bp
+from dturbo.spmp import Transitions, grid_bp
 
 DENSE_MRF = {"p01_row": 0.3, "p11_row": 0.48, "p01_col": 0.3, "p11_col": 0.48}  # config defaults, dense layers
 R = 20.0  # active / inactive prior variance ratio used here (scale-matched prior, docs/algorithm.md §2)
@@ -122,7 +122,7 @@ def _reference_step(before, mu_agg, sig_agg, hyper, *, thr, fields, spmp, gamma=
         if spmp == "brute":
             belief = _brute_marginals(unary, **DENSE_MRF)
         else:
-            belief = grid_bp(unary, **DENSE_MRF, **spmp_kw).belief
+            belief = grid_bp(unary, Transitions(**DENSE_MRF), **spmp_kw).belief
         pi_lo = belief - unary + fields[i]  # (E2): extrinsic, the field being a factor of Module B
         old = before[f"{n}.mask"]
         keep = pt >= thr

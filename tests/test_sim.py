@@ -307,3 +307,18 @@ def test_sigma_modes_run_and_keep_their_shape(tmp_path, sigma_mode):
         assert sigmas[0][0] == sigmas[1][0] == sigmas[2][0]
     else:
         assert len({float(s.reshape(-1)[0]) for s in sigmas}) == 3
+
+
+def test_the_registry_offers_exactly_the_configurable_algorithms() -> None:
+    """algorithms/registry.py is where the runner looks a configured name up; every name the config accepts has a
+    (server, client) pair there, and nothing else is there. dturbo.sim.ALGORITHMS is the same table."""
+    from typing import get_args
+
+    from dturbo import sim
+    from dturbo.algorithms.registry import ALGORITHMS
+    from dturbo.config import ExperimentConfig
+
+    assert set(get_args(ExperimentConfig.model_fields["algorithm"].annotation)) == set(ALGORITHMS)
+    assert sim.ALGORITHMS is ALGORITHMS
+    for server_cls, client_cls in ALGORITHMS.values():
+        assert callable(getattr(server_cls, "aggregate", None)) and callable(getattr(client_cls, "fit", None))

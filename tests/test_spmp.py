@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from scipy.special import expit
 
-from dturbo.spmp import GridBPResult, grid_bp, grid_bp_many
+from dturbo.spmp import GridBPResult, Transitions, grid_bp
 
 DEMO_CONV = dict(p01_row=0.288, p11_row=0.49, p01_col=0.288, p11_col=0.49)  # reference demo, conv layers
 DEMO_DENSE = dict(p01_row=0.3, p11_row=0.48, p01_col=0.3, p11_col=0.48)  # reference demo, dense layers
 STRONG = dict(p01_row=0.1, p11_row=0.9, p01_col=0.2, p11_col=0.7)  # large clusters
 ANTI = dict(p01_row=0.6, p11_row=0.3, p01_col=0.5, p11_col=0.5)  # anti-clustering rows, flat columns
 COUPLINGS = {"demo_conv": DEMO_CONV, "strong": STRONG, "anti": ANTI}
+TRANSITION_KEYS = ("p01_row", "p11_row", "p01_col", "p11_col", "start_row", "start_col")
 
 
 def brute_force(
@@ -58,10 +59,9 @@ def test_chain_is_exact(shape: tuple[int, int], coupling: str, start: float | st
     u = rng.normal(scale=2.0, size=shape)
     st = dict(start_row=0.2, start_col=0.7) if start == "mixed" else dict(start_row=start, start_col=start)
     ref = brute_force(u, **COUPLINGS[coupling], **st)
-    for schedule in ("flooding", "sweep"):
-        res = grid_bp(u, **COUPLINGS[coupling], **st, schedule=schedule)
-        np.testing.assert_allclose(res.belief, ref, atol=1e-9, rtol=0)
-        assert res.converged and res.iterations >= 1
+    res = grid_bp(u, Transitions(**COUPLINGS[coupling], **st))
+    np.testing.assert_allclose(res.belief, ref, atol=1e-9, rtol=0)
+    assert res.converged and res.iterations >= 1
 
 
 def test_long_chain_is_exact_and_finite() -> None:
@@ -84,7 +84,7 @@ def test_long_chain_is_exact_and_finite() -> None:
         bwd[j] -= bwd[j].max()
     lp = fwd + bwd + own
     ref = lp[:, 1] - lp[:, 0]
-    res = grid_bp(u, p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5, start_row=s, max_iter=3)
+    res = grid_bp(u, Transitions(p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5, start_row=s), max_iter=3)
     np.testing.assert_allclose(res.belief[0], ref, atol=1e-9, rtol=0)
     assert res.converged
 
@@ -106,30 +106,18 @@ LOOPY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("schedule", ["flooding", "sweep"])
 @pytest.mark.parametrize("case", range(len(LOOPY_CASES)))
-def test_close_to_brute_force_on_small_loopy_grids(case: int, schedule: str) -> None:
+def test_close_to_brute_force_on_small_loopy_grids(case: int) -> None:
     shape, coupling, start, bound = LOOPY_CASES[case]
     rng = np.random.default_rng(100 + case)
     u = rng.normal(scale=2.0, size=shape)
-    res = grid_bp(u, **coupling, start_row=start, start_col=start, tol=1e-12, max_iter=500, schedule=schedule)
+    res = grid_bp(u, Transitions(**coupling, start_row=start, start_col=start), tol=1e-12, max_iter=500)
     ref = brute_force(u, **coupling, start_row=start, start_col=start)
     assert res.converged
     err = np.abs(expit(res.belief) - expit(ref)).max()
     assert err < bound, err
     # Loopy BP is approximate, not arbitrary: it is much closer to the truth than the unary alone.
     assert err < 0.5 * np.abs(expit(u) - expit(ref)).max()
-
-
-def test_flooding_and_sweep_reach_the_same_fixed_point() -> None:
-    rng = np.random.default_rng(5)
-    u = rng.normal(scale=2.0, size=(9, 13))
-    kw = dict(**DEMO_CONV, start_row=0.3, start_col=0.3, tol=1e-12, max_iter=500)
-    a = grid_bp(u, **kw)
-    b = grid_bp(u, **kw, schedule="sweep")
-    assert a.converged and b.converged
-    np.testing.assert_allclose(a.belief, b.belief, atol=1e-9, rtol=0)
-    assert b.iterations < a.iterations  # each sweep iteration carries messages across whole lines
 
 
 # ------------------------------------------------------------------------------------------- extrinsic
@@ -144,7 +132,7 @@ def test_extrinsic_is_the_marginal_without_the_own_input(shape: tuple[int, int])
     u = rng.normal(scale=2.0, size=shape)
     mrf = dict(**DEMO_CONV, start_row=0.3, start_col=0.4) if shape == (3, 4) else dict(**STRONG, start_row=0.3,
                                                                                           start_col=0.4)
-    res = grid_bp(u, **mrf, tol=1e-12, max_iter=500)
+    res = grid_bp(u, Transitions(**mrf), tol=1e-12, max_iter=500)
     assert isinstance(res, GridBPResult) and res.converged
     assert res.belief.shape == res.extrinsic.shape == shape
     assert res.belief.dtype == res.extrinsic.dtype == np.float64
@@ -166,11 +154,11 @@ def test_extrinsic_does_not_depend_on_own_unary_on_chains(shape: tuple[int, int]
     # E2 divides the node's own input out; on a tree BP is exact and the incoming messages do not depend on it.
     rng = np.random.default_rng(4)
     u = rng.normal(scale=2.0, size=shape)
-    a = grid_bp(u, **STRONG, start_row=start, start_col=start)
+    a = grid_bp(u, Transitions(**STRONG, start_row=start, start_col=start))
     for node in (0, 4, 7):
         u2 = u.copy()
         u2.flat[node] += 5.0
-        b = grid_bp(u2, **STRONG, start_row=start, start_col=start)
+        b = grid_bp(u2, Transitions(**STRONG, start_row=start, start_col=start))
         assert abs(a.extrinsic.flat[node] - b.extrinsic.flat[node]) < 1e-9
         other = node - 1 if node else 1  # ... but a neighbour hears about it
         assert abs(a.extrinsic.flat[other] - b.extrinsic.flat[other]) > 1e-3
@@ -179,15 +167,15 @@ def test_extrinsic_does_not_depend_on_own_unary_on_chains(shape: tuple[int, int]
 def test_start_factors_are_part_of_the_extrinsic() -> None:
     # With symmetric factors and zero unary the only information is the start factor; it must reach Module A.
     sym = dict(p01_row=0.3, p11_row=0.7, p01_col=0.3, p11_col=0.7)
-    chain = grid_bp(np.zeros((1, 6)), **sym, start_row=0.2)
+    chain = grid_bp(np.zeros((1, 6)), Transitions(**sym, start_row=0.2))
     # On the chain the messages into the first node carry nothing (zero evidence, symmetric factor), so its
     # extrinsic is exactly the start factor's log-odds; further along the start's influence decays.
     assert abs(chain.extrinsic[0, 0] - np.log(0.2 / 0.8)) < 1e-12
     assert np.all(chain.extrinsic < 0) and np.all(np.diff(chain.extrinsic[0]) > 0)
     # On a loopy grid: the start factors move the extrinsic the right way, as brute force says.
     u = np.zeros((3, 4))
-    plain = grid_bp(u, **DEMO_CONV, tol=1e-12, max_iter=500)
-    started = grid_bp(u, **DEMO_CONV, start_row=0.1, start_col=0.9, tol=1e-12, max_iter=500)
+    plain = grid_bp(u, Transitions(**DEMO_CONV), tol=1e-12, max_iter=500)
+    started = grid_bp(u, Transitions(**DEMO_CONV, start_row=0.1, start_col=0.9), tol=1e-12, max_iter=500)
     ref_plain = brute_force(u, **DEMO_CONV)
     ref_started = brute_force(u, **DEMO_CONV, start_row=0.1, start_col=0.9)
     assert np.abs(expit(started.extrinsic) - expit(ref_started)).max() < 0.005
@@ -196,18 +184,17 @@ def test_start_factors_are_part_of_the_extrinsic() -> None:
 
 def test_symmetric_factor_zero_unary_gives_zero_belief() -> None:
     # psi symmetric under 0 <-> 1 (p11 = 1 - p01) and no evidence: every marginal is exactly 1/2.
-    for schedule in ("flooding", "sweep"):
-        for shape in [(5, 6), (1, 9), (9, 1)]:
-            res = grid_bp(np.zeros(shape), p01_row=0.3, p11_row=0.7, p01_col=0.2, p11_col=0.8, schedule=schedule)
-            np.testing.assert_allclose(res.belief, 0.0, atol=1e-12)
-            np.testing.assert_allclose(res.extrinsic, 0.0, atol=1e-12)
-            assert res.converged
+    for shape in [(5, 6), (1, 9), (9, 1)]:
+        res = grid_bp(np.zeros(shape), Transitions(p01_row=0.3, p11_row=0.7, p01_col=0.2, p11_col=0.8))
+        np.testing.assert_allclose(res.belief, 0.0, atol=1e-12)
+        np.testing.assert_allclose(res.extrinsic, 0.0, atol=1e-12)
+        assert res.converged
 
 
 def test_clustering_prior_pulls_neighbours_together() -> None:
     u = np.full((7, 7), -1.0)
     u[2:5, 2:5] = 3.0
-    res = grid_bp(u, **STRONG)
+    res = grid_bp(u, Transitions(**STRONG))
     assert res.extrinsic[3, 3] > res.extrinsic[0, 0]  # the block's centre hears active neighbours
     assert res.extrinsic[3, 1] > res.extrinsic[3, 0]  # next to the block more than far from it
 
@@ -215,12 +202,11 @@ def test_clustering_prior_pulls_neighbours_together() -> None:
 # -------------------------------------------------------------------------------- iterations and damping
 
 
-@pytest.mark.parametrize("schedule", ["flooding", "sweep"])
-def test_damping_reaches_the_same_fixed_point(schedule: str) -> None:
+def test_damping_reaches_the_same_fixed_point() -> None:
     rng = np.random.default_rng(4)
     u = rng.normal(scale=2.0, size=(6, 9))
-    a = grid_bp(u, **DEMO_CONV, start_row=0.3, tol=1e-12, max_iter=1000, schedule=schedule)
-    b = grid_bp(u, **DEMO_CONV, start_row=0.3, tol=1e-12, max_iter=1000, damping=0.5, schedule=schedule)
+    a = grid_bp(u, Transitions(**DEMO_CONV, start_row=0.3), tol=1e-12, max_iter=1000)
+    b = grid_bp(u, Transitions(**DEMO_CONV, start_row=0.3), tol=1e-12, max_iter=1000, damping=0.5)
     assert a.converged and b.converged
     np.testing.assert_allclose(a.belief, b.belief, atol=1e-9, rtol=0)
     assert b.iterations > a.iterations
@@ -230,33 +216,32 @@ def test_damping_is_in_log_odds() -> None:
     # One damped iteration from uninformative messages (log-odds 0) gives (1 - damping) x the undamped messages.
     rng = np.random.default_rng(8)
     u = rng.normal(scale=2.0, size=(3, 4))
-    full = grid_bp(u, **STRONG, max_iter=1)
-    half = grid_bp(u, **STRONG, max_iter=1, damping=0.25)
+    full = grid_bp(u, Transitions(**STRONG), max_iter=1)
+    half = grid_bp(u, Transitions(**STRONG), max_iter=1, damping=0.25)
     np.testing.assert_allclose(half.extrinsic, 0.75 * full.extrinsic, atol=1e-12)
 
 
 def test_iteration_cap_and_convergence_flag() -> None:
     rng = np.random.default_rng(9)
     u = rng.normal(scale=2.0, size=(20, 30))
-    capped = grid_bp(u, **DEMO_DENSE, max_iter=2)
+    capped = grid_bp(u, Transitions(**DEMO_DENSE), max_iter=2)
     assert capped.iterations == 2 and not capped.converged
-    free = grid_bp(u, **DEMO_DENSE)
+    free = grid_bp(u, Transitions(**DEMO_DENSE))
     assert free.converged and 2 < free.iterations < 50
-    stricter = grid_bp(u, **DEMO_DENSE, tol=1e-10)
+    stricter = grid_bp(u, Transitions(**DEMO_DENSE), tol=1e-10)
     assert stricter.iterations > free.iterations
     np.testing.assert_allclose(free.belief, stricter.belief, atol=1e-5)  # tol bounds the message change
-    assert not grid_bp(u, **DEMO_DENSE, tol=0.0, max_iter=7).converged
+    assert not grid_bp(u, Transitions(**DEMO_DENSE), tol=0.0, max_iter=7).converged
 
 
 # ------------------------------------------------------------------------------------ numerics and input
 
 
-@pytest.mark.parametrize("schedule", ["flooding", "sweep"])
 @pytest.mark.parametrize("scale", [50.0, 1e4])
-def test_large_unary_stays_finite(schedule: str, scale: float) -> None:
+def test_large_unary_stays_finite(scale: float) -> None:
     u = np.array([[1.0, -1.0, 1.0, 1.0], [-1.0, 1.0, -1.0, 1.0], [1.0, 1.0, -1.0, -1.0]]) * scale
     for grid in (u, u[:1], u[:, :1]):
-        res = grid_bp(grid, **STRONG, start_row=0.3, start_col=0.3, schedule=schedule)
+        res = grid_bp(grid, Transitions(**STRONG, start_row=0.3, start_col=0.3))
         assert np.all(np.isfinite(res.belief)) and np.all(np.isfinite(res.extrinsic))
         assert np.all(np.sign(res.belief) == np.sign(grid))
         # Saturated nodes send the factor's limit messages, so the extrinsic is a bounded prior-size number.
@@ -264,7 +249,8 @@ def test_large_unary_stays_finite(schedule: str, scale: float) -> None:
     small = np.array([[50.0, -50.0, 3.0], [-50.0, 0.5, -50.0]])
     # Here every unclamped node has only clamped neighbours: the loops are cut, and BP is exact up to e^-50.
     exact = brute_force(small, **STRONG)
-    np.testing.assert_allclose(grid_bp(small, **STRONG, tol=1e-13, max_iter=500).belief, exact, atol=1e-9, rtol=0)
+    res = grid_bp(small, Transitions(**STRONG), tol=1e-13, max_iter=500)
+    np.testing.assert_allclose(res.belief, exact, atol=1e-9, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -281,12 +267,18 @@ def test_large_unary_stays_finite(schedule: str, scale: float) -> None:
         (dict(max_iter=0), "max_iter"),
         (dict(max_iter=2.5), "max_iter"),
         (dict(tol=-1e-6), "tol"),
-        (dict(schedule="random"), "schedule"),
     ],
 )
 def test_invalid_parameters_are_rejected(bad: dict, name: str) -> None:
+    mrf = {key: value for key, value in bad.items() if key in TRANSITION_KEYS}
+    solver = {key: value for key, value in bad.items() if key not in TRANSITION_KEYS}
     with pytest.raises(ValueError, match=name):
-        grid_bp(np.zeros((2, 2)), **{**DEMO_CONV, **bad})
+        grid_bp(np.zeros((2, 2)), Transitions(**{**DEMO_CONV, **mrf}), **solver)
+
+
+def test_transitions_must_be_a_record() -> None:
+    with pytest.raises(TypeError, match="Transitions"):
+        grid_bp(np.zeros((2, 2)), DEMO_CONV)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -301,42 +293,26 @@ def test_invalid_parameters_are_rejected(bad: dict, name: str) -> None:
 )
 def test_invalid_unary_is_rejected(unary: np.ndarray, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        grid_bp(unary, **DEMO_CONV)
+        grid_bp(unary, Transitions(**DEMO_CONV))
 
 
 def test_input_is_not_modified_and_integer_input_is_accepted() -> None:
     u = np.arange(12.0).reshape(3, 4) - 6
     before = u.copy()
-    res = grid_bp(u, **DEMO_CONV, start_row=0.3)
+    res = grid_bp(u, Transitions(**DEMO_CONV, start_row=0.3))
     np.testing.assert_array_equal(u, before)
-    res_int = grid_bp(u.astype(int), **DEMO_CONV, start_row=0.3)
+    res_int = grid_bp(u.astype(int), Transitions(**DEMO_CONV, start_row=0.3))
     np.testing.assert_array_equal(res.belief, res_int.belief)
 
 
 # -------------------------------------------------------------------------------------------- many layers
 
 
-def test_grid_bp_many_matches_single_calls() -> None:
-    rng = np.random.default_rng(11)
-    shapes = [(6, 49), (1, 20), (10, 84)]
-    unaries = [rng.normal(scale=2.0, size=s) for s in shapes]
-    params = [DEMO_CONV, {**DEMO_DENSE, "start_row": 0.3}, {**STRONG, "max_iter": 3}]
-    out = grid_bp_many(unaries, params, tol=1e-8, max_iter=100)
-    assert len(out) == 3
-    for u, p, r in zip(unaries, params, out, strict=True):
-        ref = grid_bp(u, **{"tol": 1e-8, "max_iter": 100, **p})
-        np.testing.assert_array_equal(r.belief, ref.belief)
-        assert r.iterations == ref.iterations
-    assert out[2].iterations == 3  # a per-layer setting overrides the shared one
-    with pytest.raises(ValueError, match="parameter sets"):
-        grid_bp_many(unaries, params[:2])
-
-
 def test_alexnet_grids_converge_quickly_at_demo_couplings() -> None:
     # The performance requirement rests on BP converging in few iterations at the demo's weak couplings.
     rng = np.random.default_rng(12)
     for shape, p in [((16, 150), DEMO_CONV), ((84, 120), DEMO_DENSE)]:
-        res = grid_bp(rng.normal(scale=2.0, size=shape), **p)
+        res = grid_bp(rng.normal(scale=2.0, size=shape), Transitions(**p))
         assert res.converged and res.iterations <= 25
 
 
@@ -354,7 +330,8 @@ def test_tied_rows_are_one_variable_per_row_on_the_column_chain(start: float | N
     rng = np.random.default_rng(7)
     k, m, field = 5, 3, -0.4
     eta = rng.normal(scale=1.5, size=(k, m))
-    prior = LayerPrior(1.0, 1.0, 1.0, 0.01, 0.3, 0.48, STRONG["p01_col"], STRONG["p11_col"], start, tie_rows=True)
+    transitions = Transitions(0.3, 0.48, STRONG["p01_col"], STRONG["p11_col"], start_row=start, start_col=start)
+    prior = LayerPrior(1.0, 1.0, 1.0, 0.01, transitions, tie_rows=True)
     info = LayerInfo("dense1", (k, m), (k, m), prior)
     server = SimpleNamespace(cfg=Config())
     tied = _tie(eta, info)

@@ -11,7 +11,7 @@ from scipy.special import expit
 
 from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.dturbo import rebuilt_prior_std
-from dturbo.codec import CodecError, decode_support, encode_grid, encode_support, grid_cost, payload_bits
+from dturbo.codec import CodecError, decode_support, encode_grid, encode_support, payload_bits
 from dturbo.config import ConfigError, parse_config
 from dturbo.quantize import decode_stochastic, dequantize, encode_stochastic, quantize
 from dturbo.sim import Simulator
@@ -61,7 +61,7 @@ def test_support_coding_round_trips_and_equals_the_grid_codings_positions():
         data = encode_support(mask)
         np.testing.assert_array_equal(decode_support(data), mask)
         # with 16-bit values in mind it makes the same rectangles and positions as the grid coding
-        grid = grid_cost(np.where(mask, 1.0, 0.0))
+        grid = payload_bits(encode_grid(np.where(mask, 1.0, 0.0)), "grid")
         assert payload_bits(data, "support")["positions"] == grid["positions"]
         assert payload_bits(data, "support")["values"] == 0
     data = encode_support(clustered)

@@ -10,7 +10,7 @@ from scipy.optimize import minimize_scalar
 from scipy.special import expit
 
 from dturbo import vbi
-from dturbo.spmp import grid_bp
+from dturbo.spmp import Transitions, grid_bp
 
 pos = st.floats(0.05, 20.0)
 small_pos = st.floats(1e-4, 5.0)
@@ -101,14 +101,17 @@ def test_e3_matches_quadrature_and_e1_does_not_depend_on_pi():
         for pi_lo in (-3.0, 0.0, 2.5):
             pt_lo = float(vbi.support_posterior_logodds(pi_lo, at, bt, **h))
             assert abs(pt_lo - (pi_lo + ev)) < 1e-6 * (1 + abs(ev))
-            assert abs(float(vbi.message_a_to_b(pt_lo, pi_lo)) - ev) < 1e-6 * (1 + abs(ev))
+            assert abs((pt_lo - pi_lo) - ev) < 1e-6 * (1 + abs(ev))
+            # the server's E1 (algorithms/dturbo.py): support_evidence, the same quantity without pi
+            assert abs(float(vbi.support_evidence(at, bt, **h)) - ev) < 1e-6 * (1 + abs(ev))
             p = vbi.support_posterior(expit(pi_lo), at, bt, **h)
             assert abs(float(p) - expit(pi_lo + ev)) < 1e-9
 
 
 def test_e2_divides_out_exactly_the_node_own_input():
     """(E2) on the smallest grid, a 1 x 2 chain, by enumeration: belief minus the node's own unary input is the
-    log-odds the node has when its own input is removed (u_0 = 0), i.e. the message from its neighbour."""
+    log-odds the node has when its own input is removed (u_0 = 0), i.e. the message from its neighbour. The server's
+    E2 is grid_bp's ``extrinsic`` (algorithms/dturbo.py)."""
     p01, p11 = 0.3, 0.7
     P = np.array([[1 - p01, p01], [1 - p11, p11]])
 
@@ -117,11 +120,13 @@ def test_e2_divides_out_exactly_the_node_own_input():
         return np.log(w[1, 0] + w[1, 1]) - np.log(w[0, 0] + w[0, 1])
 
     for u0, u1 in [(0.0, 0.0), (2.0, -1.0), (-3.0, 4.0), (5.0, 5.0)]:
-        lo_h = vbi.message_b_to_a(marginal0(u0, u1), u0)
-        assert abs(float(lo_h) - marginal0(0.0, u1)) < 1e-12
-        assert abs(float(vbi.message_b_to_a(marginal0(-7.0, u1), -7.0)) - float(lo_h)) < 1e-12  # u_0-free
-        assert abs(float(grid_bp(np.array([[u0, u1]]), p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5)
-                         .extrinsic[0, 0]) - marginal0(0.0, u1)) < 1e-9
+        assert abs((marginal0(u0, u1) - u0) - marginal0(0.0, u1)) < 1e-12
+        res = grid_bp(np.array([[u0, u1]]), Transitions(p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5))
+        lo_h = float(res.extrinsic[0, 0])
+        assert lo_h == float(res.belief[0, 0] - u0)  # E2 literally: belief minus the node's own input
+        assert abs(lo_h - marginal0(0.0, u1)) < 1e-9
+        off = grid_bp(np.array([[-7.0, u1]]), Transitions(p01_row=p01, p11_row=p11, p01_col=0.5, p11_col=0.5))
+        assert abs(float(off.extrinsic[0, 0]) - lo_h) < 1e-12  # u_0-free
 
 
 def test_negative_elbo_terms_match_monte_carlo():

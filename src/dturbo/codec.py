@@ -83,8 +83,6 @@ __all__ = [
     "encode_sparse",
     "encode_ternary",
     "encode_values",
-    "grid_cost",
-    "message_breakdown",
     "payload_bits",
 ]
 
@@ -896,16 +894,6 @@ def encode_grid(matrix: np.ndarray, *, min_cluster: int = 3, dtype: str = "float
     return b"".join(_grid_parts(matrix, min_cluster, dtype))
 
 
-def grid_cost(matrix: np.ndarray, *, min_cluster: int = 3, dtype: str = "float16") -> dict[str, int]:
-    """Bits of :func:`encode_grid` by part (docs/algorithm.md §9): ``header`` (flags byte and the varints K, M, R, C),
-    ``positions`` (the bit stream: rectangle records and scattered positions, **including its byte padding**),
-    ``values``; ``total`` == 8 * len(encode_grid(matrix, ...)) exactly."""
-    header, bits, values = _grid_parts(matrix, min_cluster, dtype)
-    out = {"header": 8 * len(header), "positions": 8 * len(bits), "values": 8 * len(values)}
-    out["total"] = out["header"] + out["positions"] + out["values"]
-    return out
-
-
 def _read_grid_head(r: _Reader, max_elements: int | None) -> tuple[Any, ...]:
     """Parse a grid's header and rectangle records (cursor left after the header):
     (dtype, scheme, K, M, scattered count, record bits, (r0, c0, h, w), values held by rectangles)."""
@@ -1091,8 +1079,11 @@ def encode_message(kind: str, fields: list[tuple[str, bytes]]) -> bytes:
     return b"".join(parts)
 
 
-def _decode_frame(data: bytes, expected_kind: str | None, max_bytes: int | None) -> tuple[str, list, int]:
-    """(kind, [(name, payload, framing bytes of this field)], framing bytes of the head)."""
+def decode_message(
+    data: bytes, *, expected_kind: str | None = None, max_bytes: int | None = None
+) -> tuple[str, list[tuple[str, bytes]]]:
+    """Inverse of :func:`encode_message` (§9). Raises CodecError on bad magic, unknown version, a kind other
+    than ``expected_kind``, a message longer than ``max_bytes``, truncation or trailing bytes."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CodecError(f"expected bytes, got {type(data).__name__}")
     if max_bytes is not None and len(data) > max_bytes:
@@ -1110,43 +1101,14 @@ def _decode_frame(data: bytes, expected_kind: str | None, max_bytes: int | None)
     if expected_kind is not None and kind != expected_kind:
         raise CodecError(f"expected a {expected_kind!r} message, got {kind!r}")
     count = r.varint(limit=r.left // 2, what="field count")
-    head = r.pos
     fields = []
     for _ in range(count):
-        start = r.pos
         try:
             name = r.take(r.byte()).decode()
         except UnicodeDecodeError:
             raise CodecError("field name is not UTF-8") from None
         length = r.varint(limit=r.left, what=f"length of field {name!r}")
-        framing = r.pos - start
-        fields.append((name, r.take(length), framing))
+        fields.append((name, r.take(length)))
     r.end()
-    return kind, fields, head
+    return kind, fields
 
-
-def decode_message(
-    data: bytes, *, expected_kind: str | None = None, max_bytes: int | None = None
-) -> tuple[str, list[tuple[str, bytes]]]:
-    """Inverse of :func:`encode_message` (§9). Raises CodecError on bad magic, unknown version, a kind other
-    than ``expected_kind``, a message longer than ``max_bytes``, truncation or trailing bytes."""
-    kind, fields, _ = _decode_frame(data, expected_kind, max_bytes)
-    return kind, [(name, payload) for name, payload, _ in fields]
-
-
-def message_breakdown(data: bytes, *, by: str = "suffix") -> dict[str, int]:
-    """Bits of a framed message by category (§9 accounting): ``framing`` (magic, version, kind, counts,
-    field names and lengths), then payload bits grouped by field name (``by="field"``) or by the part after the
-    last dot (``by="suffix"``: ``dense1.mu`` -> ``mu``). The categories sum to ``total`` == 8 * len(data)."""
-    if by not in ("suffix", "field"):
-        raise ValueError(f"by must be 'suffix' or 'field', got {by!r}")
-    _, fields, head = _decode_frame(data, None, None)
-    out = {"framing": 8 * head}
-    for name, payload, framing in fields:
-        key = name.rsplit(".", 1)[-1] if by == "suffix" else name
-        if key in ("framing", "total"):
-            key = f"field:{key}"
-        out["framing"] += 8 * framing
-        out[key] = out.get(key, 0) + 8 * len(payload)
-    out["total"] = 8 * len(data)
-    return out

@@ -34,12 +34,8 @@ from .algorithms.base import (
     ServerAlgorithm,
     message_bits,
 )
-from .algorithms.dssm import DssmClient, DssmServer
-from .algorithms.dturbo import DturboClient, DturboServer, density_schedule
-from .algorithms.fedavg import FedAvgClient, FedAvgServer
-from .algorithms.fedpaq import FedPaqClient, FedPaqServer
-from .algorithms.fedpm import FedPmClient, FedPmServer
-from .algorithms.stc import StcClient, StcServer
+from .algorithms.dturbo import density_schedule
+from .algorithms.registry import ALGORITHMS
 from .checkpoint import (
     STATE_FILE,
     CheckpointError,
@@ -56,14 +52,6 @@ from .nn.models import build_model, check_input_shape
 BASE_COLUMNS = ["round", "accuracy", "loss", "density", "up_bits", "down_bits", "cum_bits", "seconds"]
 # The bit ledger (docs/algorithm.md §9): up and down apart, each split into headers, positions and values.
 LEDGER_COLUMNS = [f"{d}_{part}_bits" for d in ("up", "down") for part in LEDGER_PARTS]
-ALGORITHMS = {
-    "dturbo": (DturboServer, DturboClient),
-    "fedavg": (FedAvgServer, FedAvgClient),
-    "fedpaq": (FedPaqServer, FedPaqClient),
-    "dssm": (DssmServer, DssmClient),
-    "fedpm": (FedPmServer, FedPmClient),
-    "stc": (StcServer, StcClient),
-}
 # Private state a client algorithm keeps between rounds (STC's residuals and model copy): its optional
 # ``export_state()`` arrays go into the same atomic checkpoint file as the server state, under this prefix, and
 # back through ``import_state(arrays)`` on --resume, so that a resumed run is identical to an uninterrupted one.

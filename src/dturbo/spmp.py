@@ -9,6 +9,9 @@ The grid MRF of a layer (docs/algorithm.md §2) has, for every node s_n of the K
 - optional start factors: P(active) = ``start_row`` on the first node (m = 0) of every row chain and
   ``start_col`` on the first node (k = 0) of every column chain. They belong to the prior (Module B).
 
+The pairwise and start factors of a layer are one record, :class:`Transitions` (a layer's prior holds it:
+``prior.LayerPrior.transitions``); :func:`grid_bp` takes the unary input, that record and the solver's settings.
+
 Output (E2): the belief log-odds of every s_n and the extrinsic log-odds ``belief - unary``, i.e. the product
 of everything Module B knows (messages from the grid neighbours and the start factors) without what Module A
 told it.
@@ -28,28 +31,23 @@ returned beliefs use the unclipped log-odds). The tolerance is on the log-odds c
 over the four message directions.
 
 On a chain (1 x M or K x 1) the result is computed exactly by forward-backward, vectorised as a parallel
-prefix product of the 2x2 matrices of the Moebius maps (log2(M) steps, no loop over nodes); the
-``schedule="sweep"`` option uses the same exact chain solver for all rows at once, then all columns at once,
-which is the row/column sweep schedule of §8 (fewer iterations at strong coupling, dearer per iteration).
+prefix product of the 2x2 matrices of the Moebius maps (log2(M) steps, no loop over nodes).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["GridBPResult", "grid_bp", "grid_bp_many"]
+__all__ = ["GridBPResult", "Transitions", "grid_bp"]
 
 # Node log-odds are clipped to +-_CLIP before exponentiation. exp(300) ~ 1e130, and a cavity odds is at most
 # that times four bounded messages, far from float64 overflow; beyond +-300 a node is saturated anyway (its
 # outgoing messages equal the factor's limit to within exp(-300)).
 _CLIP = 300.0
-
-_SCHEDULES = ("flooding", "sweep")
 
 
 @dataclass
@@ -75,11 +73,33 @@ def _probability(p: Any, name: str, *, allow_none: bool = False) -> float | None
     return v
 
 
-def _factor(p01: Any, p11: Any, name: str) -> np.ndarray:
+@dataclass(frozen=True)
+class Transitions:
+    """The grid MRF's factors of one layer (docs/algorithm.md §2), Module B's prior.
+
+    ``p01_row``, ``p11_row``: the factor between horizontal neighbours (k, m) and (k, m+1) is
+    P_row = [[1-p01_row, p01_row], [1-p11_row, p11_row]] (rows: s_prev, columns: s_next); ``p01_col``,
+    ``p11_col`` the same between vertical neighbours (k, m) and (k+1, m). ``start_row``: P(active) start factor on
+    the first column (m = 0) of every row chain, or None; ``start_col``: on the first row (k = 0) of every column
+    chain, or None. Every probability is checked when the record is made (in (0, 1); a ValueError names the
+    parameter) and stored as a float."""
+
+    p01_row: float
+    p11_row: float
+    p01_col: float
+    p11_col: float
+    start_row: float | None = None
+    start_col: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("p01_row", "p11_row", "p01_col", "p11_col", "start_row", "start_col"):
+            value = _probability(getattr(self, name), name, allow_none=name.startswith("start"))
+            object.__setattr__(self, name, value)
+
+
+def _factor(p01: float, p11: float) -> np.ndarray:
     """psi[s_prev, s_next] = P[s_prev, s_next] with P = [[1-p01, p01], [1-p11, p11]] (docs/algorithm.md §2)."""
-    a = _probability(p01, f"p01_{name}")
-    b = _probability(p11, f"p11_{name}")
-    return np.array([[1.0 - a, a], [1.0 - b, b]], dtype=np.float64)
+    return np.array([[1.0 - p01, p01], [1.0 - p11, p11]], dtype=np.float64)
 
 
 def _moebius(f: np.ndarray) -> tuple[float, float, float]:
@@ -145,32 +165,20 @@ def _check_unary(unary: Any) -> np.ndarray:
 
 def grid_bp(
     unary: np.ndarray,
+    transitions: Transitions,
     *,
-    p01_row: float,
-    p11_row: float,
-    p01_col: float,
-    p11_col: float,
-    start_row: float | None = None,
-    start_col: float | None = None,
     max_iter: int = 50,
     tol: float = 1e-6,
     damping: float = 0.0,
-    schedule: str = "flooding",
 ) -> GridBPResult:
     """Loopy sum-product on the K x M support grid of one layer (Module B; docs/algorithm.md §8, E2).
 
     Args:
         unary: (K, M) log-odds, the A -> B message of E1. Must be finite; any magnitude is handled.
-        p01_row, p11_row: row transition probabilities; the factor between (k, m) and (k, m+1) is
-            P_row = [[1-p01_row, p01_row], [1-p11_row, p11_row]] (rows: s_prev, columns: s_next).
-        p01_col, p11_col: the same for (k, m) and (k+1, m).
-        start_row: P(active) start factor on the first column (m = 0) of every row chain, or None.
-        start_col: P(active) start factor on the first row (k = 0) of every column chain, or None.
+        transitions: the layer's pairwise and start factors (:class:`Transitions`).
         max_iter: iteration cap (>= 1).
         tol: stop when the largest change of any message, in log-odds, is below ``tol``.
         damping: in [0, 1); new = (1 - damping) * computed + damping * old, in log-odds.
-        schedule: "flooding" (all messages in parallel) or "sweep" (exact forward-backward on every row
-            given the vertical messages, then on every column; both vectorised).
 
     Returns:
         :class:`GridBPResult` with ``belief`` (log-odds of the marginals), ``extrinsic`` = ``belief - unary``
@@ -178,25 +186,25 @@ def grid_bp(
         ``converged``. ``extrinsic`` is formed as the float difference ``belief - unary`` (E2 literally), so
         its absolute precision is that of ``belief`` (about 1e-16 * |unary|; irrelevant below |unary| ~ 1e6).
         On a chain (K == 1 or M == 1) the result is exact forward-backward with
-        ``iterations = 1`` and ``converged = True`` for any schedule and damping (the fixed point is unique).
+        ``iterations = 1`` and ``converged = True`` for any damping (the fixed point is unique).
 
     Raises:
-        ValueError: for a non-2-D, empty or non-finite ``unary``, a probability outside (0, 1) (the message
-            names the parameter), or invalid ``max_iter``, ``tol``, ``damping`` or ``schedule``.
+        ValueError: for a non-2-D, empty or non-finite ``unary``, or invalid ``max_iter``, ``tol`` or ``damping``
+            (a probability outside (0, 1) is refused when the :class:`Transitions` record is made).
+        TypeError: when ``transitions`` is not a :class:`Transitions` record.
     """
+    if not isinstance(transitions, Transitions):
+        raise TypeError(f"transitions must be a Transitions record, got {type(transitions).__name__}")
     u = _check_unary(unary)
-    fr = _factor(p01_row, p11_row, "row")
-    fc = _factor(p01_col, p11_col, "col")
-    s_row = _probability(start_row, "start_row", allow_none=True)
-    s_col = _probability(start_col, "start_col", allow_none=True)
+    fr = _factor(transitions.p01_row, transitions.p11_row)
+    fc = _factor(transitions.p01_col, transitions.p11_col)
+    s_row, s_col = transitions.start_row, transitions.start_col
     if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
         raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
     if not (isinstance(tol, int | float | np.floating) and tol >= 0.0):
         raise ValueError(f"tol must be a number >= 0, got {tol!r}")
     if not (isinstance(damping, int | float | np.floating) and 0.0 <= damping < 1.0):
         raise ValueError(f"damping must be in [0, 1), got {damping!r}")
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
 
     k, m = u.shape
     # Log-odds of each node's own factors: the unary input plus the start factors (Module B's prior).
@@ -211,8 +219,7 @@ def grid_bp(
         belief = (line + np.log(fwd) + np.log(bwd)).reshape(k, m)
         return GridBPResult(belief=belief, extrinsic=belief - u, iterations=1, converged=True)
 
-    run = _flooding if schedule == "flooding" else _sweep
-    right, left, down, up, iterations, converged = run(own, fr, fc, int(max_iter), float(tol), float(damping))
+    right, left, down, up, iterations, converged = _flooding(own, fr, fc, int(max_iter), float(tol), float(damping))
     belief = own
     belief[:, 1:] += np.log(right)
     belief[:, :-1] += np.log(left)
@@ -271,53 +278,3 @@ def _flooding(own: np.ndarray, fr: np.ndarray, fc: np.ndarray, max_iter: int, to
             converged = True
             break
     return msgs[0], msgs[1], msgs[2], msgs[3], iterations, converged
-
-
-def _sweep(own: np.ndarray, fr: np.ndarray, fc: np.ndarray, max_iter: int, tol: float, damping: float) -> _Messages:
-    """Row/column sweep schedule: per iteration, exact forward-backward along every row given the current
-    vertical messages (all rows at once), then along every column given the new horizontal ones. This is what
-    serial left-right/right-left then top-down/bottom-up sweeps compute, without a loop over lines."""
-    k, m = own.shape
-    right, left = np.ones((k, m - 1)), np.ones((k, m - 1))
-    down, up = np.ones((k - 1, m)), np.ones((k - 1, m))
-
-    def mix(computed: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, float]:
-        ratio = computed / old
-        if damping:
-            ratio **= 1.0 - damping
-            computed = old * ratio
-        return computed, max(math.log(ratio.max()), -math.log(ratio.min()))
-
-    iterations, converged = 0, False
-    for _ in range(max_iter):
-        iterations += 1
-        a = own.copy()
-        a[1:, :] += np.log(down)
-        a[:-1, :] += np.log(up)
-        fwd, bwd = _chain_messages(a, fr)
-        right, d1 = mix(fwd[:, 1:], right)
-        left, d2 = mix(bwd[:, :-1], left)
-        a = own.copy()
-        a[:, 1:] += np.log(right)
-        a[:, :-1] += np.log(left)
-        fwd, bwd = _chain_messages(np.ascontiguousarray(a.T), fc)
-        down, d3 = mix(fwd.T[1:, :], down)
-        up, d4 = mix(bwd.T[:-1, :], up)
-        if max(d1, d2, d3, d4) < tol:
-            converged = True
-            break
-    return right, left, down, up, iterations, converged
-
-
-def grid_bp_many(
-    unaries: Sequence[np.ndarray], params: Sequence[dict[str, Any]], **kw: Any
-) -> list[GridBPResult]:
-    """Run :func:`grid_bp` on every layer's grid of one round (docs/algorithm.md §7 step 4, §8).
-
-    ``params[i]`` holds layer i's MRF keyword arguments (p01_row, p11_row, p01_col, p11_col and optionally
-    start_row, start_col); ``kw`` holds the shared ones (max_iter, tol, damping, schedule). A key given in
-    both is taken from ``params[i]`` (per-layer settings override shared ones).
-    """
-    if len(unaries) != len(params):
-        raise ValueError(f"got {len(unaries)} unary grids but {len(params)} parameter sets")
-    return [grid_bp(u, **{**kw, **p}) for u, p in zip(unaries, params, strict=True)]

@@ -6,6 +6,9 @@ C1 and C2 of (E3) are never formed (they under/overflow), only their logarithms'
 Notation (docs/algorithm.md §2-5): pi is the prior probability of s_n = 1 coming from Module B (E2);
 pi_tilde = q(s_n = 1); (a_tilde, b_tilde) are the shape/rate of q(rho_n); mu, sigma the
 mean/std of q(w_n); (a, b) the active and (a_bar, b_bar) the inactive Gamma prior on rho_n.
+
+The turbo messages: E1 (A -> B) is :func:`support_evidence`; E2 (B -> A) is the ``extrinsic`` output of
+:func:`dturbo.spmp.grid_bp`.
 """
 
 from __future__ import annotations
@@ -131,16 +134,6 @@ def precision_posterior(
 def prior_std(a_tilde: ArrayLike, b_tilde: ArrayLike) -> np.ndarray:
     """(E5): the std of the Gaussian prior each client uses in its KL term, sqrt(b~ / a~)."""
     return np.sqrt(_f64(b_tilde) / _f64(a_tilde))
-
-
-def message_a_to_b(pi_tilde_logodds: ArrayLike, pi_logodds: ArrayLike) -> np.ndarray:
-    """(E1) in log-odds: lo_eta = logit(pi_tilde) - logit(pi) (q(s) with the B->A message divided out)."""
-    return _f64(pi_tilde_logodds) - _f64(pi_logodds)
-
-
-def message_b_to_a(belief_logodds: ArrayLike, eta_logodds: ArrayLike) -> np.ndarray:
-    """(E2) in log-odds: lo_h = logit(belief) - lo_eta (the extrinsic output of SPMP)."""
-    return _f64(belief_logodds) - _f64(eta_logodds)
 
 
 def gaussian_kl(mu: ArrayLike, sigma: ArrayLike, sigma_prior: ArrayLike) -> np.ndarray:

@@ -112,12 +112,7 @@ def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
     infos = []
     for name, layer in bayesian_layers(model):
         pc: PriorConfig = getattr(cfg.dturbo.prior, layer_kind(layer))
-        prior = resolve_prior(
-            a=pc.a, b=pc.b, a_bar=pc.a_bar, b_bar=pc.b_bar, scale=pc.scale, r=pc.r,
-            layer_scale=pc.layer_scale or layer_scale(layer),
-            p01_row=pc.p01_row, p11_row=pc.p11_row, p01_col=pc.p01_col, p11_col=pc.p11_col, start=pc.start,
-            tie_rows=pc.tie_rows,
-        )
+        prior = resolve_prior(pc, layer_scale(layer))
         infos.append(LayerInfo(name, tuple(layer.weight_mu.shape), grid_shape(layer), prior))
     return infos
 
@@ -445,10 +440,10 @@ class DturboServer:
             # One variable per row: SPMP on the column chain of row evidences. The field stays a per-weight
             # log-odds (so tied and untied layers share its scale): a row of M weights gets M * field.
             row_field = field * eta.shape[1]
-            res = grid_bp(eta[:, :1] + row_field, **info.prior.mrf_kwargs(), max_iter=s.max_iter, tol=s.tol,
+            res = grid_bp(eta[:, :1] + row_field, info.prior.transitions, max_iter=s.max_iter, tol=s.tol,
                           damping=s.damping)
             return np.broadcast_to(res.extrinsic + row_field, eta.shape).copy(), res.iterations
-        res = grid_bp(eta + field, **info.prior.mrf_kwargs(), max_iter=s.max_iter, tol=s.tol, damping=s.damping)
+        res = grid_bp(eta + field, info.prior.transitions, max_iter=s.max_iter, tol=s.tol, damping=s.damping)
         return res.extrinsic + field, res.iterations
 
     def _calibrate_field(

@@ -1,6 +1,6 @@
 """Bayesian layers (local reparameterisation, docs/algorithm.md §6) and the experiment models."""
 
-from .bayes import BayesConv2d, BayesianLayer, BayesLinear, bayesian_layers, model_kl
+from .bayes import BayesConv2d, BayesianLayer, BayesLinear, bayesian_layers
 from .models import MODEL_NAMES, build_model, layer_scale
 
 __all__ = [
@@ -11,5 +11,4 @@ __all__ = [
     "bayesian_layers",
     "build_model",
     "layer_scale",
-    "model_kl",
 ]

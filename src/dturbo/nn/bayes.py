@@ -151,9 +151,3 @@ def bayesian_layers(model: nn.Module) -> list[tuple[str, BayesianLayer]]:
     """The model's Bayesian layers in definition order (the order of every message's fields)."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, BayesianLayer)]
 
-
-def model_kl(model: nn.Module) -> torch.Tensor:
-    layers = bayesian_layers(model)
-    if not layers:
-        return torch.zeros(())
-    return torch.stack([layer.kl() for _, layer in layers]).sum()
