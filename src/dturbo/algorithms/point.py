@@ -72,6 +72,15 @@ def _load(layer: BayesianLayer, w: np.ndarray, bias: np.ndarray) -> None:
             layer.bias.copy_(torch.from_numpy(np.asarray(bias, dtype=np.float32)))
 
 
+def point_model(model_factory: Callable[[], nn.Module], layers: list[PointLayer], state: State) -> nn.Module:
+    """The deterministic network with the weights and biases of ``state`` (``<layer>.w``, ``<layer>.bias``), in
+    eval mode: the global model of every point-estimate baseline."""
+    model = make_deterministic(model_factory())
+    for info, (_, layer) in zip(layers, bayesian_layers(model), strict=True):
+        _load(layer, state[f"{info.name}.w"], state[f"{info.name}.bias"])
+    return model.eval()
+
+
 def _theta(layer: BayesianLayer) -> np.ndarray:
     w = layer.weight_mu.detach().double().numpy().reshape(-1)
     b = layer.bias.detach().double().numpy() if layer.bias is not None else np.zeros(0)
@@ -186,10 +195,7 @@ class PointServer:
         return RoundResult(state=new, metrics=metrics, rejected=rejected)
 
     def global_model(self, state: State) -> nn.Module:
-        model = make_deterministic(self.model_factory())
-        for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
-            _load(layer, state[f"{info.name}.w"], state[f"{info.name}.bias"])
-        return model.eval()
+        return point_model(self.model_factory, self.layers, state)
 
 
 class PointClient:

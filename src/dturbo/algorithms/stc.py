@@ -82,7 +82,7 @@ from .base import (
     unpack_scalars,
 )
 from .local import train_local
-from .point import PointLayer, _load, _need, _theta, make_deterministic, point_layers
+from .point import PointLayer, _load, _need, _theta, make_deterministic, point_layers, point_model
 
 DOWN_KIND, UP_KIND = "stc/down", "stc/up"
 DIGEST_BYTES = 8
@@ -311,10 +311,7 @@ class StcServer:
         return RoundResult(state=new, metrics=metrics, rejected=rejected)
 
     def global_model(self, state: State) -> nn.Module:
-        model = make_deterministic(self.model_factory())
-        for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
-            _load(layer, state[f"{info.name}.w"], state[f"{info.name}.bias"])
-        return model.eval()
+        return point_model(self.model_factory, self.layers, state)
 
 
 # ========================================================================= client
