@@ -735,6 +735,14 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
     if smoke:
         md += [f"**Smoke test** (rounds {s.rounds}, limit_train {s.limit_train}, validation "
                f"{'on' if s.validation else 'off'}): not a result.", ""]
+    selected = {r.cand.label for r in runs if r.seed == 0}
+    missing = [c.label for c in CANDIDATES if c.label not in selected]
+    seeded = sum(1 for r in runs if r.seed != 0)
+    if missing or seeded < 2 * 5:  # seeds 1 and 2 of dturbo, fedavg32, fedavg16 and the two nearest peers
+        todo = f" and the selection has yet to see {', '.join(f'`{m}`' for m in missing)}" if missing else ""
+        md += [f"**Incomplete:** {len(selected)} of {len(CANDIDATES)} selection runs and {seeded} of 10 seed runs are "
+               f"in; the figures below are seed 0 only{todo}. `python benchmarks/frontier.py --jobs 2` runs the rest "
+               "(finished runs are reused).", ""]
     md += [f"![accuracy vs bits]({fig_rel})", ""]
     head = ["method", "setting", "seeds", "final test accuracy (%)", "nonzero (%)", *[f"Mbit to {t}" for t in tnames]]
     head += ["÷ FedAvg-16 at T", "D-Turbo-VBI ÷ this at T", "up bits/param/round", "down bits/param/round",
