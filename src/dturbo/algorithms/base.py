@@ -6,14 +6,15 @@ Messages cross the boundary as encoded bytes made by :mod:`dturbo.codec`; a runn
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..codec import decode_message, decode_values, encode_message, encode_values, payload_bits
+from ..codec import CodecError, decode_message, decode_values, encode_message, encode_values, payload_bits
 
 # A server state is a flat mapping of names to numpy arrays plus scalars, so that it can be
 # checkpointed to safetensors without pickle.
@@ -99,6 +100,49 @@ def client_generator(seed: int, round_idx: int, client_id: int) -> torch.Generat
     g = torch.Generator()
     g.manual_seed(int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1)))
     return g
+
+
+def need(fields: dict[str, bytes], name: str) -> bytes:
+    """The payload of a field a message must have."""
+    if name not in fields:
+        raise MessageError(f"missing field {name!r}")
+    return fields[name]
+
+
+def upload_samples(fields: dict[str, bytes], round_idx: int | None, total_samples: int) -> int:
+    """n_t of an upload, from its ``meta`` (round, client id, n_t): the round must be this one (else stale or
+    replayed) and n_t a whole number in 1..n."""
+    meta = unpack_scalars(need(fields, "meta"), 3)
+    if round_idx is not None and meta[0] != round_idx:
+        raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
+    n_t = meta[2]
+    if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= total_samples):
+        raise MessageError(f"invalid sample count n_t={n_t}")
+    return int(n_t)
+
+
+Upload = TypeVar("Upload")
+
+
+def decode_uplinks(uplinks: list[bytes], decode: Callable[[bytes], Upload]) -> tuple[list[Upload], list[str]]:
+    """Every upload through ``decode``: (the valid ones in order, "uplink i: why" for each rejected one). A round
+    with no valid upload raises MessageError with every reason."""
+    valid: list[Upload] = []
+    rejected: list[str] = []
+    for i, data in enumerate(uplinks):
+        try:
+            valid.append(decode(data))
+        except (MessageError, CodecError) as err:
+            rejected.append(f"uplink {i}: {err}")
+    if not valid:
+        raise MessageError("no valid client update this round: " + "; ".join(rejected))
+    return valid, rejected
+
+
+def client_weights(n_t: list[int] | np.ndarray, weighting: str) -> np.ndarray:
+    """p_t of the clients that answered: n_t / sum n_t (renormalised among them), or uniform."""
+    n = np.asarray(n_t, dtype=np.float64)
+    return n / n.sum() if weighting == "samples" else np.full(n.size, 1.0 / n.size)
 
 
 def sample_uniform(seed: int, round_idx: int, n: int, k: int | None) -> list[int]:

@@ -47,11 +47,15 @@ from .base import (
     RoundResult,
     State,
     client_generator,
+    client_weights,
+    decode_uplinks,
     fields_dict,
     frame,
+    need,
     pack_scalars,
     sample_uniform,
     unpack_scalars,
+    upload_samples,
 )
 from .local import train_local
 
@@ -268,28 +272,23 @@ class DturboServer:
                       ) -> tuple[int, dict[str, np.ndarray], np.ndarray]:
         """Decode and validate one client's upload; raises MessageError / CodecError with a reason."""
         fields = fields_dict(data, UP_KIND, max_bytes=self._max_uplink_bytes(state))
-        meta = unpack_scalars(_need(fields, "meta"), 3)
-        if round_idx is not None and meta[0] != round_idx:
-            raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
-        n_t = meta[2]
-        if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= self.total_samples):
-            raise MessageError(f"invalid sample count n_t={n_t}")
+        n_t = upload_samples(fields, round_idx, self.total_samples)
         out: dict[str, np.ndarray] = {}
         for info in self.layers:
             n = info.name
             k = int(state[f"{n}.mask"].sum())
             if self.cfg.dturbo.transmission.up_bits == 16:
-                mu = decode_values(_need(fields, f"{n}.mu"), max_elements=k)
+                mu = decode_values(need(fields, f"{n}.mu"), max_elements=k)
             else:  # the update on S, quantised
-                mu = decode_stochastic(_need(fields, f"{n}.mu"), self.cfg.dturbo.transmission.up_bits, k)
+                mu = decode_stochastic(need(fields, f"{n}.mu"), self.cfg.dturbo.transmission.up_bits, k)
             if mu.shape != (k,):
                 raise MessageError(f"{n}.mu has {mu.size} values, the support has {k}")
             sig_len = 1 if state[f"{n}.sigma"].size == 1 else k
-            sigma = decode_values(_need(fields, f"{n}.sigma"), max_elements=sig_len)
+            sigma = decode_values(need(fields, f"{n}.sigma"), max_elements=sig_len)
             if sigma.shape != (sig_len,):
                 raise MessageError(f"{n}.sigma has {sigma.size} values, expected {sig_len}")
             nb = state[f"{n}.bias"].size
-            bias = decode_dense(_need(fields, f"{n}.bias"), max_elements=max(nb, 1)).reshape(-1)
+            bias = decode_dense(need(fields, f"{n}.bias"), max_elements=max(nb, 1)).reshape(-1)
             if bias.size != nb:
                 raise MessageError(f"{n}.bias has {bias.size} values, expected {nb}")
             for key, arr in (("mu", mu), ("sigma", sigma), ("bias", bias)):
@@ -298,7 +297,7 @@ class DturboServer:
             if np.any(sigma <= 0):
                 raise MessageError(f"{n}.sigma must be > 0")
             out[f"{n}.mu"], out[f"{n}.sigma"], out[f"{n}.bias"] = mu, sigma, bias
-        metrics = unpack_scalars(_need(fields, "metrics"), 2)
+        metrics = unpack_scalars(need(fields, "metrics"), 2)
         return int(n_t), out, metrics
 
     def _max_uplink_bytes(self, state: State) -> int:
@@ -307,17 +306,8 @@ class DturboServer:
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         """Server step of docs/algorithm.md §7.3-7.5 on the uploads that decode and validate."""
-        valid: list[tuple[int, dict[str, np.ndarray], np.ndarray]] = []
-        rejected: list[str] = []
-        for i, data in enumerate(uplinks):
-            try:
-                valid.append(self.decode_uplink(state, data, round_idx))
-            except ValueError as err:  # MessageError and CodecError
-                rejected.append(f"uplink {i}: {err}")
-        if not valid:
-            raise MessageError("no valid client update this round: " + "; ".join(rejected))
-        weights = np.array([v[0] for v in valid], dtype=np.float64)
-        p = weights / weights.sum()
+        valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(state, data, round_idx))
+        p = client_weights([v[0] for v in valid], "samples")
         new: State = dict(state)
         for info in self.layers:
             n = info.name
@@ -559,10 +549,6 @@ def _exact_sum(values: np.ndarray) -> float:
     return math.fsum(np.asarray(values, dtype=np.float64).ravel().tolist())
 
 
-def _need(fields: dict[str, bytes], name: str) -> bytes:
-    if name not in fields:
-        raise MessageError(f"missing field {name!r}")
-    return fields[name]
 
 
 class DturboClient:
@@ -576,7 +562,7 @@ class DturboClient:
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         fields = fields_dict(downlink, DOWN_KIND)
-        round_idx, total = (int(v) for v in unpack_scalars(_need(fields, "meta"), 2))
+        round_idx, total = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
         tr = self.cfg.dturbo.transmission
         model = self.model
         layers = bayesian_layers(model)
@@ -584,25 +570,25 @@ class DturboClient:
         for info, (_, layer) in zip(self.layers, layers, strict=True):
             n = info.name
             if tr.down_bits == 16:
-                mu = decode_grid(_need(fields, f"{n}.mu"), max_elements=int(np.prod(info.grid))).astype(np.float64)
+                mu = decode_grid(need(fields, f"{n}.mu"), max_elements=int(np.prod(info.grid))).astype(np.float64)
                 mask = mu != 0
             else:
-                mask = decode_support(_need(fields, f"{n}.support"), max_elements=int(np.prod(info.grid)))
+                mask = decode_support(need(fields, f"{n}.support"), max_elements=int(np.prod(info.grid)))
                 mu = np.zeros(mask.shape)
-                mu[mask] = decode_stochastic(_need(fields, f"{n}.mu"), tr.down_bits, int(mask.sum()))
+                mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), tr.down_bits, int(mask.sum()))
             if mu.shape != info.grid:
                 raise MessageError(f"{n}.mu grid {mu.shape} does not match the model's {info.grid}")
             k = int(mask.sum())
-            sigma = decode_values(_need(fields, f"{n}.sigma"), max_elements=max(k, 1))
+            sigma = decode_values(need(fields, f"{n}.sigma"), max_elements=max(k, 1))
             if sigma.size not in (1, k) or not np.all(np.isfinite(sigma)) or np.any(sigma <= 0):
                 raise MessageError(f"{n}.sigma: expected 1 or {k} finite values > 0")
             ps = np.ones(info.grid)
             if tr.prior_std == "sent":
-                ps[mask] = decode_prior_std(_need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
+                ps[mask] = decode_prior_std(need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
             else:
                 ps[mask] = rebuilt_prior_std(info, mu, DturboServer._sigma_grid_on(sigma, mask),
                                              self.cfg.dturbo.gamma_update)[mask]
-            bias = decode_dense(_need(fields, f"{n}.bias")).reshape(-1)
+            bias = decode_dense(need(fields, f"{n}.bias")).reshape(-1)
             _load_layer(layer, mu, mask, sigma, bias if layer.bias is not None else None, ps)
             masks.append(mask)
             starts.append(layer.weight_mu.detach().double().numpy().reshape(info.grid))  # what training starts from

@@ -48,14 +48,17 @@ from .base import (
     RoundResult,
     State,
     client_generator,
+    decode_uplinks,
     fields_dict,
     frame,
+    need,
     pack_scalars,
     sample_uniform,
     unpack_scalars,
+    upload_samples,
 )
 from .local import train_local
-from .point import PointLayer, _need, _theta, make_deterministic, point_layers
+from .point import PointLayer, _theta, make_deterministic, point_layers
 
 # Seed-sequence tags: every random draw is a pure function of (seed, round, client, tag), so resume is exact.
 _TAG_SCORES, _TAG_GATES, _TAG_UPLOAD, _TAG_EVAL = 0x5C0, 0x6A7, 0x0B1, 0xE7A
@@ -223,20 +226,15 @@ class FedPmServer:
         # at most 24 bits per coded bit plus headers: a bound on what an honest client can send
         bound = sum(3 * info.size + 64 for info in self.layers) + 4096
         fields = fields_dict(data, self.up_kind, max_bytes=bound)
-        meta = unpack_scalars(_need(fields, "meta"), 3)
-        if round_idx is not None and meta[0] != round_idx:
-            raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
-        n_t = meta[2]
-        if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= self.total_samples):
-            raise MessageError(f"invalid sample count n_t={n_t}")
+        n_t = upload_samples(fields, round_idx, self.total_samples)
         masks = {}
         for info in self.layers:
             try:
-                masks[info.name] = decode_mask_payload(_need(fields, f"{info.name}.mask"), probs[info.name],
+                masks[info.name] = decode_mask_payload(need(fields, f"{info.name}.mask"), probs[info.name],
                                                        info.size)
             except CodecError as err:
                 raise CodecError(f"{info.name}.mask: {err}") from None
-        nll = float(unpack_scalars(_need(fields, "metrics"), 1)[0])
+        nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
         if not math.isfinite(nll):
             raise MessageError(f"non-finite local loss {nll}")
         return int(n_t), masks, nll
@@ -245,15 +243,8 @@ class FedPmServer:
         t0 = time.perf_counter()
         f = self.cfg.fedpm
         probs = self.probs(state)
-        valid, rejected, sizes = [], [], []
-        for i, data in enumerate(uplinks):
-            try:
-                valid.append(self.decode_uplink(data, probs, round_idx))
-                sizes.append(len(data))
-            except (MessageError, CodecError) as err:
-                rejected.append(f"uplink {i}: {err}")
-        if not valid:
-            raise MessageError("no valid client update this round: " + "; ".join(rejected))
+        sized, rejected = decode_uplinks(uplinks, lambda data: (self.decode_uplink(data, probs, round_idx), len(data)))
+        valid, sizes = [v for v, _ in sized], [size for _, size in sized]
         reset = round_idx % f.reset_every == 0
         new: State = dict(state)
         new_probs = {}
@@ -347,11 +338,11 @@ class FedPmClient:
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         fields = fields_dict(downlink, self.down_kind)
-        round_idx, _ = (int(v) for v in unpack_scalars(_need(fields, "meta"), 2))
+        round_idx, _ = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
         bits, seed = self.cfg.fedpm.down_bits, self.cfg.experiment.seed
         probs = []
         for info, gates in zip(self.layers, self.gates, strict=True):
-            theta = _decode_down_theta(_need(fields, f"{info.name}.theta"), info, bits)
+            theta = _decode_down_theta(need(fields, f"{info.name}.theta"), info, bits)
             self._set_scores(info, gates, theta)
             probs.append(theta)
         mask_gen = _gen(seed, round_idx, client_id, _TAG_GATES)

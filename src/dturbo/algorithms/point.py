@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..codec import CodecError, decode_dense, encode_dense
+from ..codec import decode_dense, encode_dense
 from ..config import Config
 from ..nn.bayes import BayesianLayer, bayesian_layers
 from ..prior import grid_shape
@@ -31,11 +31,15 @@ from .base import (
     RoundResult,
     State,
     client_generator,
+    client_weights,
+    decode_uplinks,
     fields_dict,
     frame,
+    need,
     pack_scalars,
     sample_uniform,
     unpack_scalars,
+    upload_samples,
 )
 from .local import train_local
 
@@ -143,35 +147,22 @@ class PointServer:
         """Decode and validate one upload; raises MessageError / CodecError with a reason."""
         bound = sum(8 * i.size + 256 for i in self.layers) + 4096
         fields = fields_dict(data, self.up_kind, max_bytes=bound)
-        meta = unpack_scalars(_need(fields, "meta"), 3)
-        if round_idx is not None and meta[0] != round_idx:
-            raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
-        n_t = meta[2]
-        if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= self.total_samples):
-            raise MessageError(f"invalid sample count n_t={n_t}")
+        n_t = upload_samples(fields, round_idx, self.total_samples)
         out = {}
         for info in self.layers:
-            theta = self.decode_theta(_need(fields, f"{info.name}.theta"), info)
+            theta = self.decode_theta(need(fields, f"{info.name}.theta"), info)
             if theta.shape != (info.size,):
                 raise MessageError(f"{info.name}.theta has {theta.size} values, expected {info.size}")
             if not np.all(np.isfinite(theta)):
                 raise MessageError(f"{info.name}.theta contains NaN or Inf")
             out[info.name] = theta.astype(np.float64)
-        nll = float(unpack_scalars(_need(fields, "metrics"), 1)[0])
+        nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
         return int(n_t), out, nll
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         t0 = time.perf_counter()
-        valid, rejected = [], []
-        for i, data in enumerate(uplinks):
-            try:
-                valid.append(self.decode_uplink(data, round_idx))
-            except (MessageError, CodecError) as err:
-                rejected.append(f"uplink {i}: {err}")
-        if not valid:
-            raise MessageError("no valid client update this round: " + "; ".join(rejected))
-        n_t = np.array([v[0] for v in valid], dtype=np.float64)
-        p = n_t / n_t.sum() if self.weighting == "samples" else np.full(len(valid), 1.0 / len(valid))
+        valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(data, round_idx))
+        p = client_weights([v[0] for v in valid], self.weighting)
         new: State = dict(state)
         nonzero = total = 0
         for info in self.layers:
@@ -214,11 +205,11 @@ class PointClient:
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         fields = fields_dict(downlink, self.down_kind)
-        round_idx, _ = (int(v) for v in unpack_scalars(_need(fields, "meta"), 2))
+        round_idx, _ = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
         starts = []
         for info, (_, layer) in zip(self.layers, bayesian_layers(self.model), strict=True):
-            w = decode_dense(_need(fields, f"{info.name}.w"), max_elements=info.size)
-            b = decode_dense(_need(fields, f"{info.name}.bias"), max_elements=info.size).reshape(-1)
+            w = decode_dense(need(fields, f"{info.name}.w"), max_elements=info.size)
+            b = decode_dense(need(fields, f"{info.name}.bias"), max_elements=info.size).reshape(-1)
             if w.shape != info.grid or b.size != info.n_bias:
                 raise MessageError(f"{info.name}: downlink shapes {w.shape}, {b.shape} do not fit the model")
             _load(layer, w, b)
@@ -233,7 +224,3 @@ class PointClient:
         return frame(self.up_kind, up)
 
 
-def _need(fields: dict[str, bytes], name: str) -> bytes:
-    if name not in fields:
-        raise MessageError(f"missing field {name!r}")
-    return fields[name]

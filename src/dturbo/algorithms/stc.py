@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import nn
 
-from ..codec import CodecError, decode_dense, decode_ternary, encode_dense, encode_ternary
+from ..codec import decode_dense, decode_ternary, encode_dense, encode_ternary
 from ..config import Config, ConfigError
 from ..nn.bayes import bayesian_layers
 from .base import (
@@ -75,14 +75,18 @@ from .base import (
     RoundResult,
     State,
     client_generator,
+    client_weights,
+    decode_uplinks,
     fields_dict,
     frame,
+    need,
     pack_scalars,
     sample_uniform,
     unpack_scalars,
+    upload_samples,
 )
 from .local import train_local
-from .point import PointLayer, _load, _need, _theta, make_deterministic, point_layers, point_model
+from .point import PointLayer, _load, _theta, make_deterministic, point_layers, point_model
 
 DOWN_KIND, UP_KIND = "stc/down", "stc/up"
 DIGEST_BYTES = 8
@@ -180,7 +184,7 @@ def _decode_update(fields: dict[str, bytes], tensors: list[StcTensor], total: in
     out = np.zeros(total, dtype=np.float64)
     kept = 0
     for t in tensors:
-        idx, negative, mu, n = decode_ternary(_need(fields, f"{t.name}.delta"), max_elements=t.size)
+        idx, negative, mu, n = decode_ternary(need(fields, f"{t.name}.delta"), max_elements=t.size)
         if n != t.size:
             raise MessageError(f"{t.name}.delta has length {n}, expected {t.size}")
         if max_kept is not None and idx.size > max_kept[t.name]:
@@ -257,28 +261,15 @@ class StcServer:
         extra = set(fields) - {"meta", "metrics", *(f"{t.name}.delta" for t in self.tensors)}
         if extra:
             raise MessageError(f"unexpected fields {sorted(extra)}")
-        meta = unpack_scalars(_need(fields, "meta"), 3)
-        if round_idx is not None and meta[0] != round_idx:
-            raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
-        n_t = meta[2]
-        if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= self.total_samples):
-            raise MessageError(f"invalid sample count n_t={n_t}")
+        n_t = upload_samples(fields, round_idx, self.total_samples)
         update, kept = _decode_update(fields, self.tensors, self.size, self.k_up)
-        nll = float(unpack_scalars(_need(fields, "metrics"), 1)[0])
+        nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
         return int(n_t), update, kept, nll
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         t0 = time.perf_counter()
-        valid, rejected = [], []
-        for i, data in enumerate(uplinks):
-            try:
-                valid.append(self.decode_uplink(data, round_idx))
-            except (MessageError, CodecError) as err:
-                rejected.append(f"uplink {i}: {err}")
-        if not valid:
-            raise MessageError("no valid client update this round: " + "; ".join(rejected))
-        n_t = np.array([v[0] for v in valid], dtype=np.float64)
-        w = n_t / n_t.sum() if self.cfg.stc.weighting == "samples" else np.full(len(valid), 1.0 / len(valid))
+        valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(data, round_idx))
+        w = client_weights([v[0] for v in valid], self.cfg.stc.weighting)
         mean = w @ np.stack([v[1] for v in valid])  # sum_i w_i S_i, float64
         theta = _flat_state(state, self.layers)
         new: State = dict(state)
@@ -349,13 +340,13 @@ class StcClient:
         """(round, the global model as a float32 flat vector) from a downlink and the model copy; ClientError when
         the copy is missing or does not match (never trains from wrong weights)."""
         fields = fields_dict(downlink, DOWN_KIND)
-        round_idx, _, mode = (int(v) for v in unpack_scalars(_need(fields, "meta"), 3))
-        digest = _need(fields, "digest")
+        round_idx, _, mode = (int(v) for v in unpack_scalars(need(fields, "meta"), 3))
+        digest = need(fields, "digest")
         have = self._model
         if mode == _MODE_DENSE:
             theta = np.zeros(self.size, dtype=np.float32)
             for t in self.tensors:
-                v = decode_dense(_need(fields, t.name), max_elements=t.size).reshape(-1)
+                v = decode_dense(need(fields, t.name), max_elements=t.size).reshape(-1)
                 if v.size != t.size:
                     raise MessageError(f"{t.name}: {v.size} values in the downlink, the model has {t.size}")
                 theta[t.sl] = v
