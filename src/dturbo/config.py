@@ -160,6 +160,9 @@ class SparsityConfig(_Section):
     warmup_rounds: int = Field(1, ge=0)
     ramp_rounds: int = Field(6, ge=1)
     scope: Literal["global", "layer"] = "global"
+    budget: Literal["weights", "flops"] = Field("weights", description=(
+        "what target_density counts: the fraction of weights kept, or of multiply-adds for one sample (the "
+        "shared field then weighs each weight by the multiply-adds it does: costly layers are thinned hardest)"))
     min_layer_density: Probability = Field(0.02, ge=0, le=1)
     layer_targets: dict[str, Probability] = Field(
         default_factory=dict,

@@ -37,7 +37,7 @@ from ..codec import (
 )
 from ..config import Config, ConfigError, PriorConfig, SparsityConfig
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
-from ..nn.models import layer_scale
+from ..nn.models import layer_scale, weight_uses
 from ..prior import LayerPrior, grid_shape, layer_kind, resolve_prior
 from ..quantize import decode_stochastic, encode_stochastic
 from ..spmp import grid_bp
@@ -110,15 +110,30 @@ class LayerInfo:
     weight_shape: tuple[int, ...]
     grid: tuple[int, int]
     prior: LayerPrior
+    uses: int = 1  # multiply-adds each weight does for one sample (conv: output positions)
+
+    @property
+    def cost(self) -> float:
+        """Multiply-adds of the whole layer for one sample, dense."""
+        return float(np.prod(self.grid)) * self.uses
 
 
 def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
+    uses = weight_uses(model) if cfg.dturbo.sparsity.budget == "flops" else {}
     infos = []
     for name, layer in bayesian_layers(model):
         pc: PriorConfig = getattr(cfg.dturbo.prior, layer_kind(layer))
         prior = resolve_prior(pc, layer_scale(layer))
-        infos.append(LayerInfo(name, tuple(layer.weight_mu.shape), grid_shape(layer), prior))
+        infos.append(LayerInfo(name, tuple(layer.weight_mu.shape), grid_shape(layer), prior, uses.get(name, 1)))
     return infos
+
+
+def budget_sizes(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
+    """What one layer's full support counts in the density budget: its weights (``budget = "weights"``) or
+    its multiply-adds for one sample (``"flops"``)."""
+    if sp.budget == "flops":
+        return np.array([info.cost for info in layers], dtype=np.float64)
+    return np.array([float(np.prod(info.grid)) for info in layers], dtype=np.float64)
 
 
 def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
@@ -134,7 +149,7 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     out = np.array([sp.layer_targets.get(n, default) for n in names], dtype=np.float64)
     shared = np.isnan(out)
     if sp.scope == "global" and sp.layer_targets:
-        sizes = np.array([int(np.prod(info.grid)) for info in layers], dtype=np.float64)
+        sizes = budget_sizes(layers, sp)
         left = sp.target_density * sizes.sum() - (out[~shared] * sizes[~shared]).sum()
         if not shared.any() or not 0 < left <= sizes[shared].sum():
             raise ConfigError(
@@ -379,14 +394,18 @@ class DturboServer:
         iters = self._module_b(state, eta, eta_next, round_idx + 1)
         # Metrics of the new state.
         total = kept = 0
+        flops = flops_kept = 0.0
         layer_density = {}
         for info in self.layers:
             mask = state[f"{info.name}.mask"]
             total += mask.size
             kept += int(mask.sum())
+            flops += info.cost
+            flops_kept += float(mask.sum()) * info.uses
             layer_density[f"density_{info.name}"] = float(mask.mean())
         return {
             "density": kept / total,
+            **({"flops_density": flops_kept / flops} if sp.budget == "flops" else {}),
             **kl,
             "spmp_iters": float(iters),
             "field_mean": _exact_sum(state["field"]) / len(self.layers),
@@ -450,16 +469,36 @@ class DturboServer:
         min_layer_density."""
         sp = self.cfg.dturbo.sparsity
         L = len(self.layers)
-        sizes = np.array([e.size for e in eta], dtype=np.float64)
+        sizes = budget_sizes(self.layers, sp)
+        # The shared field is a log-odds against activity per unit of cost: with budget "flops" a weight that
+        # does u multiply-adds a sample gets u / (the shared layers' mean u) times it, so the costly layers
+        # (early convolutions) are thinned hardest and the cheap dense layers keep more (issue 13).
+        scale = np.ones(L)
+        if sp.budget == "flops":
+            uses = np.array([info.uses for info in self.layers], dtype=np.float64)
+            weights = np.array([float(np.prod(info.grid)) for info in self.layers])
+            shared_idx = np.isnan(targets)
+            if shared_idx.any():
+                mean_use = (uses * weights)[shared_idx].sum() / weights[shared_idx].sum()
+                scale = np.where(shared_idx, uses / mean_use, 1.0)
 
         def layer_density(i: int, h: float) -> float:
-            lo_h, _ = self._spmp(self.layers[i], eta[i], h)
+            lo_h, _ = self._spmp(self.layers[i], eta[i], h * scale[i])
             return float(np.mean(eta_next[i] + lo_h >= thr_lo))
 
         def dens_at(h: float, idx: list[int]) -> float:
             return sum(layer_density(i, h) * sizes[i] for i in idx) / sizes[idx].sum()
 
-        def solve(target: float, idx: list[int], start: float) -> float:
+        def solve(target: float, idx: list[int], start: float, at_least: bool = False) -> float:
+            def met(dens: float) -> bool:
+                return 0.0 <= (dens - target if at_least else target - dens) < 5e-4
+
+            # A field that already gives the scheduled support is kept. Once the support has settled, a whole range
+            # of fields gives the same support (its evidences are far apart); taking any other point of that range
+            # made the field drift by +8 per round (the bracket widens to hi = start + 4 + 16k and bisection
+            # returns its middle), until the message pi was 1 everywhere (issue 13).
+            if met(dens_at(start, idx)):
+                return start
             # The field moves little between rounds: bracket around the last one, widen if needed.
             lo, hi = start - 4.0, start + 4.0
             while dens_at(lo, idx) > target and lo > -200:
@@ -469,13 +508,15 @@ class DturboServer:
             # Density rises with h; lo stays at or under the target, so the schedule is never exceeded
             # ("at most 25% nonzero" means at most). It is approached from below within 5e-4 unless the density
             # jumps by more inside the last 1e-3 step of h (a tied row, equal evidences): then by that jump.
+            # A floor is the other way round: at least the target (else a tied layer whose one row is more than
+            # the floor would be emptied).
             while hi - lo > 1e-3:
                 mid = 0.5 * (lo + hi)
                 dens = dens_at(mid, idx)
-                if 0.0 <= target - dens < 5e-4:
+                if met(dens):
                     return mid
                 lo, hi = (lo, mid) if dens > target else (mid, hi)
-            return lo
+            return hi if at_least else lo
 
         fields = np.zeros(L)
         alone = [i for i in range(L) if not np.isnan(targets[i])]
@@ -486,12 +527,13 @@ class DturboServer:
             # What the layers calibrated alone leave of the budget, as a density of the shared ones.
             left = density * sizes.sum() - sum(layer_density(i, fields[i]) * sizes[i] for i in alone)
             share = min(1.0, max(left / sizes[shared].sum(), 0.0)) if alone else density  # exact when all share
-            fields[shared] = solve(share, shared, float(np.mean(previous[shared])))
+            fields[shared] = solve(share, shared, float(np.mean(previous[shared] / scale[shared])))
         floor = min(sp.min_layer_density, density)
         for i in range(L):
             if layer_density(i, fields[i]) < floor:
-                fields[i] = max(fields[i], solve(floor, [i], float(fields[i])))
-        return fields
+                fields[i] = max(fields[i], solve(floor, [i], float(fields[i]), at_least=True))
+        # From here on a layer's field is its own (SPMP applies it as it is).
+        return fields * scale
 
     # ------------------------------------------------------------ the model
     def global_model(self, state: State) -> nn.Module:

@@ -221,7 +221,34 @@ def build_model(
             sigma_init_ratio * sum(layer_scale(la) for la in layers) / len(layers))))
         for layer in layers:
             layer.sigma_param = shared  # one Parameter object: one gradient, one value for every layer
+    model.input_shape = tuple(int(d) for d in input_shape)  # one sample's shape: what layer costs are counted on
     return model
+
+
+def weight_uses(model: nn.Module, input_shape: Sequence[int] | None = None) -> dict[str, int]:
+    """Multiply-adds each weight of every Bayesian layer does for one sample: the output positions of a
+    convolution (H_out x W_out), 1 for a dense layer. A layer's share of the model's compute is its weight count
+    times this (the cost that ``sparsity.budget = "flops"`` counts). ``input_shape`` defaults to the shape
+    :func:`build_model` recorded on the model."""
+    shape = input_shape if input_shape is not None else getattr(model, "input_shape", None)
+    if shape is None:
+        raise ValueError("the model's input shape is unknown: pass input_shape (one sample's shape, e.g. (1, 28, 28))")
+    uses: dict[str, int] = {}
+    hooks = []
+    for name, layer in bayesian_layers(model):
+        def record(module: nn.Module, args: tuple, out: torch.Tensor, name: str = name) -> None:
+            uses[name] = int(out[0, 0].numel())  # positions of one output channel (1 for a dense layer)
+        hooks.append(layer.register_forward_hook(record))
+    try:
+        with torch.no_grad():
+            was_training = model.training
+            model.eval()
+            model(torch.zeros(1, *shape))
+            model.train(was_training)
+    finally:
+        for h in hooks:
+            h.remove()
+    return uses
 
 
 def layer_scale(layer: BayesianLayer) -> float:
