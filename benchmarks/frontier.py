@@ -808,10 +808,12 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
     return "\n".join(md), nums
 
 
-def replace_section(doc: Path, body: str) -> None:
-    """Put ``body`` between the frontier markers of ``doc`` (inserted after the title when missing)."""
-    start, end = "<!-- frontier:start -->", "<!-- frontier:end -->"
-    block = f"{start}\n## Accuracy vs bits: the frontier\n\n{body.rstrip()}\n{end}"
+def replace_section(doc: Path, body: str, name: str = "frontier", title: str = "Accuracy vs bits: the frontier"
+                    ) -> None:
+    """Put ``body`` under ``## title`` between the ``name`` markers of ``doc`` (inserted after the title when
+    missing)."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n## {title}\n\n{body.rstrip()}\n{end}"
     text = doc.read_text() if doc.exists() else "# Results\n"
     if start in text and end in text:
         head, rest = text.split(start, 1)

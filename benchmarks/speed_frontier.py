@@ -1,0 +1,324 @@
+"""Speed-accuracy frontier of the exported model (issue 13): one point per D-Turbo-VBI setting.
+
+Every setting is trained on the communication frontier's protocol (``benchmarks/frontier.py``: Fashion-MNIST,
+alexnet-small, 10 clients, Dirichlet 0.5, 20 rounds, validation split carved from the training set, one torch
+thread), with at least 2 seeds, then exported (``dturbo export``: whole channels and units removed, kernels
+chosen by timing) and timed against the same weights run dense (nothing removed, dense kernels), on 3000, 64 and 1
+Fashion-MNIST test images:
+
+* ``speedup``: dense time / exported time at batch 3000, each network in its own best execution setting among
+  eager (PyTorch's defaults) and channels_last with convolution and pooling kernels chosen by timing (plus
+  torch.compile with ``--compile``), both timed interleaved in one run; the mean over seeds;
+* ``speedup_eager``: the same in the eager setting for both;
+* ``latency_batch1_ms``: the exported model on one image, its best setting (an edge client infers one at a time);
+  batch 64 is recorded too.
+
+The points: the frontier's chosen D-Turbo-VBI setting (``dturbo``, its 3 seeds) and its paper-protocol run
+(``dturbo_paper16``: 25% nonzero, no structure), and settings that leave whole conv channels for export to remove
+(``[dturbo.prior.conv] tie_rows``; budgets by ``layer_targets`` or by multiply-adds, ``sparsity.budget = "flops"``;
+docs/sparsity.md). None of their settings was chosen on test accuracy: they are fixed here, in advance, as a
+spectrum from "no structure" to "most channels removed"; the test accuracy is only reported. The dense reference is
+the frontier's FedAvg 32-bit (mean of its seeds).
+
+Runs live in ``runs/frontier/<label>_s<seed>`` (the frontier's, reused: the same protocol and runner) and their
+metrics in ``benchmarks/results/frontier_runs/``. Writes ``benchmarks/results/speed_frontier.{json,md}``,
+``docs/results/speed_frontier.png`` and the speed-frontier section of ``docs/inference.md``.
+
+Usage: .venv/bin/python benchmarks/speed_frontier.py [--stage train|time|all] [--jobs 2] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import frontier as fr  # noqa: E402
+import torch  # noqa: E402
+from bench_inference import SETTINGS, interleaved, load_as, machine  # noqa: E402
+
+from dturbo.export import export_run, export_state, read_run, save  # noqa: E402
+
+SEEDS = (0, 1)
+BATCHES = (3000, 64, 1)
+REPEATS = {3000: 15, 64: 60, 1: 300}
+GOALS = [(2.0, 1.5), (3.5, 2.5)]  # (speedup at least, points below FedAvg 32-bit at most)
+RESULTS = HERE / "results"
+DOC = HERE.parent / "docs" / "inference.md"
+FIGURE = HERE.parent / "docs" / "results" / "speed_frontier.png"
+
+# The paper's protocol for D-Turbo-VBI (16-bit values, 25% target, 5 warm-up + 10 ramp rounds) with whole conv
+# channels: each output channel of a convolution is one support variable (tie_rows), kept or removed whole.
+_CHANNELS = {**fr.DT_PAPER16, "dturbo.prior.conv.tie_rows": True}
+CANDIDATES = [
+    fr.Candidate("speed_channels", "speed", "dturbo",
+                 {**_CHANNELS, "dturbo.sparsity.layer_targets": {"conv1": 0.34, "conv2": 0.375, "conv3": 0.375,
+                                                                 "conv4": 0.375}},
+                 "whole conv channels: conv1 2 of 6, conv2-4 37.5%; the dense layers share the rest of 25% "
+                 "(configs/fmnist_compare/dturbo_channels.toml on this protocol)"),
+    fr.Candidate("speed_channels_flops", "speed", "dturbo",
+                 {**_CHANNELS, "dturbo.sparsity.budget": "flops", "dturbo.sparsity.target_density": 0.3,
+                  "dturbo.sparsity.layer_targets": {"conv1": 0.34, "conv2": 0.375}},
+                 "whole conv channels, 30% of the multiply-adds: conv1 2 of 6, conv2 37.5%; conv3, conv4 and the "
+                 "dense layers share the rest by a field per unit of cost (budget = flops)"),
+    fr.Candidate("speed_channels_half", "speed", "dturbo",
+                 {**_CHANNELS, "dturbo.sparsity.target_density": 0.5,
+                  "dturbo.sparsity.layer_targets": {"conv1": 0.5, "conv2": 0.5, "conv3": 0.5, "conv4": 0.5}},
+                 "whole conv channels, half of every convolution's; the dense layers share the rest of 50%"),
+]
+BY_LABEL = {c.label: c for c in CANDIDATES}
+
+
+def chosen_dturbo(s: fr.Settings) -> str | None:
+    """The communication frontier's D-Turbo-VBI setting (chosen there on validation accuracy)."""
+    runs = fr.load_runs(s)
+    return fr.select(runs).chosen.get("dturbo") if runs else None
+
+
+def points(s: fr.Settings) -> list[tuple[str, fr.Candidate, tuple[int, ...]]]:
+    """(point label, candidate, seeds) of every point."""
+    out = []
+    best = chosen_dturbo(s)
+    if best is not None:
+        out.append(("dturbo", fr.BY_LABEL[best], fr.SEEDS))
+    out.append(("dturbo_paper16", fr.BY_LABEL["dturbo_paper16"], SEEDS))
+    out += [(c.label, c, SEEDS) for c in CANDIDATES]
+    return out
+
+
+def train_jobs(s: fr.Settings) -> list[fr.Job]:
+    jobs = []
+    for _, cand, seeds in points(s):
+        for seed in seeds:
+            job = fr.plan_job(cand, seed, s)
+            run_dir = s.runs_root / job.name
+            if job.status == "done" and not (run_dir / "model.safetensors").exists():
+                # Committed metrics but no model here (a fresh clone): timing needs the model, so train it again.
+                resume = (run_dir / "checkpoint" / "state.safetensors").exists()
+                job.status = "resume" if resume else "todo"
+                job.rounds_left = job.want["experiment"]["rounds"] - (fr.csv_rows(run_dir / "metrics.csv")
+                                                                      if resume else 0)
+            jobs.append(job)
+    return jobs
+
+
+# --------------------------------------------------------------------------------------------------- timing
+def time_model(run_dir: Path, x: torch.Tensor, threads: int, compile_too: bool) -> dict[str, Any]:
+    """Dense vs exported ms at every batch size and setting, interleaved; the speedups this model gives."""
+    torch.set_num_threads(threads)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg, state, _ = read_run(run_dir)
+    tmp = Path(tempfile.mkdtemp(prefix="speed_frontier_"))
+    exported = export_run(run_dir, tmp / "exported")
+    save(export_state(cfg.model.name, state, tuple(x.shape[1:]), compaction=False, hidden=cfg.model.hidden,
+                      width=cfg.model.width, num_classes=exported.num_classes), tmp / "dense")
+    settings = [k for k in SETTINGS if compile_too or k != "best"]
+    ms: dict[str, dict[str, dict[str, float]]] = {}
+    for b in BATCHES:
+        xb = x[:b].to(dev)
+        ms[str(b)] = {}
+        for name in settings:
+            torch._dynamo.reset()
+            models = {"dense": load_as(tmp / "dense", "dense", b, SETTINGS[name], dev),
+                      "exported": load_as(tmp / "exported", "auto", b, SETTINGS[name], dev)}
+            ms[str(b)][name] = {k: round(v, 4) for k, v in interleaved(models, xb, REPEATS[b], dev).items()}
+    totals = exported.spec()["totals"]
+
+    def best(b: int, net: str) -> float:
+        return min(v[net] for v in ms[str(b)].values())
+
+    return {
+        "run_dir": str(run_dir), "ms": ms, "export_totals": totals,
+        "speedup": best(3000, "dense") / best(3000, "exported"),
+        "speedup_eager": ms["3000"]["eager"]["dense"] / ms["3000"]["eager"]["exported"],
+        "speedup_batch64": best(64, "dense") / best(64, "exported"),
+        "speedup_batch1": best(1, "dense") / best(1, "exported"),
+        "latency_batch1_ms": best(1, "exported"), "latency_batch1_dense_ms": best(1, "dense"),
+    }
+
+
+def final(csv_path: Path, column: str) -> float:
+    return float(fr.read_csv(csv_path)[column][-1])
+
+
+def measure(s: fr.Settings, threads: int, compile_too: bool, samples: int) -> dict[str, Any]:
+    from dturbo.data import load_dataset
+
+    ds = load_dataset("fashion-mnist", fr.PROTOCOL["data_path"], limit_test=samples, seed=0)
+    x = torch.from_numpy(ds.x_test[:samples])
+    runs = fr.load_runs(s)
+    sel = fr.select(runs)
+    ref_label = sel.chosen.get("fedavg32")
+    ref_acc = [r.final_acc for r in runs if r.cand.label == ref_label]
+    out_points = []
+    for label, cand, seeds in points(s):
+        per_seed = []
+        for seed in seeds:
+            name = f"{cand.label}_s{seed}"
+            run_dir = s.runs_root / name
+            if not (run_dir / "model.safetensors").exists():
+                print(f"  {label}: {name} has no model (run --stage train first); skipped", flush=True)
+                continue
+            t0 = time.perf_counter()
+            rec = time_model(run_dir, x, threads, compile_too)
+            rec.update({"seed": seed, "accuracy": final(s.runs_csv / f"{name}.csv", "accuracy"),
+                        "val_accuracy": final(s.runs_csv / f"{name}.csv", "val_accuracy"),
+                        "density": final(s.runs_csv / f"{name}.csv", "density")})
+            per_seed.append(rec)
+            print(f"  {label} s{seed}: acc {rec['accuracy']:.4f} density {rec['density']:.3f} speedup "
+                  f"{rec['speedup']:.2f}x (eager {rec['speedup_eager']:.2f}x, batch 64 {rec['speedup_batch64']:.2f}x, "
+                  f"batch 1 {rec['speedup_batch1']:.2f}x, {rec['latency_batch1_ms']:.3f} ms)  "
+                  f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+        if not per_seed:
+            continue
+
+        def mean(key: str, rows: list[dict[str, Any]] = per_seed) -> float:
+            return float(np.mean([r[key] for r in rows]))
+
+        out_points.append({
+            "label": label, "setting": cand.label, "note": cand.note, "accuracy": mean("accuracy"),
+            "accuracy_std": float(np.std([r["accuracy"] for r in per_seed])), "seeds": len(per_seed),
+            "density": mean("density"), "speedup": mean("speedup"), "speedup_eager": mean("speedup_eager"),
+            "speedup_batch64": mean("speedup_batch64"), "speedup_batch1": mean("speedup_batch1"),
+            "latency_batch1_ms": mean("latency_batch1_ms"), "latency_batch1_dense_ms": mean("latency_batch1_dense_ms"),
+            "val_accuracy": mean("val_accuracy"), "per_seed": per_seed,
+        })
+    dense_ref = {"label": "fedavg32", "setting": ref_label, "accuracy": float(np.mean(ref_acc)) if ref_acc else None,
+                 "seeds": len(ref_acc)}
+    return {
+        "dense_reference": dense_ref, "points": out_points, "goals": check_goals(dense_ref, out_points),
+        "protocol": fr.PROTOCOL, "timing": {
+            "samples": samples, "batches": list(BATCHES), "repeats": REPEATS, "threads": threads,
+            "settings": [k for k in SETTINGS if compile_too or k != "best"],
+            "rule": "median of interleaved passes; speedup = dense / exported, each in its best setting, one run"},
+        "machine": machine(), "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def check_goals(ref: dict[str, Any], pts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for speed, gap in GOALS:
+        if ref["accuracy"] is None:
+            continue
+        ok = [p for p in pts if p["speedup"] >= speed and 100 * (ref["accuracy"] - p["accuracy"]) <= gap]
+        near = max(pts, key=lambda p: p["accuracy"] if p["speedup"] >= speed else -1.0, default=None)
+        fast = max(pts, key=lambda p: p["speedup"] if 100 * (ref["accuracy"] - p["accuracy"]) <= gap else -1.0,
+                   default=None)
+        out.append({
+            "goal": f">= {speed}x within {gap} points of FedAvg 32-bit", "met": bool(ok),
+            "by": [p["label"] for p in ok],
+            "most_accurate_at_speed": None if near is None or near["speedup"] < speed else
+            {"label": near["label"], "points_below": 100 * (ref["accuracy"] - near["accuracy"]),
+             "speedup": near["speedup"]},
+            "fastest_within_gap": None if fast is None or 100 * (ref["accuracy"] - fast["accuracy"]) > gap else
+            {"label": fast["label"], "speedup": fast["speedup"]},
+        })
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- report
+def figure(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.6), layout="constrained")
+    ref = res["dense_reference"]["accuracy"]
+    for p in res["points"]:
+        sp = [r["speedup"] for r in p["per_seed"]]
+        ax.errorbar(p["speedup"], 100 * p["accuracy"], yerr=100 * p["accuracy_std"],
+                    xerr=[[p["speedup"] - min(sp)], [max(sp) - p["speedup"]]], fmt="o", capsize=3,
+                    label=f"{p['label']} ({p['density']:.0%} nonzero, {p['seeds']} seeds)")
+    if ref is not None:
+        ax.axhline(100 * ref, color="k", lw=1, label=f"FedAvg 32-bit, dense ({100 * ref:.2f}%)")
+        for speed, gap in GOALS:
+            ax.plot([speed, speed], [100 * ref - gap, 100 * ref], color="tab:green", lw=3, alpha=0.5)
+            ax.annotate(f"goal: >= {speed}x, within {gap} pts", (speed, 100 * ref - gap), fontsize=8,
+                        xytext=(4, -10), textcoords="offset points", color="tab:green")
+    ax.set_xlabel("speedup of the exported model over the same weights dense (3000 images, CPU, best setting each)")
+    ax.set_ylabel("test accuracy (%), mean of seeds")
+    ax.set_xscale("log", base=2)
+    ax.set_title("D-Turbo-VBI: accuracy vs inference speed (Fashion-MNIST, alexnet-small, 20 rounds)")
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    fig.savefig(path.with_suffix(".svg"))
+    plt.close(fig)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    ref = res["dense_reference"]
+    lines = [f"Dense reference: FedAvg 32-bit (`{ref['setting']}`), {100 * ref['accuracy']:.2f}% "
+             f"(mean of {ref['seeds']} seeds).", "",
+             "| point | setting | nonzero | test accuracy (seeds) | vs FedAvg 32 | **speedup** (3000, best) | "
+             "eager | batch 64 | batch 1 | batch-1 latency (ms) exported / dense |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in res["points"]:
+        lines.append(
+            f"| {p['label']} | {p['note']} | {p['density']:.1%} | {100 * p['accuracy']:.2f} +- "
+            f"{100 * p['accuracy_std']:.2f} ({p['seeds']}) | {100 * (p['accuracy'] - ref['accuracy']):+.2f} | "
+            f"**{p['speedup']:.2f}x** | {p['speedup_eager']:.2f}x | {p['speedup_batch64']:.2f}x | "
+            f"{p['speedup_batch1']:.2f}x | {p['latency_batch1_ms']:.3f} / {p['latency_batch1_dense_ms']:.3f} |")
+    lines += ["", "Goals (issue 13):", ""]
+    for g in res["goals"]:
+        extra = ""
+        if not g["met"]:
+            m = g["most_accurate_at_speed"]
+            extra = (f": the most accurate point at that speed, {m['label']}, is {m['points_below']:.2f} points below"
+                     if m else ": no point reaches that speed")
+        lines.append(f"* {g['goal']}: **{'met' if g['met'] else 'not met'}**"
+                     + (f" by {', '.join(g['by'])}" if g["met"] else extra))
+    t = res["timing"]
+    lines += ["", f"Timing: {t['samples']} Fashion-MNIST test images; batches {t['batches']}; {t['threads']} threads; "
+              f"settings {', '.join(t['settings'])}; {t['rule']}. Machine: {res['machine']['platform']}, "
+              f"torch {res['machine']['torch']}, {res['date']}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=["train", "time", "all"], default="all")
+    ap.add_argument("--jobs", type=int, default=2, help="training runs at a time (one torch thread each)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for the timing")
+    ap.add_argument("--samples", type=int, default=3000)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile (slow to load on 2 cores)")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    s = fr.Settings()
+    jobs = train_jobs(s)
+    if args.dry_run:
+        fr.print_plan("train", jobs, s, args.jobs)
+        return
+    if args.stage in ("train", "all"):
+        s.runs_root.mkdir(parents=True, exist_ok=True)
+        failed = fr.run_jobs(jobs, s, args.jobs)
+        if failed:
+            raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(j.name for j in failed)}")
+    if args.stage in ("time", "all"):
+        res = measure(s, args.threads, args.compile, args.samples)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "speed_frontier.json").write_text(json.dumps(res, indent=1) + "\n")
+        md = markdown(res)
+        (RESULTS / "speed_frontier.md").write_text(md)
+        figure(res, FIGURE)
+        fr.replace_section(DOC, "`python benchmarks/speed_frontier.py` "
+                                "([results](../benchmarks/results/speed_frontier.md), figure below).\n\n"
+                                f"![accuracy vs speedup](results/speed_frontier.png)\n\n{md}",
+                           name="speed-frontier", title="Measured: the speed-accuracy frontier (issue 13)")
+        print(md)
+
+
+if __name__ == "__main__":
+    main()
