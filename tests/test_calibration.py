@@ -13,10 +13,10 @@ from dturbo.config import parse_config
 from dturbo.nn.models import build_model, weight_uses
 
 
-def _server(model: str = "mlp", input_shape=(12,), classes: int = 4, **sparsity) -> dt.DturboServer:
+def _server(model: str = "mlp", input_shape=(12,), classes: int = 4, hidden=(10,), **sparsity) -> dt.DturboServer:
     cfg = parse_config({
         "experiment": {"seed": 0},
-        "model": {"name": model, "hidden": [10]},
+        "model": {"name": model, "hidden": list(hidden)},
         "dturbo": {"sparsity": {"mode": "target", **sparsity}},
     })
 
@@ -159,3 +159,31 @@ def test_flops_budget_runs_and_reports_flops_density(tmp_path):
         assert float(row["flops_density"]) == pytest.approx(flops, abs=1e-9)  # derived from the per-layer columns
         assert float(row["flops_density"]) <= float(row["scheduled_density"]) == 0.4
         assert float(row["flops_density"]) < float(row["density"])  # the costly convolutions were thinned hardest
+
+
+def test_every_saved_round_holds_the_real_message():
+    """Through Module B and the saved messages (what docs/results/dturbo/message_dense2.png draws). The settled
+    support holds one weight fewer than the schedule's 30%, within the calibration's tolerance, and no field in a
+    wide range changes it: the old bracket kept widening past it and the field climbed +8 a round until pi was 1
+    everywhere. Now the field stays put and pi stays Module B's real message."""
+    server = _server(input_shape=(20,), hidden=[100], target_density=0.3, warmup_rounds=0, ramp_rounds=2)
+    state = server.init()
+    total = sum(int(np.prod(i.grid)) for i in server.layers)
+    on_left = round(0.3 * total) - 1  # 0.3 - 1/2400: inside the tolerance, below the target
+    rng = np.random.default_rng(0)
+    eta = []
+    for info in server.layers:
+        n = int(np.prod(info.grid))
+        k = round(0.3 * n) if info is not server.layers[-1] else on_left
+        on = np.zeros(n, bool)
+        on[rng.permutation(n)[:k]] = True
+        on_left -= k
+        eta.append(np.where(on, 40.0, -40.0).reshape(info.grid) + rng.normal(0, 0.5, info.grid))
+    saved = []
+    for rnd in range(2, 8):  # the schedule is at its 30% target from round 2 on
+        server._module_b(state, eta, eta, rnd)
+        saved.append((state["field"].copy(), server.support_messages(state)))
+    for field, msg in saved[1:]:
+        assert np.array_equal(field, saved[0][0])
+        pi = np.concatenate([v.astype(np.float32).ravel() for k, v in msg.items() if k.endswith(".pi")])
+        assert pi.mean() < 0.9 and np.mean(pi > 0.99) < 0.5
