@@ -182,7 +182,10 @@ class Simulator:
     """Runs an experiment into a run directory (README.md: "A run directory holds ...")."""
 
     def __init__(self, cfg: Config, out: Path, *, resume: bool = False, federation: Federation | None = None,
-                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 dataset: Dataset | None = None, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """``federation``: clients already split (tests); else ``dataset`` (data already loaded, e.g. a library
+        user's arrays: :func:`dturbo.data.dataset_from_arrays`) is split among the clients; else the config's
+        data is read."""
         self.cfg = cfg
         self.out = Path(out)
         self.resume = resume
@@ -192,9 +195,10 @@ class Simulator:
         self.device = resolve_device(cfg.experiment.device)  # "cuda" without a GPU fails here, before any work
         if (msg := schedule_warning(cfg)) is not None:
             warnings.warn(msg, ScheduleWarning, stacklevel=2)
-        self.fed = federation or build_federation(cfg)
+        self.fed = federation or build_federation(cfg, dataset)
         self.server, self.client = build_algorithm(cfg, self.fed)
         self.fingerprint = config_fingerprint(cfg.to_dict())
+        self.final_model: nn.Module | None = None  # the global model saved at the end of run(), in eval mode
 
     # ----------------------------------------------------------- run files
     @property
@@ -314,7 +318,7 @@ class Simulator:
             })
             if self.on_round:
                 self.on_round(row)
-        self._save_model(state)
+        self.final_model = self._save_model(state)
         return rows
 
     def _round(self, state: dict[str, Any], rnd: int) -> tuple[Any, dict[str, int], dict[str, int], list[str]]:
@@ -442,14 +446,16 @@ class Simulator:
                 raise CheckpointError(f"checkpoint in {self.checkpoint_dir}: {err}; left untouched") from None
         return {k: v for k, v in state.items() if not k.startswith(CLIENT_STATE_PREFIX)}
 
-    def _save_model(self, state: dict[str, Any]) -> None:
-        model = self.server.global_model(state)
+    def _save_model(self, state: dict[str, Any]) -> nn.Module:
+        """Write model.safetensors; returns the global model (mean weights, pruned) in eval mode."""
+        model = self.server.global_model(state).eval()
         # clone: tied parameters (sigma_mode = "client") must be separate tensors in a safetensors file
         tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         meta = {"model": self.cfg.model.name, "dataset": self.cfg.data.name, "algorithm": self.cfg.experiment.algorithm}
         if self.fed.dataset.input_norm is not None:  # so an export can take raw inputs (dturbo.export)
             meta["input_norm"] = json.dumps(self.fed.dataset.input_norm)
         atomic_write_bytes(self.out / "model.safetensors", save_torch(tensors, metadata=meta))
+        return model
 
 
 class ClientLost(ClientError):

@@ -383,9 +383,12 @@ def check_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, num_class
     for x, y, split in ((xtr, ytr, "train"), (xte, yte, "test")):
         if y.ndim != 1:
             raise DataError(f"{where}: y_{split} must be one label per row, shape (N,), got {y.shape}")
-        if x.ndim < 2 or len(x) != len(y):
-            raise DataError(f"{where}: x_{split} has shape {x.shape} ({len(x) if x.ndim else 0} rows) but "
-                            f"y_{split} has {len(y)} rows; they must match")
+        if x.ndim < 2:
+            raise DataError(f"{where}: x_{split} has shape {x.shape}, not rows of samples: give N,D flat features "
+                            f"or N,H,W, N,C,H,W or N,H,W,C images")
+        if len(x) != len(y):
+            raise DataError(f"{where}: x_{split} has shape {x.shape} ({len(x)} rows) but y_{split} has {len(y)} "
+                            f"rows; they must match")
         if len(y) == 0:
             raise DataError(f"{where}: x_{split} has no rows")
         if x.dtype.kind not in "buif":
