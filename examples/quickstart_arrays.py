@@ -1,6 +1,6 @@
 """D-Turbo-VBI on arrays in memory: synthetic images, 10 clients, a sparse global model.
 
-    python examples/quickstart_arrays.py              # about a minute on a 2-core CPU
+    python examples/quickstart_arrays.py              # about half a minute on a 2-core CPU
     python examples/quickstart_arrays.py --small      # a few seconds (also: DTURBO_EXAMPLE_SMALL=1)
 
 The arrays go to dturbo.Experiment exactly as an .npz file's would (numpy arrays or torch tensors; images N,H,W,

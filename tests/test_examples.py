@@ -26,3 +26,18 @@ def test_example_runs(script, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "accuracy " in proc.stdout and "density " in proc.stdout, proc.stdout
     assert (tmp_path / "out").is_dir()
+
+
+def test_library_doc_snippet_runs(tmp_path):
+    """docs/library.md's first python block, run from a folder that has the repository's configs/."""
+    text = (ROOT / "docs" / "library.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    accuracy, density = (float(v) for v in proc.stdout.split())
+    assert 0 <= accuracy <= 1 and 0 < density < 1
+    assert (tmp_path / "runs" / "library_demo" / "metrics.csv").exists()

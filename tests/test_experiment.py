@@ -185,3 +185,21 @@ def test_arrays_config_without_data_and_bad_config_are_named(tmp_path, tiny_conf
         dturbo.Experiment(tiny_config(train={"lrr": 1.0}), data=toy_arrays(), out=tmp_path / "run")
     with pytest.raises(ValueError, match="num_classes goes with data"):
         dturbo.Experiment(tiny_config(), out=tmp_path / "run", num_classes=4)
+
+
+def test_export_of_an_arrays_run(tmp_path, tiny_config):
+    """An mlp run from arrays exports (shape from the weights, normalisation from model.safetensors); a CNN's
+    export says it cannot tell the input shape (docs/library.md, "Not yet")."""
+    from dturbo.export import ExportError, export_run
+
+    x, y, xt, yt = toy_arrays()
+    flat = (x.reshape(len(x), -1), y, xt.reshape(len(xt), -1), yt)  # N,D: the mlp's input shape is its weights'
+    dturbo.Experiment(tiny_config(rounds=1), data=flat, out=tmp_path / "mlp", progress=False, figures=False).run()
+    exported = export_run(tmp_path / "mlp", tmp_path / "model")
+    assert exported.input_norm is not None and exported.input_norm["scale"] == 255
+    big = np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)  # 12x12: lenet5's smallest input
+    big_test = np.repeat(np.repeat(xt, 2, axis=1), 2, axis=2)
+    dturbo.Experiment(tiny_config(rounds=1, model={"name": "lenet5"}), data=(big, y, big_test, yt),
+                      out=tmp_path / "cnn", progress=False, figures=False).run()
+    with pytest.raises(ExportError, match="'arrays'"):
+        export_run(tmp_path / "cnn", tmp_path / "model_cnn")
