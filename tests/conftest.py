@@ -23,3 +23,24 @@ def make_toy(tmp_path_factory) -> Callable[[int], Path]:
         return path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> Callable[..., dict]:
+    """A factory of small, fast D-Turbo-VBI configs (an mlp on flat data, 3 clients, a few local steps) as dicts:
+    ``tiny_config(rounds=2, data={...}, dturbo={...})``; sections given replace the defaults' keys they name."""
+
+    def make(rounds: int = 2, **sections: dict) -> dict:
+        cfg: dict = {
+            "experiment": {"name": "tiny", "seed": 0, "rounds": rounds, "threads": 1},
+            "data": {"name": "arrays"},
+            "federation": {"clients": 3, "partition": "iid"},
+            "model": {"name": "mlp", "hidden": [16]},
+            "train": {"local_steps": 3, "batch_size": 32, "lr": 0.01},
+            "dturbo": {"sparsity": {"target_density": 0.5, "warmup_rounds": 0, "ramp_rounds": 1}},
+        }
+        for name, keys in sections.items():
+            cfg[name] = {**cfg.get(name, {}), **keys}
+        return cfg
+
+    return make

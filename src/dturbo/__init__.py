@@ -1,3 +1,26 @@
-"""dturbo: Bayesian federated model compression with D-Turbo-VBI (see docs/algorithm.md)."""
+"""dturbo: Bayesian federated model compression with D-Turbo-VBI (see docs/algorithm.md).
+
+The library's entry points (docs/library.md): :func:`load_config` and :class:`Config`, and
+:class:`Experiment`, whose ``run()`` returns an :class:`ExperimentResult`. ``Experiment`` pulls in torch,
+so it is imported on first use (``import dturbo`` stays light for the command line).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from .experiment import Experiment, ExperimentResult
 
 __version__ = "0.1.0"
+__all__ = ["Config", "ConfigError", "Experiment", "ExperimentResult", "load_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Experiment", "ExperimentResult"):
+        from . import experiment
+
+        return getattr(experiment, name)
+    raise AttributeError(f"module 'dturbo' has no attribute {name!r}")

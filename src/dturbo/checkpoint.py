@@ -43,11 +43,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:
-    """Hash of the parts of a config that define the experiment (not how long it runs or how often it
-    is evaluated), so a run may be resumed with more rounds but not with another model or data."""
+    """Hash of the parts of a config that define the experiment (not how long it runs, how often it is
+    evaluated, or on which device), so a run may be resumed with more rounds or on a GPU, but not with another
+    model or data."""
     data = json.loads(json.dumps(config))
     exp = data.get("experiment", {})
-    for key in ("rounds", "eval_every", "threads", "name"):
+    for key in ("rounds", "eval_every", "threads", "name", "device"):
         exp.pop(key, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -30,13 +30,6 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False)
 
 
-def _bits(b: float) -> str:
-    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
-        if b >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{b:.0f} bit"
-
-
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="experiment config (TOML)")],
@@ -47,7 +40,7 @@ def run(
 ) -> None:
     """Run a federated experiment (in one process) into OUT."""
     from .data import DataError
-    from .sim import PoisonedStateError, Simulator, TooFewClientsError
+    from .sim import PoisonedStateError, Simulator, TooFewClientsError, format_bits, round_summary
 
     try:
         cfg = load_config(config, set_ or [])
@@ -70,8 +63,7 @@ def run(
         )
 
         def on_round(row: dict[str, Any]) -> None:
-            info = (f"acc {float(row['accuracy']):.4f}  density {float(row['density']):.3f}  "
-                    f"bits {_bits(float(row['cum_bits']))}")
+            info = round_summary(row)
             progress.update(task, completed=int(row["round"]), info=info)
             if not tty:  # CI logs: one line per round
                 console.print(f"round {row['round']}/{cfg.experiment.rounds}  {info}  ({row['seconds']} s)")
@@ -91,7 +83,7 @@ def run(
     if rows:
         last = rows[-1]
         console.print(f"done in {time.perf_counter() - t0:.0f} s: accuracy {float(last['accuracy']):.4f}, "
-                      f"density {float(last['density']):.4f}, total bits {_bits(float(last['cum_bits']))}")
+                      f"density {float(last['density']):.4f}, total bits {format_bits(float(last['cum_bits']))}")
     if figures:
         from .report import draw_run
 

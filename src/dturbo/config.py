@@ -6,7 +6,10 @@ what is expected, so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import copy
+import os
 import tomllib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -34,10 +37,14 @@ class ExperimentConfig(_Section):
     algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc"] = "dturbo"
     eval_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and the last)")
     threads: int = Field(0, ge=0, description="torch threads; 0 keeps torch's default")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description=(
+        "where clients train and the global model is evaluated (the server's closed forms and Module B stay on "
+        "the CPU); auto: cuda when torch sees a GPU, else cpu"))
 
 
 class DataConfig(_Section):
-    name: Literal["fashion-mnist", "mnist", "cifar10", "cifar100", "npz"] = "fashion-mnist"
+    name: Literal["fashion-mnist", "mnist", "cifar10", "cifar100", "npz", "arrays"] = Field(
+        "fashion-mnist", description="arrays: in-memory arrays given to dturbo.Experiment(data=...), nothing on disk")
     path: str | None = None
     limit_train: int | None = Field(None, ge=1)
     limit_test: int | None = Field(None, ge=1)
@@ -353,25 +360,61 @@ def parse_override_value(key: str, raw: str) -> Any:
     return value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` overrides (value typed by :func:`parse_override_value`)."""
+def _set_key(data: dict[str, Any], key: str, value: Any, item: str) -> None:
+    """Set dotted ``key`` (``section.key``) in ``data`` to ``value``; ``item`` names the override in errors."""
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: {key!r} is not a dotted key such as experiment.rounds")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: '{p}' is not a section")
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Apply overrides to a raw config mapping: ``section.key=value`` strings, as ``--set`` gives them (value
+    typed by :func:`parse_override_value`), or a mapping of dotted keys to values (a string value is typed
+    the same way, so ``{"experiment.rounds": "20"}`` equals ``--set experiment.rounds=20``; other values are
+    taken as given)."""
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"override key {key!r} must be a dotted key such as 'experiment.rounds'")
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)  # {"data.path": Path(...)}
+            typed = parse_override_value(key, value) if isinstance(value, str) else value
+            _set_key(data, key, typed, f"{key}={value!r}")
+        return data
+    if isinstance(overrides, str | bytes):
+        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a mapping of dotted keys to "
+                          f"values, not one string ({overrides!r}): wrap it in a list")
     for item in overrides:
-        if "=" not in item:
+        if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        value = parse_override_value(key, raw)
-        node = data
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: '{p}' is not a section")
-        node[parts[-1]] = value
+        _set_key(data, key, parse_override_value(key, raw), item)
     return data
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    path = Path(path)
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | Config,
+                overrides: Sequence[str] | Mapping[str, Any] | None = None) -> Config:
+    """A validated :class:`Config` from a TOML file (a path), a mapping shaped like the TOML, or a Config, with
+    ``overrides`` applied (:func:`apply_overrides`: ``["experiment.rounds=3"]`` as ``--set`` takes them, or
+    ``{"experiment.rounds": 3}``). The source is not modified. Raises :class:`ConfigError` naming the key."""
+    if isinstance(source, Config):
+        data = source.to_dict()
+    elif isinstance(source, Mapping):
+        data = copy.deepcopy(dict(source))
+    elif isinstance(source, str | os.PathLike):
+        data = _read_toml(Path(source))
+    else:
+        raise ConfigError(f"a config is a TOML file path, a dict or a dturbo.Config, not {type(source).__name__}")
+    return parse_config(apply_overrides(data, overrides or []))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -385,7 +428,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{path} is not a TOML file{hint}; pass an experiment config such as "
                           f"configs/fmnist_quick.toml") from None
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path} is not valid TOML: {err}") from None
-    return parse_config(apply_overrides(data, overrides or []))

@@ -47,6 +47,7 @@ from .checkpoint import (
 from .codec import decode_message, encode_message
 from .config import Config
 from .data import Dataset, load_dataset, partition_dirichlet, partition_iid
+from .device import CPU, resolve_device
 from .nn.models import build_model, check_input_shape
 
 BASE_COLUMNS = ["round", "accuracy", "loss", "density", "up_bits", "down_bits", "cum_bits", "seconds"]
@@ -148,34 +149,56 @@ def schedule_warning(cfg: Config) -> str | None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 2000) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of a model in eval mode (mean weights)."""
-    model.eval()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 2000,
+             device: torch.device = CPU) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of a model in eval mode (mean weights), computed on ``device`` (the model is
+    moved there; on the CPU nothing moves)."""
+    model.eval().to(device)
     correct = 0
     loss = 0.0
     for i in range(0, len(y), batch_size):
-        logits = model(x[i : i + batch_size])
-        loss += float(F.cross_entropy(logits, y[i : i + batch_size], reduction="sum"))
-        correct += int((logits.argmax(1) == y[i : i + batch_size]).sum())
+        xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
+        logits = model(xb)
+        loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(1) == yb).sum())
     return correct / len(y), loss / len(y)
+
+
+def format_bits(b: float) -> str:
+    """A bit count in Gbit / Mbit / kbit / bit, two decimals."""
+    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} bit"
+
+
+def round_summary(row: dict[str, Any]) -> str:
+    """A metrics row in one line, as progress shows it: accuracy, density and the bits so far."""
+    return (f"acc {float(row['accuracy']):.4f}  density {float(row['density']):.3f}  "
+            f"bits {format_bits(float(row['cum_bits']))}")
 
 
 class Simulator:
     """Runs an experiment into a run directory (README.md: "A run directory holds ...")."""
 
     def __init__(self, cfg: Config, out: Path, *, resume: bool = False, federation: Federation | None = None,
-                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 dataset: Dataset | None = None, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """``federation``: clients already split (tests); else ``dataset`` (data already loaded, e.g. a library
+        user's arrays: :func:`dturbo.data.dataset_from_arrays`) is split among the clients; else the config's
+        data is read."""
         self.cfg = cfg
         self.out = Path(out)
         self.resume = resume
         self.on_round = on_round
         if cfg.experiment.threads:  # before anything is built: reductions depend on the thread count
             torch.set_num_threads(cfg.experiment.threads)
+        self.device = resolve_device(cfg.experiment.device)  # "cuda" without a GPU fails here, before any work
         if (msg := schedule_warning(cfg)) is not None:
             warnings.warn(msg, ScheduleWarning, stacklevel=2)
-        self.fed = federation or build_federation(cfg)
+        self.fed = federation or build_federation(cfg, dataset)
         self.server, self.client = build_algorithm(cfg, self.fed)
         self.fingerprint = config_fingerprint(cfg.to_dict())
+        self.final_model: nn.Module | None = None  # the global model saved at the end of run(), in eval mode
 
     # ----------------------------------------------------------- run files
     @property
@@ -272,9 +295,9 @@ class Simulator:
             last = rnd == cfg.experiment.rounds - 1
             if (rnd + 1) % cfg.experiment.eval_every == 0 or last:
                 model = self.server.global_model(state)
-                acc, loss = evaluate(model, self.fed.x_test, self.fed.y_test)
+                acc, loss = evaluate(model, self.fed.x_test, self.fed.y_test, device=self.device)
                 if self.fed.x_val is not None:
-                    val = evaluate(model, self.fed.x_val, self.fed.y_val)
+                    val = evaluate(model, self.fed.x_val, self.fed.y_val, device=self.device)
             row: dict[str, Any] = {
                 "round": rnd + 1, "accuracy": acc, "loss": loss,
                 **({"val_accuracy": val[0], "val_loss": val[1]} if self.fed.x_val is not None else {}),
@@ -295,7 +318,7 @@ class Simulator:
             })
             if self.on_round:
                 self.on_round(row)
-        self._save_model(state)
+        self.final_model = self._save_model(state)
         return rows
 
     def _round(self, state: dict[str, Any], rnd: int) -> tuple[Any, dict[str, int], dict[str, int], list[str]]:
@@ -423,14 +446,16 @@ class Simulator:
                 raise CheckpointError(f"checkpoint in {self.checkpoint_dir}: {err}; left untouched") from None
         return {k: v for k, v in state.items() if not k.startswith(CLIENT_STATE_PREFIX)}
 
-    def _save_model(self, state: dict[str, Any]) -> None:
-        model = self.server.global_model(state)
+    def _save_model(self, state: dict[str, Any]) -> nn.Module:
+        """Write model.safetensors; returns the global model (mean weights, pruned) in eval mode."""
+        model = self.server.global_model(state).eval()
         # clone: tied parameters (sigma_mode = "client") must be separate tensors in a safetensors file
         tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         meta = {"model": self.cfg.model.name, "dataset": self.cfg.data.name, "algorithm": self.cfg.experiment.algorithm}
         if self.fed.dataset.input_norm is not None:  # so an export can take raw inputs (dturbo.export)
             meta["input_norm"] = json.dumps(self.fed.dataset.input_norm)
         atomic_write_bytes(self.out / "model.safetensors", save_torch(tensors, metadata=meta))
+        return model
 
 
 class ClientLost(ClientError):

@@ -36,6 +36,7 @@ from ..codec import (
     encode_values,
 )
 from ..config import Config, ConfigError, PriorConfig, SparsityConfig
+from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale, weight_uses
 from ..prior import LayerPrior, grid_shape, layer_kind, resolve_prior
@@ -601,6 +602,7 @@ class DturboClient:
         self.model_factory = model_factory
         self.model = model_factory()
         self.layers = _layer_infos(self.model, cfg)
+        self.device = resolve_device(cfg.experiment.device)
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         fields = fields_dict(downlink, DOWN_KIND)
@@ -643,7 +645,7 @@ class DturboClient:
             # E6: beta * KL / n with n the *global* sample count.
             return beta * torch.stack([layer.kl() for _, layer in layers]).sum() / total
 
-        result = train_local(model, data, self.cfg.train, gen, penalty)
+        result = train_local(model, data, self.cfg.train, gen, penalty, device=self.device)
         up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
         for info, (_, layer), mask, start in zip(self.layers, layers, masks, starts, strict=True):

@@ -41,6 +41,7 @@ from torch.nn.utils import parametrize
 from ..codec import CodecError, decode_quantized, encode_quantized
 from ..coding.masks import decode_mask_payload, encode_mask_payload
 from ..config import Config
+from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
 from .base import (
     ClientData,
@@ -108,6 +109,8 @@ class _BernoulliSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: object, theta: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if generator is not None and generator.device != theta.device:  # a CPU generator, a model on a GPU
+            return torch.bernoulli(theta.cpu(), generator=generator).to(theta.device)
         return torch.bernoulli(theta, generator=generator)
 
     @staticmethod
@@ -300,6 +303,7 @@ class FedPmClient:
     def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
         self.cfg = cfg
         self.model = frozen_model(model_factory, cfg.fedpm.weight_scale)
+        self.device = resolve_device(cfg.experiment.device)
         self.layers = point_layers(self.model)
         self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
         self.gates: list[tuple[_Gate, _Gate | None]] = []
@@ -350,7 +354,8 @@ class FedPmClient:
             for gate in gates:
                 if gate is not None:
                     gate.generator = mask_gen
-        result = train_local(self.model, data, self.cfg.train, client_generator(seed, round_idx, client_id))
+        result = train_local(self.model, data, self.cfg.train, client_generator(seed, round_idx, client_id),
+                             device=self.device)
         rng = np.random.default_rng([seed, round_idx, client_id, _TAG_UPLOAD])
         up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
         for info, gates, theta_g in zip(self.layers, self.gates, probs, strict=True):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TrainConfig
+from ..device import CPU
 from .base import ClientData, ClientError
 
 
@@ -39,18 +40,31 @@ def train_local(
     train: TrainConfig,
     generator: torch.Generator,
     penalty: Callable[[], torch.Tensor] | None = None,
+    device: torch.device = CPU,
 ) -> LocalResult:
     """Run the local steps: loss = mean cross-entropy of the minibatch (+ ``penalty()``).
 
     Minibatches are drawn by reshuffling the local data each epoch with ``generator``, so a round is a
     pure function of the downlink, the data and the generator's seed.
+    The model trains on ``device`` (``experiment.device``) and is back on the CPU when this returns, where the
+    client encodes its upload; the minibatch order and the noise are still drawn on the CPU with ``generator``.
+    On the CPU nothing moves.
     Raises ClientError as soon as the loss stops being finite (a diverged client must not be averaged in).
     """
     n = len(data)
     if n == 0:
         raise ClientError("client has no data")
     steps = num_local_steps(train, n)
-    bs = min(train.batch_size, n)
+    model.to(device)
+    try:
+        return _steps(model, data, train, generator, penalty, device, steps, min(train.batch_size, n))
+    finally:
+        model.to(CPU)
+
+
+def _steps(model: nn.Module, data: ClientData, train: TrainConfig, generator: torch.Generator,
+           penalty: Callable[[], torch.Tensor] | None, device: torch.device, steps: int, bs: int) -> LocalResult:
+    n = len(data)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(train, params)
     model.train()
@@ -63,8 +77,8 @@ def train_local(
             pos = 0
         idx = order[pos : pos + bs]
         pos += bs
-        logits = model(data.x[idx])
-        nll = F.cross_entropy(logits, data.y[idx])
+        logits = model(data.x[idx].to(device))
+        nll = F.cross_entropy(logits, data.y[idx].to(device))
         loss = nll
         pen = penalty() if penalty is not None else None
         if pen is not None:

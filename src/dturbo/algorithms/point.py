@@ -23,6 +23,7 @@ from torch import nn
 
 from ..codec import decode_dense, encode_dense
 from ..config import Config
+from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
 from ..prior import grid_shape
 from .base import (
@@ -198,6 +199,7 @@ class PointClient:
         self.cfg = cfg
         self.model = make_deterministic(model_factory())
         self.layers = point_layers(self.model)
+        self.device = resolve_device(cfg.experiment.device)
         self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
 
     def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
@@ -215,7 +217,7 @@ class PointClient:
             _load(layer, w, b)
             starts.append(_theta(layer))
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
-        result = train_local(self.model, data, self.cfg.train, gen)
+        result = train_local(self.model, data, self.cfg.train, gen, device=self.device)
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x51])
         up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
         for info, (_, layer), start in zip(self.layers, bayesian_layers(self.model), starts, strict=True):

@@ -67,6 +67,7 @@ from torch import nn
 
 from ..codec import decode_dense, decode_ternary, encode_dense, encode_ternary
 from ..config import Config, ConfigError
+from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
 from .base import (
     ClientData,
@@ -329,6 +330,7 @@ class StcClient:
     def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
         self.cfg = cfg
         self.model = make_deterministic(model_factory())
+        self.device = resolve_device(cfg.experiment.device)
         self.layers = point_layers(self.model)
         self.tensors = stc_tensors(self.layers)
         self.size = sum(t.size for t in self.tensors)
@@ -390,7 +392,7 @@ class StcClient:
             _load(layer, start[pos : pos + n_w], start[pos + n_w : pos + info.size])
             pos += info.size
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
-        result = train_local(self.model, data, self.cfg.train, gen)
+        result = train_local(self.model, data, self.cfg.train, gen, device=self.device)
         local = np.concatenate([_theta(layer) for _, layer in bayesian_layers(self.model)])
         before = self._residual_entering(client_id, round_idx)
         acc = (local - start.astype(np.float64)) + before

@@ -1,11 +1,13 @@
-"""Dataset readers: IDX (MNIST, Fashion-MNIST), CIFAR-10/100 (binary and python versions), a user's .npz.
+"""Dataset readers: IDX (MNIST, Fashion-MNIST), CIFAR-10/100 (binary and python versions), a user's .npz, and
+the same user's arrays in memory (:func:`dataset_from_arrays`, checked by the same :func:`check_arrays`).
 
 No downloads and no torchvision: files on disk only. Every problem raises :class:`DataError` naming the
 file and the fix. CIFAR's python version is a pickle; it is read with an unpickler that refuses every
 global except numpy's array reconstruction (``_reconstruct``, ``ndarray``, ``dtype``), so a malicious file
 cannot run code.
 
-Layouts of a user's ``.npz`` (arrays ``x_train``, ``y_train``, ``x_test``, ``y_test``):
+Layouts of a user's ``.npz`` or in-memory arrays (``x_train``, ``y_train``, ``x_test``, ``y_test``; numpy
+arrays or torch tensors):
 
 * ``N,H,W``: one channel is added -> ``N,1,H,W``;
 * ``N,H,W,C`` (channels last) is detected when the last dimension is 1 or 3 **and** dimension 1 is not
@@ -295,7 +297,7 @@ def _load_cifar(name: str, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 # ---------------------------------------------------------------- npz
-def _to_nchw(x: np.ndarray, path: Path, key: str) -> np.ndarray:
+def _to_nchw(x: np.ndarray, where: str, key: str) -> np.ndarray:
     """N,H,W -> N,1,H,W; N,H,W,C (last dim in {1,3}, dim 1 not in {1,3}) -> N,C,H,W; N,C,H,W and N,D kept."""
     if x.ndim == 3:
         return x[:, None]
@@ -303,7 +305,7 @@ def _to_nchw(x: np.ndarray, path: Path, key: str) -> np.ndarray:
         return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
     if x.ndim in (2, 4):
         return x
-    raise DataError(f"{path}: {key} must be N,H,W or N,C,H,W or N,H,W,C images or flat N,D; got shape {x.shape}")
+    raise DataError(f"{where}: {key} must be N,H,W or N,C,H,W or N,H,W,C images or flat N,D; got shape {x.shape}")
 
 
 def _looks_like_text(path: Path) -> bool:
@@ -321,33 +323,89 @@ def _class_list(ids: np.ndarray, limit: int = 20) -> str:
     return shown + (f", ... ({len(ids)} in all)" if len(ids) > limit else "")
 
 
-def _npz_num_classes(path: Path, ytr: np.ndarray, yte: np.ndarray, stored: np.ndarray | None) -> int:
-    """The number of classes: the file's ``num_classes`` if stored (labels must lie below it), else the
-    largest label + 1; warns (:class:`DataWarning`) about classes without training samples."""
+def _num_classes(where: str, ytr: np.ndarray, yte: np.ndarray, stored: Any, store: str) -> int:
+    """The number of classes: ``stored`` if given (labels must lie below it), else the largest label + 1; warns
+    (:class:`DataWarning`) about classes without training samples. ``store`` says how to give the count, with a
+    ``{}`` for it (``np.savez(..., num_classes={})``)."""
     top = int(max(ytr.max(), yte.max()))
     if stored is not None:
-        if stored.shape != () or not np.issubdtype(stored.dtype, np.integer) or int(stored) < 2:
-            raise DataError(f"{path}: num_classes must be one integer >= 2 (np.savez(..., num_classes=10)), got "
-                            f"{stored.dtype} {stored.shape} {stored if stored.size <= 5 else ''}")
-        nc = int(stored)
+        arr = np.asarray(stored)
+        if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 2:
+            raise DataError(f"{where}: num_classes must be one integer >= 2 ({store.format(10)}), got "
+                            f"{arr.dtype} {arr.shape} {arr if arr.size <= 5 else ''}")
+        nc = int(arr)
         if top >= nc:
             split = "y_train" if int(ytr.max()) >= nc else "y_test"
-            raise DataError(f"{path}: {split} has label {top}, outside [0, num_classes = {nc}); fix the labels or "
-                            f"store num_classes={top + 1}")
+            raise DataError(f"{where}: {split} has label {top}, outside [0, num_classes = {nc}); fix the labels or "
+                            f"give num_classes={top + 1}")
     else:
         nc = max(top + 1, 2)
         missing = np.setdiff1d(np.arange(top + 1), ytr)  # ids the labels skip (a single class 0 is no gap)
         if len(missing):
             warnings.warn(
-                f"{path}: no training sample has class {_class_list(missing)}, yet labels run 0..{nc - 1}, so the "
+                f"{where}: no training sample has class {_class_list(missing)}, yet labels run 0..{nc - 1}, so the "
                 f"model gets {nc} outputs, {len(missing)} of them never trained. If the labels skip values, "
-                f"remap them to 0..K-1; if these classes are real but absent, say so by storing the class count "
-                f"in the file: np.savez(..., num_classes={nc})", DataWarning, stacklevel=4)
+                f"remap them to 0..K-1; if these classes are real but absent, say so by giving the class count: "
+                f"{store.format(nc)}", DataWarning, stacklevel=5)
     unseen = np.setdiff1d(yte, ytr)
     if len(unseen):
-        warnings.warn(f"{path}: test label(s) {_class_list(unseen)} never appear in y_train: the model cannot "
-                      f"learn them and every such test sample counts as an error", DataWarning, stacklevel=4)
+        warnings.warn(f"{where}: test label(s) {_class_list(unseen)} never appear in y_train: the model cannot "
+                      f"learn them and every such test sample counts as an error", DataWarning, stacklevel=5)
     return nc
+
+
+def _as_numpy(value: Any, key: str, where: str) -> np.ndarray:
+    """A numpy array from a numpy array, a torch tensor (on any device) or anything ``np.asarray`` takes."""
+    if isinstance(value, np.ndarray):
+        return value
+    try:
+        if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor; no torch import needed here
+            return value.detach().cpu().numpy()
+        return np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise DataError(f"{where}: {key} is not a numeric array ({type(value).__name__}: {err}); give numpy "
+                        f"arrays or torch tensors of numbers") from None
+
+
+def check_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, num_classes: Any = None, *,
+                 where: str = "data", store: str = "num_classes={}") -> tuple[np.ndarray, ...]:
+    """Validate a user's four arrays (an ``.npz`` file's, or those given to :class:`dturbo.Experiment`) and put
+    them in dturbo's layout: ``(x_train, y_train, x_test, y_test, num_classes)`` with images ``N,C,H,W`` or flat
+    ``N,D`` (the module docstring's layouts), int64 labels, and the class count (``num_classes`` if given, else the
+    largest label + 1).
+
+    Raises :class:`DataError` naming ``where`` and the array: lengths of x and y that differ, a label array that is
+    not ``(N,)``, no rows, non-numeric x, non-integer or negative labels, labels >= ``num_classes``, NaN/Inf,
+    train and test samples of different shapes, a layout that is none of the above. ``store`` says how to give
+    the class count (with ``{}`` for it)."""
+    xtr, ytr, xte, yte = (_as_numpy(v, k, where) for v, k in zip((x_train, y_train, x_test, y_test), NPZ_KEYS,
+                                                                    strict=True))
+    for x, y, split in ((xtr, ytr, "train"), (xte, yte, "test")):
+        if y.ndim != 1:
+            raise DataError(f"{where}: y_{split} must be one label per row, shape (N,), got {y.shape}")
+        if x.ndim < 2:
+            raise DataError(f"{where}: x_{split} has shape {x.shape}, not rows of samples: give N,D flat features "
+                            f"or N,H,W, N,C,H,W or N,H,W,C images")
+        if len(x) != len(y):
+            raise DataError(f"{where}: x_{split} has shape {x.shape} ({len(x)} rows) but y_{split} has {len(y)} "
+                            f"rows; they must match")
+        if len(y) == 0:
+            raise DataError(f"{where}: x_{split} has no rows")
+        if x.dtype.kind not in "buif":
+            raise DataError(f"{where}: x_{split} must be numeric (uint8 pixels or floats), got {x.dtype}")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{where}: y_{split} must hold integer class labels, got {y.dtype} "
+                            f"(convert with y.astype(np.int64))")
+        if y.min() < 0:
+            raise DataError(f"{where}: y_{split} has negative labels (min {y.min()}); labels must be 0..K-1")
+        if x.dtype.kind == "f" and not np.all(np.isfinite(x)):
+            raise DataError(f"{where}: x_{split} contains NaN or Inf")
+    if xtr.shape[1:] != xte.shape[1:]:
+        raise DataError(f"{where}: x_train samples {xtr.shape[1:]} and x_test samples {xte.shape[1:]} differ in "
+                        f"shape")
+    nc = _num_classes(where, ytr, yte, num_classes, store)
+    return (_to_nchw(xtr, where, "x_train"), ytr.astype(np.int64), _to_nchw(xte, where, "x_test"),
+            yte.astype(np.int64), nc)
 
 
 def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
@@ -377,28 +435,9 @@ def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         raise
     except Exception as err:  # not a zip, object arrays (pickles refused), corrupt members
         raise DataError(f"{path} is not a readable .npz file ({type(err).__name__}: {err}); {need}") from None
-    for x, y, split in ((xtr, ytr, "train"), (xte, yte, "test")):
-        if y.ndim != 1:
-            raise DataError(f"{path}: y_{split} must be one label per row, shape (N,), got {y.shape}")
-        if x.ndim < 2 or len(x) != len(y):
-            raise DataError(f"{path}: x_{split} has shape {x.shape} ({len(x) if x.ndim else 0} rows) but "
-                            f"y_{split} has {len(y)} rows; they must match")
-        if len(y) == 0:
-            raise DataError(f"{path}: x_{split} has no rows")
-        if x.dtype.kind not in "buif":
-            raise DataError(f"{path}: x_{split} must be numeric (uint8 pixels or floats), got {x.dtype}")
-        if not np.issubdtype(y.dtype, np.integer):
-            raise DataError(f"{path}: y_{split} must hold integer class labels, got {y.dtype} "
-                            f"(save y.astype(np.int64))")
-        if y.min() < 0:
-            raise DataError(f"{path}: y_{split} has negative labels (min {y.min()}); labels must be 0..K-1")
-        if x.dtype.kind == "f" and not np.all(np.isfinite(x)):
-            raise DataError(f"{path}: x_{split} contains NaN or Inf")
-    if xtr.shape[1:] != xte.shape[1:]:
-        raise DataError(f"{path}: x_train samples {xtr.shape[1:]} and x_test samples {xte.shape[1:]} differ in shape")
-    num_classes = _npz_num_classes(path, ytr, yte, stored_nc)
-    return (_to_nchw(xtr, path, "x_train"), ytr.astype(np.int64), _to_nchw(xte, path, "x_test"),
-            yte.astype(np.int64), num_classes)
+    xtr, ytr, xte, yte, nc = check_arrays(xtr, ytr, xte, yte, stored_nc, where=str(path),
+                                          store="np.savez(..., num_classes={})")
+    return xtr, ytr, xte, yte, int(nc)
 
 
 # ------------------------------------------------------------- public
@@ -450,7 +489,8 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit
     """Load a dataset from disk, normalised per channel with training-set statistics.
 
     Args:
-        name: ``"fashion-mnist"``, ``"mnist"``, ``"cifar10"``, ``"cifar100"`` or ``"npz"``.
+        name: ``"fashion-mnist"``, ``"mnist"``, ``"cifar10"``, ``"cifar100"`` or ``"npz"`` (``"arrays"``, data
+            held in memory, is refused: see :func:`dataset_from_arrays`).
         path: folder of IDX files (fashion-mnist defaults to ``/usr/share/datasets/fashion-mnist``);
             for CIFAR the extracted binary or python folder, or its parent; for ``npz`` the file.
         limit_train: keep a seeded random subset of this many training samples (before normalisation).
@@ -461,9 +501,7 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit
         DataError: a file is missing or malformed, or the name is unknown.
         ValueError: a limit is not positive.
     """
-    for pname, lim in (("limit_train", limit_train), ("limit_test", limit_test)):
-        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, int | np.integer) or lim < 1):
-            raise ValueError(f"{pname} must be a positive integer or None, got {lim!r}")
+    _check_limits(limit_train, limit_test)
     if name == "fashion-mnist":
         folder = Path(path if path is not None else FASHION_MNIST_PATH)
         how = ("Install it with `apt-get install dataset-fashion-mnist` (Debian, files in "
@@ -489,11 +527,43 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit
         if path is None:
             raise DataError(f"dataset 'npz' needs data.path: a .npz file with arrays {', '.join(NPZ_KEYS)}")
         xtr, ytr, xte, yte, nc = _load_npz(Path(path))
+    elif name == "arrays":
+        raise DataError("data.name = 'arrays' names data held in memory and given to dturbo.Experiment(config, "
+                        "data=(x_train, y_train, x_test, y_test)); there is nothing to read from disk: pass the "
+                        "arrays again (also to resume such a run), or save them with np.savez and use data.name = "
+                        "'npz'")
     else:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
     for y, split in ((ytr, "training"), (yte, "test")):
         if len(y) and (y.min() < 0 or y.max() >= nc):
             raise DataError(f"{name} at {path}: {split} labels outside [0, {nc})")
+    return _finish(name, xtr, ytr, xte, yte, nc, limit_train, limit_test, seed)
+
+
+def dataset_from_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, *, num_classes: int | None = None,
+                        limit_train: int | None = None, limit_test: int | None = None, seed: int = 0) -> Dataset:
+    """A :class:`Dataset` (name ``"arrays"``) from in-memory arrays, read exactly as an ``.npz`` file's: numpy
+    arrays or torch tensors in the module docstring's layouts, checked by :func:`check_arrays`, subset and
+    normalised as :func:`load_dataset` does.
+
+    Raises:
+        DataError: the arrays are unusable (the message names the array and the problem).
+        ValueError: a limit is not positive.
+    """
+    _check_limits(limit_train, limit_test)
+    xtr, ytr, xte, yte, nc = check_arrays(x_train, y_train, x_test, y_test, num_classes)
+    return _finish("arrays", xtr, ytr, xte, yte, int(nc), limit_train, limit_test, seed)
+
+
+def _check_limits(limit_train: int | None, limit_test: int | None) -> None:
+    for pname, lim in (("limit_train", limit_train), ("limit_test", limit_test)):
+        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, int | np.integer) or lim < 1):
+            raise ValueError(f"{pname} must be a positive integer or None, got {lim!r}")
+
+
+def _finish(name: str, xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray, nc: int,
+            limit_train: int | None, limit_test: int | None, seed: int) -> Dataset:
+    """The seeded subsets (``limit_*``), then the per-channel normalisation with the training subset's statistics."""
     rng = np.random.default_rng(seed)
     xtr, ytr = _subset(xtr, ytr.astype(np.int64), limit_train, rng)
     xte, yte = _subset(xte, yte.astype(np.int64), limit_test, rng)

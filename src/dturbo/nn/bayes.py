@@ -89,7 +89,10 @@ class BayesianLayer(nn.Module):
             var = sigma2 * self._op(x * x, self.mask, None)
         else:
             var = self._op(x * x, sigma2 * self.mask, None)
-        noise = torch.randn(mean.shape, generator=self.generator, dtype=mean.dtype, device=mean.device)
+        # Drawn where the client's generator lives (the CPU, also when the model trains on a GPU): the same
+        # noise on every device.
+        where = self.generator.device if self.generator is not None else mean.device
+        noise = torch.randn(mean.shape, generator=self.generator, dtype=mean.dtype, device=where).to(mean.device)
         return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noise
 
     def kl(self) -> torch.Tensor:

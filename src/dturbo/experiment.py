@@ -1,0 +1,161 @@
+"""dturbo as a library: run a federated experiment from Python (docs/library.md).
+
+:class:`Experiment` is ``dturbo run`` without the command line: the same :class:`dturbo.sim.Simulator`, so the
+same run directory (config.toml, metrics.csv, checkpoint/, messages/, model.safetensors, events.log, figures/),
+the same checkpoints every round and the same ``resume``. Data come from the config (``[data]``), or from
+arrays in memory, read exactly as a ``.npz`` file's (:func:`dturbo.data.dataset_from_arrays`: the same layouts,
+checks and normalisation).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .config import Config, load_config
+from .data import DataError, Dataset, dataset_from_arrays
+from .data.readers import NPZ_KEYS
+from .device import resolve_device
+from .sim import Simulator, round_summary
+
+ConfigSource = Config | Mapping[str, Any] | str | os.PathLike[str]
+# (x_train, y_train, x_test, y_test) as numpy arrays or torch tensors, or a mapping with those keys (and
+# optionally num_classes), e.g. what np.load gives for an .npz file
+DataSource = Sequence[Any] | Mapping[str, Any]
+Progress = bool | Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class ExperimentResult:
+    """What :meth:`Experiment.run` returns.
+
+    ``metrics``: the rows of ``metrics.csv`` (one per round, also the rounds run before a resume), numbers as
+    int or float, an empty cell as None. ``model``: the final global model (mean weights, pruned to the
+    support; eval mode), as saved in ``model.safetensors``. ``out``: the run directory. ``config``: the
+    resolved config, as written to ``config.toml``."""
+
+    metrics: list[dict[str, Any]]
+    model: nn.Module
+    out: Path
+    config: Config
+
+    @property
+    def accuracy(self) -> float:
+        """Test accuracy of the final global model (the last round's row)."""
+        return float(self.metrics[-1]["accuracy"])
+
+    @property
+    def density(self) -> float:
+        """Fraction of nonzero weights of the final global model (the last round's row)."""
+        return float(self.metrics[-1]["density"])
+
+
+class Experiment:
+    """A federated experiment into the run directory ``out``, as ``dturbo run CONFIG --out OUT`` makes it.
+
+    Args:
+        config: a :class:`Config`, a dict shaped like the TOML, or a TOML path (read by
+            :func:`dturbo.load_config`).
+        data: arrays in memory instead of the config's ``[data]`` files: ``(x_train, y_train, x_test, y_test)``
+            (numpy arrays or torch tensors; images ``N,H,W``, ``N,C,H,W`` or ``N,H,W,C``, or flat ``N,D``; labels
+            ``(N,)`` integers in ``0..K-1``), or a mapping with those keys (e.g. ``np.load("d.npz")``). They are
+            checked and normalised as an ``.npz`` file is; the run records ``data.name = "arrays"`` (replacing
+            the config's data name and path; ``limit_train``, ``limit_test`` and ``validation`` still apply).
+            To resume such a run, pass the same arrays again.
+        out: the run directory (new or empty; with ``resume``, a run directory to continue).
+        num_classes: the number of classes (labels must lie below it); default the largest label + 1. With a
+            mapping ``data``, its ``num_classes`` entry is used when this is None.
+        resume: continue from the run directory's checkpoint (the same metrics as an uninterrupted run).
+        progress: True prints a line per round to stderr (as ``dturbo run`` does in a log); a callable is
+            called with each round's metrics row instead; False is silent.
+        figures: draw the run's figures into ``out/figures`` at the end, as ``dturbo run`` does.
+
+    Raises (at construction, before any round runs; :meth:`run` raises the same as ``dturbo run``):
+        ConfigError: a bad config key or value, or ``experiment.device = "cuda"`` without a GPU.
+        DataError: unusable data arrays; the message names the array and the problem.
+    """
+
+    def __init__(self, config: ConfigSource, *, data: DataSource | None = None, out: str | os.PathLike[str],
+                 num_classes: int | None = None, resume: bool = False, progress: Progress = True,
+                 figures: bool = True) -> None:
+        cfg = load_config(config)
+        self.dataset: Dataset | None = None
+        if data is not None:
+            cfg = load_config(cfg, {"data.name": "arrays", "data.path": None})
+            arrays, stored_nc = _unpack(data)
+            self.dataset = dataset_from_arrays(
+                *arrays, num_classes=num_classes if num_classes is not None else stored_nc,
+                limit_train=cfg.data.limit_train, limit_test=cfg.data.limit_test, seed=cfg.experiment.seed)
+        elif num_classes is not None:
+            raise ValueError("num_classes goes with data=...; for data read from files it comes from the files")
+        resolve_device(cfg.experiment.device)  # "cuda" without a GPU: say so now
+        self.config = cfg
+        self.out = Path(out)
+        self.resume = resume
+        self.progress = progress
+        self.figures = figures
+
+    def run(self) -> ExperimentResult:
+        """Run (or, with ``resume``, continue) every round of ``experiment.rounds``; returns the metrics and the
+        final global model. Raises what ``dturbo run`` reports: ConfigError, DataError, CheckpointError,
+        FileExistsError (``out`` holds another run), TooFewClientsError, PoisonedStateError."""
+        sim = Simulator(self.config, self.out, resume=self.resume, dataset=self.dataset,
+                        on_round=self._on_round())
+        sim.run()
+        if self.figures:
+            from .report import draw_run
+
+            draw_run(self.out)
+        assert sim.final_model is not None  # set by run()
+        return ExperimentResult(read_metrics_rows(self.out), sim.final_model, self.out, self.config)
+
+    def _on_round(self) -> Callable[[dict[str, Any]], None] | None:
+        if callable(self.progress):
+            return self.progress
+        if not self.progress:
+            return None
+        rounds = self.config.experiment.rounds
+
+        def show(row: dict[str, Any]) -> None:
+            print(f"round {row['round']}/{rounds}  {round_summary(row)}  ({row['seconds']} s)", file=sys.stderr)
+
+        return show
+
+
+def _unpack(data: DataSource) -> tuple[tuple[Any, Any, Any, Any], Any]:
+    """The four arrays of ``data`` and its stored class count (None if absent)."""
+    if isinstance(data, Mapping):
+        missing = [k for k in NPZ_KEYS if k not in data]
+        if missing:
+            raise DataError(f"data: missing {', '.join(missing)} (a mapping needs the keys {', '.join(NPZ_KEYS)})")
+        return (data["x_train"], data["y_train"], data["x_test"], data["y_test"]), data.get("num_classes")
+    if isinstance(data, str | bytes | os.PathLike) or not isinstance(data, Sequence) or len(data) != 4:
+        what = f"a sequence of {len(data)}" if isinstance(data, Sequence) and not isinstance(data, str) else (
+            type(data).__name__)
+        raise DataError(f"data must be (x_train, y_train, x_test, y_test) or a mapping with those keys, got {what}; "
+                        f"for data in a file, set data.name and data.path in the config instead")
+    return (data[0], data[1], data[2], data[3]), None
+
+
+def _number(text: str) -> int | float | str | None:
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_metrics_rows(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of a run directory's ``metrics.csv``, numbers as int or float and empty cells as None."""
+    with open(Path(run_dir) / "metrics.csv", newline="") as f:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]

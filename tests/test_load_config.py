@@ -1,0 +1,78 @@
+"""dturbo.load_config: a TOML path, a dict or a Config, with overrides exactly as ``--set`` reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import dturbo
+from dturbo.checkpoint import config_fingerprint
+from dturbo.config import Config, ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ROOT / "configs" / "fmnist_quick.toml"
+
+
+def test_exported_from_the_package():
+    assert dturbo.load_config is dturbo.config.load_config
+    assert dturbo.Config is Config and issubclass(dturbo.ConfigError, ValueError)
+
+
+def test_path_dict_and_config_sources_agree():
+    from_path = dturbo.load_config(QUICK)
+    from_str = dturbo.load_config(str(QUICK))
+    from_dict = dturbo.load_config(from_path.to_dict())
+    from_config = dturbo.load_config(from_path)
+    assert from_path == from_str == from_dict == from_config
+    assert from_path.experiment.name == "fmnist_quick"
+
+
+def test_overrides_as_list_or_mapping_match_the_cli():
+    as_cli = dturbo.load_config(QUICK, ["experiment.rounds=3", "model.hidden=[64, 32]", "data.path=/x",
+                                        "dturbo.sparsity.layer_targets={conv1 = 0.3}", "experiment.name=2024"])
+    as_text = dturbo.load_config(QUICK, {"experiment.rounds": "3", "model.hidden": "[64, 32]", "data.path": "/x",
+                                         "dturbo.sparsity.layer_targets": "{conv1 = 0.3}",
+                                         "experiment.name": "2024"})
+    as_values = dturbo.load_config(QUICK, {"experiment.rounds": 3, "model.hidden": [64, 32], "data.path": Path("/x"),
+                                           "dturbo.sparsity.layer_targets": {"conv1": 0.3},
+                                           "experiment.name": "2024"})
+    assert as_cli == as_text == as_values
+    assert as_cli.experiment.rounds == 3 and as_cli.model.hidden == [64, 32] and as_cli.data.path == "/x"
+    assert as_cli.experiment.name == "2024"  # a text key keeps text that reads as TOML
+
+
+def test_the_source_dict_is_not_modified():
+    data = {"experiment": {"rounds": 4}}
+    cfg = dturbo.load_config(data, {"experiment.rounds": 2, "train.lr": 0.01})
+    assert data == {"experiment": {"rounds": 4}}
+    assert cfg.experiment.rounds == 2 and cfg.train.lr == 0.01
+
+
+@pytest.mark.parametrize("source,overrides,match", [
+    ({"experiment": {"roundz": 3}}, None, r"'experiment\.roundz': unknown key"),
+    ({}, {"experiment.roundz": 3}, r"'experiment\.roundz': unknown key"),
+    ({}, {"experiment.rounds": "many"}, r"'experiment\.rounds'.*'many'"),
+    ({}, {"experiment.rounds": True}, r"'experiment\.rounds'"),
+    ({}, ["experiment.rounds"], "must look like section.key=value"),
+    ({}, "experiment.rounds=3", "not one string"),
+    ({}, {"experiment..rounds": 3}, "not a dotted key"),
+    ({"experiment": 3}, {"experiment.rounds": 3}, "'experiment' is not a section"),
+    ({}, {"experiment.device": "tpu"}, r"'experiment\.device'"),
+    (42, None, "not int"),
+    ("/no/such/config.toml", None, "cannot read config file"),
+])
+def test_bad_keys_and_values_raise_config_error_naming_them(source, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        dturbo.load_config(source, overrides)
+
+
+def test_device_key_defaults_to_cpu_and_leaves_the_fingerprint_alone():
+    cfg = dturbo.load_config({})
+    assert cfg.experiment.device == "cpu"
+    on_gpu = dturbo.load_config({}, {"experiment.device": "auto"})
+    assert config_fingerprint(on_gpu.to_dict()) == config_fingerprint(cfg.to_dict())
+    # the fingerprint of a config written before the key existed is unchanged (resumable runs stay resumable)
+    old = cfg.to_dict()
+    del old["experiment"]["device"]
+    assert config_fingerprint(old) == config_fingerprint(cfg.to_dict())
