@@ -139,7 +139,6 @@ DT_ABLATION: list[tuple[str, dict[str, Any], str]] = [
     ("dturbo_t15", {"dturbo.sparsity.target_density": 0.15}, "15% target"),
     ("dturbo_warm2", {"dturbo.sparsity.warmup_rounds": 2}, "2 dense warm-up rounds"),
     ("dturbo_ramp3", {"dturbo.sparsity.ramp_rounds": 3}, "3-round ramp"),
-    ("dturbo_beta0.01", {"dturbo.beta": 0.01}, "beta 0.01"),
 ]
 # The paper's protocol: every value 16-bit, sigma_prior sent as float16; the comparison's schedule (25% target,
 # 5 dense warm-up rounds, 10-round ramp: configs/fmnist_compare/dturbo.toml), i.e. what was reported before.
