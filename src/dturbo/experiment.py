@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .config import Config, ConfigError, load_config
@@ -26,6 +27,7 @@ from .data import DataError, Dataset, dataset_from_arrays
 from .data.readers import NPZ_KEYS
 from .device import resolve_device
 from .nn.convert import ModelSource, user_model_factory
+from .nn.models import check_input_shape
 from .sim import ModelFactory, Simulator, round_summary
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike[str]
@@ -92,7 +94,7 @@ class Experiment:
         DataError: unusable data arrays; the message names the array and the problem.
         BayesianizeError: a ``model`` with no Linear or Conv2d layer, or with layers dturbo cannot grid
             (``UnsupportedLayerError``, naming each; :mod:`dturbo.nn.convert`).
-        ModelInputError, ModelOutputError (at :meth:`run`, once the data are known): the data's samples do not
+        ModelInputError, ModelOutputError (for data read from files: at :meth:`run`): the data's samples do not
             pass through the model, or its output is not one logit per class (both numbers named).
     """
 
@@ -116,8 +118,11 @@ class Experiment:
         resolve_device(cfg.experiment.device)  # "cuda" without a GPU: say so now
         self.config = cfg
         self.model = copy.deepcopy(model) if isinstance(model, nn.Module) else model  # later changes do not leak in
-        if model is not None:  # an unusable model: say so now (its fit to the data is checked when they are read)
-            self._model_factory(None)()
+        if model is not None:  # an unusable model: say so now (with data read from files, its fit is checked at run)
+            made = self._model_factory(self.dataset)()
+            if self.dataset is not None:
+                with torch.random.fork_rng(devices=[]):
+                    check_input_shape(made, self.dataset.input_shape, type(made).__name__, self.dataset.num_classes)
         self.out = Path(out)
         self.resume = resume
         self.progress = progress
