@@ -240,7 +240,7 @@ def test_fedavg_federates_and_counts_the_other_state(tmp_path, name):
     make = MODELS[name]
     res = run(tmp_path / "run", make, algorithm="fedavg", rounds=2, fedavg={"dtype": "float32"})
     net = dturbo.bayesianize(make())
-    weights = sum(p.numel() for _, layer in bayesian_layers(net) for p in (layer.weight_mu, layer.bias) if p is not None)
+    weights = sum(p.numel() for _, la in bayesian_layers(net) for p in (la.weight_mu, la.bias) if p is not None)
     # the ledger's values: every weight and bias at 32 bits, the other state at 16, to each of 3 clients and back
     per_message = 32 * weights + 16 * _plain_numel(make)
     for row in res.metrics:
