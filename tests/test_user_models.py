@@ -300,3 +300,14 @@ def dict_conv1d() -> nn.Module:
     from collections import OrderedDict
 
     return nn.Sequential(OrderedDict(conv=nn.Conv1d(1, 2, 3), flat=nn.Flatten()))
+
+
+@pytest.mark.filterwarnings("ignore::dturbo.sim.ScheduleWarning")
+def test_a_custom_run_draws_figures_and_export_says_why_not(tmp_path):
+    from dturbo.export import ExportError, export_run
+
+    dturbo.Experiment(config(rounds=1, dturbo={"sparsity": {"warmup_rounds": 1}}), data=images(), model=DepthwiseNet,
+                      out=tmp_path / "run", progress=False).run()
+    assert (tmp_path / "run" / "figures" / "curves.png").exists()
+    with pytest.raises(ExportError, match="model of one's own"):
+        export_run(tmp_path / "run")
