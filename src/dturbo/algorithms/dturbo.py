@@ -2,7 +2,8 @@
 
 Server (Module A closed forms + Module B):  aggregate -> E3 -> E4 -> E1 -> SPMP -> E2 -> support.
 Client: set mu, sigma from the downlink, train (E6) on the support only, upload mu on the support
-(canonical row-major order, no positions), sigma, biases and n_t.
+(canonical row-major order, no positions), sigma, biases and n_t. State outside the Bayesian layers (BatchNorm, ...
+of a model of one's own) travels dense both ways (:mod:`dturbo.algorithms.plain`).
 
 The support S travels implicitly as the nonzeros of the cluster-coded mu_G (docs/algorithm.md §9). To keep that exact,
 the server keeps S equal to the nonzeros of mu_G in float16: a weight whose mean rounds to zero in 16-bit

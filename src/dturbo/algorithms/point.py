@@ -2,7 +2,8 @@
 
 The baselines train the same architectures as D-Turbo-VBI as ordinary networks: the Bayesian layers run
 deterministically (``stochastic = False``), every weight is trainable, there is no KL term. Per layer the
-parameters travel as one vector ``theta = [weight (row-major), bias]``.
+parameters travel as one vector ``theta = [weight (row-major), bias]``; state outside the Bayesian layers travels
+dense in float16, averaged by n_t (:mod:`dturbo.algorithms.plain`).
 
 A subclass decides three things: which clients take part (:meth:`PointServer.select_clients`), how a client
 encodes its local result (:meth:`PointClient.encode_theta`, the server's :meth:`PointServer.decode_theta`),

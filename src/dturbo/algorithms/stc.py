@@ -23,7 +23,9 @@ the position stream as positions.
 
 Downlink: round 0 carries the initial model dense in float32 (the one time W travels; the paper's clients start
 from a common model too, this counts what that costs); every later round carries only the ternary update S of
-the previous aggregation, plus an 8-byte digest (sha256) of the model it yields. The server state holds W, its
+the previous aggregation, plus an 8-byte digest (sha256) of the model it yields. State outside the Bayesian layers
+(a model of one's own with BatchNorm, ...) is not STC-compressed: it travels dense in float16 both ways every round,
+as with every algorithm (:mod:`dturbo.algorithms.plain`). The server state holds W, its
 residual R and the pending S, so the server side is checkpointed whole.
 
 Client state (private in STC: residuals R_i, and the copy of W the updates apply to):
