@@ -183,7 +183,7 @@ def test_client_and_server_error_feedback_in_a_round(algo):
         for cid in range(cfg.federation.clients):
             prev = client._residuals[cid].after if rnd else np.zeros(client.size)
             up = client.fit(down, fed.clients[cid], cid)
-            _, update, kept, _ = server.decode_uplink(up, rnd)
+            _, update, kept, _, _ = server.decode_uplink(up, rnd)
             start = client._model.theta.astype(np.float64)
             acc = flat_model(client) - start + prev
             np.testing.assert_allclose(update + client._residuals[cid].after, acc, rtol=0, atol=1e-15)

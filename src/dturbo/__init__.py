@@ -1,8 +1,9 @@
 """dturbo: Bayesian federated model compression with D-Turbo-VBI (see docs/algorithm.md).
 
 The library's entry points (docs/library.md): :func:`load_config` and :class:`Config`, and
-:class:`Experiment`, whose ``run()`` returns an :class:`ExperimentResult`. ``Experiment`` pulls in torch,
-so it is imported on first use (``import dturbo`` stays light for the command line).
+:class:`Experiment`, whose ``run()`` returns an :class:`ExperimentResult`; :func:`bayesianize` (any
+``torch.nn.Module`` as a D-Turbo-VBI model). They pull in torch, so they are imported on first use
+(``import dturbo`` stays light for the command line).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from .config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
     from .experiment import Experiment, ExperimentResult
+    from .nn.convert import bayesianize
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "Experiment", "ExperimentResult", "load_config"]
+__all__ = ["Config", "ConfigError", "Experiment", "ExperimentResult", "bayesianize", "load_config"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from . import experiment
 
         return getattr(experiment, name)
+    if name == "bayesianize":
+        from .nn.convert import bayesianize
+
+        return bayesianize
     raise AttributeError(f"module 'dturbo' has no attribute {name!r}")

@@ -91,7 +91,8 @@ class FaultsConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: Literal["alexnet-small", "lenet5", "mlp", "mobilenet-v1"] = "alexnet-small"
+    name: Literal["alexnet-small", "lenet5", "mlp", "mobilenet-v1", "custom"] = Field(
+        "alexnet-small", description="custom: a model given to dturbo.Experiment(model=...), not built from the config")
     hidden: list[int] = Field(default_factory=lambda: [200, 100], description="mlp only")
     width: float = Field(1.0, gt=0, le=4, description="mobilenet-v1 width multiplier")
 

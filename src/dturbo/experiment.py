@@ -4,11 +4,13 @@
 same run directory (config.toml, metrics.csv, checkpoint/, messages/, model.safetensors, events.log, figures/),
 the same checkpoints every round and the same ``resume``. Data come from the config (``[data]``), or from
 arrays in memory, read exactly as a ``.npz`` file's (:func:`dturbo.data.dataset_from_arrays`: the same layouts,
-checks and normalisation).
+checks and normalisation). The model is the built-in one ``[model]`` names, or one's own (``model=``: any
+``torch.nn.Module`` or a function returning one, made Bayesian by :func:`dturbo.nn.bayesianize`).
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import os
 import sys
@@ -17,13 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from .config import Config, load_config
+from .config import Config, ConfigError, load_config
 from .data import DataError, Dataset, dataset_from_arrays
 from .data.readers import NPZ_KEYS
 from .device import resolve_device
-from .sim import Simulator, round_summary
+from .nn.convert import ModelSource, user_model_factory
+from .nn.models import check_input_shape
+from .sim import ModelFactory, Simulator, round_summary
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike[str]
 # (x_train, y_train, x_test, y_test) as numpy arrays or torch tensors, or a mapping with those keys (and
@@ -69,6 +74,13 @@ class Experiment:
             checked and normalised as an ``.npz`` file is; the run records ``data.name = "arrays"`` (replacing
             the config's data name and path; ``limit_train``, ``limit_test`` and ``validation`` still apply).
             To resume such a run, pass the same arrays again.
+        model: a network of one's own instead of the config's ``[model]``: a ``torch.nn.Module`` (copied at once;
+            every client and the server start from that copy's weights) or a zero-argument function that returns
+            one (called with torch's RNG seeded by ``experiment.seed``, so the same weights every time). Without
+            Bayesian layers it goes through :func:`dturbo.nn.bayesianize` (every ``nn.Linear`` / ``nn.Conv2d``
+            becomes Bayesian, with ``[dturbo] sigma_mode`` and ``sigma_init_ratio``); its other state (BatchNorm,
+            ...) is trained and travels dense. Its output must be one logit per class. The run records
+            ``model.name = "custom"``; to resume it, pass the same model again.
         out: the run directory (new or empty; with ``resume``, a run directory to continue).
         num_classes: the number of classes (labels must lie below it); default the largest label + 1. With a
             mapping ``data``, its ``num_classes`` entry is used when this is None.
@@ -80,12 +92,20 @@ class Experiment:
     Raises (at construction, before any round runs; :meth:`run` raises the same as ``dturbo run``):
         ConfigError: a bad config key or value, or ``experiment.device = "cuda"`` without a GPU.
         DataError: unusable data arrays; the message names the array and the problem.
+        BayesianizeError: a ``model`` with no Linear or Conv2d layer, or with layers dturbo cannot grid
+            (``UnsupportedLayerError``, naming each; :mod:`dturbo.nn.convert`).
+        ModelInputError, ModelOutputError (for data read from files: at :meth:`run`): the data's samples do not
+            pass through the model, or its output is not one logit per class (both numbers named).
     """
 
     def __init__(self, config: ConfigSource, *, data: DataSource | None = None, out: str | os.PathLike[str],
                  num_classes: int | None = None, resume: bool = False, progress: Progress = True,
-                 figures: bool = True) -> None:
+                 figures: bool = True, model: ModelSource | None = None) -> None:
         cfg = load_config(config)
+        if model is not None:
+            cfg = load_config(cfg, {"model.name": "custom"})
+        elif cfg.model.name == "custom":
+            raise ConfigError("config key 'model.name': 'custom' needs the model: Experiment(..., model=...)")
         self.dataset: Dataset | None = None
         if data is not None:
             cfg = load_config(cfg, {"data.name": "arrays", "data.path": None})
@@ -97,6 +117,12 @@ class Experiment:
             raise ValueError("num_classes goes with data=...; for data read from files it comes from the files")
         resolve_device(cfg.experiment.device)  # "cuda" without a GPU: say so now
         self.config = cfg
+        self.model = copy.deepcopy(model) if isinstance(model, nn.Module) else model  # later changes do not leak in
+        if model is not None:  # an unusable model: say so now (with data read from files, its fit is checked at run)
+            made = self._model_factory(self.dataset)()
+            if self.dataset is not None:
+                with torch.random.fork_rng(devices=[]):
+                    check_input_shape(made, self.dataset.input_shape, type(made).__name__, self.dataset.num_classes)
         self.out = Path(out)
         self.resume = resume
         self.progress = progress
@@ -107,7 +133,7 @@ class Experiment:
         final global model. Raises what ``dturbo run`` reports: ConfigError, DataError, CheckpointError,
         FileExistsError (``out`` holds another run), TooFewClientsError, PoisonedStateError."""
         sim = Simulator(self.config, self.out, resume=self.resume, dataset=self.dataset,
-                        on_round=self._on_round())
+                        on_round=self._on_round(), model=self._model_factory if self.model is not None else None)
         sim.run()
         if self.figures:
             from .report import draw_run
@@ -115,6 +141,14 @@ class Experiment:
             draw_run(self.out)
         assert sim.final_model is not None  # set by run()
         return ExperimentResult(read_metrics_rows(self.out), sim.final_model, self.out, self.config)
+
+    def _model_factory(self, dataset: Dataset | None) -> ModelFactory:
+        """The factory of ``model`` for the run on ``dataset`` (its sample shape recorded on the model)."""
+        assert self.model is not None
+        d = self.config.dturbo
+        return user_model_factory(self.model, sigma_mode=d.sigma_mode, sigma_init_ratio=d.sigma_init_ratio,
+                                  seed=self.config.experiment.seed,
+                                  input_shape=dataset.input_shape if dataset is not None else ())
 
     def _on_round(self) -> Callable[[dict[str, Any]], None] | None:
         if callable(self.progress):

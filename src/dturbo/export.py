@@ -460,6 +460,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compac
     """Export run ``run_dir``'s global model; write it to ``out_dir`` when given (see :func:`save`)."""
     cfg, state, meta = read_run(run_dir)
     model_name = meta.get("model", cfg.model.name)
+    if model_name == "custom":
+        raise ExportError(f"{run_dir} ran a model of one's own (dturbo.Experiment(model=...)), which export cannot "
+                          f"rebuild from the run directory yet; use the ExperimentResult's model (a torch.nn.Module)")
     if model_name != cfg.model.name:
         raise ExportError(f"{run_dir}: model.safetensors holds a {model_name!r} but config.toml says "
                           f"{cfg.model.name!r}")

@@ -289,7 +289,8 @@ def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, rep
         final_accuracy=float(acc[-1]), best_accuracy=float(np.nanmax(acc)), density=float(m["density"][-1]),
         up_bits=float(m["up_bits"].sum()), down_bits=float(m["down_bits"].sum()), metrics=m,
     )
-    if inference and (run_dir / "model.safetensors").exists():
+    # a model of one's own (model.name "custom") cannot be rebuilt from the run directory: no timing for it
+    if inference and (run_dir / "model.safetensors").exists() and cfg.model.name != "custom":
         from .data import DataError
 
         try:

@@ -45,7 +45,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .codec import decode_message, encode_message
-from .config import Config
+from .config import Config, ConfigError
 from .data import Dataset, load_dataset, partition_dirichlet, partition_iid
 from .device import CPU, resolve_device
 from .nn.models import build_model, check_input_shape
@@ -101,7 +101,16 @@ def build_federation(cfg: Config, dataset: Dataset | None = None) -> Federation:
     return Federation(ds, clients, torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test), *(val or (None, None)))
 
 
-def model_factory(cfg: Config, dataset: Dataset) -> Callable[[], nn.Module]:
+ModelFactory = Callable[[], nn.Module]
+
+
+def model_factory(cfg: Config, dataset: Dataset) -> ModelFactory:
+    """The seeded factory of the built-in model ``[model]`` names (a model of one's own: ``dturbo.Experiment``'s
+    ``model=``, :func:`dturbo.nn.convert.user_model_factory`)."""
+    if cfg.model.name == "custom":
+        raise ConfigError("config key 'model.name': 'custom' stands for a model given to dturbo.Experiment(model=...) "
+                          "in Python; it cannot be built from the config (dturbo run, Flower): name a built-in model")
+
     def make() -> nn.Module:
         return build_model(
             cfg.model.name, dataset.input_shape, dataset.num_classes, sigma_mode=cfg.dturbo.sigma_mode,
@@ -112,14 +121,20 @@ def model_factory(cfg: Config, dataset: Dataset) -> Callable[[], nn.Module]:
     return make
 
 
-def build_algorithm(cfg: Config, fed: Federation) -> tuple[ServerAlgorithm, ClientAlgorithm]:
-    factory = model_factory(cfg, fed.dataset)
+def build_algorithm(cfg: Config, fed: Federation, factory: ModelFactory | None = None
+                    ) -> tuple[ServerAlgorithm, ClientAlgorithm]:
+    """The configured algorithm's server and client halves on the model of ``factory`` (a zero-argument function
+    that returns the seeded initial model, the same every call), by default the built-in model of ``[model]``."""
+    if factory is None:
+        factory = model_factory(cfg, fed.dataset)
     if cfg.experiment.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {cfg.experiment.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    # Input size vs model, before anything runs: a clear ModelInputError instead of a traceback mid-round.
-    # fork_rng: building reseeds torch's global RNG, which the run's own draws must not notice.
+    # Input size and classes vs model, before anything runs: a clear ModelInputError / ModelOutputError instead of
+    # a traceback mid-round. fork_rng: building reseeds torch's global RNG, which the run's own draws must not notice.
     with torch.random.fork_rng(devices=[]):
-        check_input_shape(factory(), fed.dataset.input_shape, cfg.model.name)
+        model = factory()
+        name = cfg.model.name if cfg.model.name != "custom" else type(model).__name__
+        check_input_shape(model, fed.dataset.input_shape, name, fed.dataset.num_classes)
     server_cls, client_cls = ALGORITHMS[cfg.experiment.algorithm]
     return server_cls(cfg, factory, fed.total_samples), client_cls(cfg, factory)
 
@@ -182,10 +197,12 @@ class Simulator:
     """Runs an experiment into a run directory (README.md: "A run directory holds ...")."""
 
     def __init__(self, cfg: Config, out: Path, *, resume: bool = False, federation: Federation | None = None,
-                 dataset: Dataset | None = None, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 dataset: Dataset | None = None, on_round: Callable[[dict[str, Any]], None] | None = None,
+                 model: Callable[[Dataset], ModelFactory] | None = None) -> None:
         """``federation``: clients already split (tests); else ``dataset`` (data already loaded, e.g. a library
         user's arrays: :func:`dturbo.data.dataset_from_arrays`) is split among the clients; else the config's
-        data is read."""
+        data is read. ``model``: given the dataset, the factory of a model of one's own (``dturbo.Experiment``'s
+        ``model=``) that replaces the built-in model of ``[model]``."""
         self.cfg = cfg
         self.out = Path(out)
         self.resume = resume
@@ -196,7 +213,8 @@ class Simulator:
         if (msg := schedule_warning(cfg)) is not None:
             warnings.warn(msg, ScheduleWarning, stacklevel=2)
         self.fed = federation or build_federation(cfg, dataset)
-        self.server, self.client = build_algorithm(cfg, self.fed)
+        factory = model(self.fed.dataset) if model is not None else None
+        self.server, self.client = build_algorithm(cfg, self.fed, factory)
         self.fingerprint = config_fingerprint(cfg.to_dict())
         self.final_model: nn.Module | None = None  # the global model saved at the end of run(), in eval mode
 

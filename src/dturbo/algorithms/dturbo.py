@@ -2,7 +2,8 @@
 
 Server (Module A closed forms + Module B):  aggregate -> E3 -> E4 -> E1 -> SPMP -> E2 -> support.
 Client: set mu, sigma from the downlink, train (E6) on the support only, upload mu on the support
-(canonical row-major order, no positions), sigma, biases and n_t.
+(canonical row-major order, no positions), sigma, biases and n_t. State outside the Bayesian layers (BatchNorm, ...
+of a model of one's own) travels dense both ways (:mod:`dturbo.algorithms.plain`).
 
 The support S travels implicitly as the nonzeros of the cluster-coded mu_G (docs/algorithm.md §9). To keep that exact,
 the server keeps S equal to the nonzeros of mu_G in float16: a weight whose mean rounds to zero in 16-bit
@@ -59,6 +60,8 @@ from .base import (
     upload_samples,
 )
 from .local import train_local
+from .plain import LAYOUT as PLAIN_LAYOUT
+from .plain import PlainState
 
 REENTRY_VALUE = float(2.0**-14)
 DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
@@ -188,7 +191,9 @@ class DturboServer:
         self.cfg = cfg
         self.model_factory = model_factory
         self.total_samples = int(total_samples)
-        self.layers = _layer_infos(model_factory(), cfg)
+        model = model_factory()
+        self.layers = _layer_infos(model, cfg)
+        self.plain = PlainState(model)  # the state outside the Bayesian layers (BatchNorm, ...): sent dense
         self.layer_targets = layer_targets(self.layers, cfg.dturbo.sparsity)
         tr = cfg.dturbo.transmission
         down = {"meta": "header", "sigma": "values", "bias": "dense"}
@@ -197,7 +202,7 @@ class DturboServer:
             down["prior_std"] = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
         up = {"meta": "header", "mu": "values" if tr.up_bits == 16 else "quantized", "sigma": "values",
               "bias": "dense", "metrics": "header"}
-        self.layouts = {DOWN_KIND: down, UP_KIND: up}
+        self.layouts = {DOWN_KIND: down | PLAIN_LAYOUT, UP_KIND: up | PLAIN_LAYOUT}
 
     def select_clients(self, round_idx: int) -> list[int]:
         f = self.cfg.federation
@@ -227,6 +232,7 @@ class DturboServer:
             state[f"{n}.pt_lo"] = np.zeros(info.grid)
             state[f"{n}.a_t"] = np.asarray(a_t, dtype=np.float64)
             state[f"{n}.b_t"] = np.asarray(b_t, dtype=np.float64)
+        state |= self.plain.init(model)
         if self.cfg.dturbo.sparsity.mode == "target" and self.scheduled_density(0) < 1.0:
             # No warm-up: the first support decision must follow the schedule too. Module B has no A->B message
             # yet (unary 0), and the first E3's evidence is already fixed by the initial q(rho), so the field is
@@ -266,7 +272,7 @@ class DturboServer:
                     self.prior_std(state, info)[mask], self.cfg.dturbo.prior_std_dtype
                 )
             fields[f"{n}.bias"] = encode_dense(state[f"{n}.bias"], dtype="float16")
-        return frame(DOWN_KIND, fields)
+        return frame(DOWN_KIND, fields | self.plain.encode_state(state))
 
     @staticmethod
     def _sigma_grid_on(sigma: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -313,18 +319,19 @@ class DturboServer:
             if np.any(sigma <= 0):
                 raise MessageError(f"{n}.sigma must be > 0")
             out[f"{n}.mu"], out[f"{n}.sigma"], out[f"{n}.bias"] = mu, sigma, bias
+        out |= self.plain.decode(fields)
         metrics = unpack_scalars(need(fields, "metrics"), 2)
         return int(n_t), out, metrics
 
     def _max_uplink_bytes(self, state: State) -> int:
         total = sum(state[f"{i.name}.mu"].size * 2 + state[f"{i.name}.bias"].size * 4 for i in self.layers)
-        return 4 * total + 64 * len(self.layers) + 4096
+        return 4 * total + 64 * len(self.layers) + self.plain.max_bytes() + 4096
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         """Server step of docs/algorithm.md §7.3-7.5 on the uploads that decode and validate."""
         valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(state, data, round_idx))
         p = client_weights([v[0] for v in valid], "samples")
-        new: State = dict(state)
+        new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[1] for v in valid])
         for info in self.layers:
             n = info.name
             mask = state[f"{n}.mask"]
@@ -544,6 +551,7 @@ class DturboServer:
             n = info.name
             _load_layer(layer, state[f"{n}.mu"], state[f"{n}.mask"], state[f"{n}.sigma"],
                         state[f"{n}.bias"] if layer.bias is not None else None, self.prior_std(state, info))
+        self.plain.load_state(model, state)
         return model.eval()
 
     def support_messages(self, state: State) -> dict[str, np.ndarray]:
@@ -602,6 +610,7 @@ class DturboClient:
         self.model_factory = model_factory
         self.model = model_factory()
         self.layers = _layer_infos(self.model, cfg)
+        self.plain = PlainState(self.model)
         self.device = resolve_device(cfg.experiment.device)
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
@@ -636,6 +645,7 @@ class DturboClient:
             _load_layer(layer, mu, mask, sigma, bias if layer.bias is not None else None, ps)
             masks.append(mask)
             starts.append(layer.weight_mu.detach().double().numpy().reshape(info.grid))  # what training starts from
+        self.plain.load_fields(model, fields)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         for _, layer in layers:
             layer.generator = gen
@@ -659,5 +669,6 @@ class DturboClient:
             up[f"{n}.sigma"] = DturboServer._encode_sigma(sigma, mask)
             bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)
             up[f"{n}.bias"] = encode_dense(bias, dtype="float16")
+        up |= self.plain.encode_model(model)
         up["metrics"] = pack_scalars([result.nll, result.penalty])
         return frame(UP_KIND, up)

@@ -59,6 +59,8 @@ from .base import (
     upload_samples,
 )
 from .local import train_local
+from .plain import LAYOUT as PLAIN_LAYOUT
+from .plain import PlainState
 from .point import PointLayer, _theta, make_deterministic, point_layers
 
 # Seed-sequence tags: every random draw is a pure function of (seed, round, client, tag), so resume is exact.
@@ -171,14 +173,15 @@ class FedPmServer:
         self.total_samples = int(total_samples)
         model = frozen_model(model_factory, cfg.fedpm.weight_scale)
         self.layers = point_layers(model)
+        self.plain = PlainState(model)  # the state outside the Bayesian layers: trained, sent dense both ways
         # the frozen parameters [weight row-major, bias] per layer: only for density; they are never sent
         self.frozen = {info.name: _theta(layer) for info, (_, layer) in zip(self.layers, bayesian_layers(model),
                                                                              strict=True)}
         self.n_params = sum(info.size for info in self.layers)
         self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
         self.layouts = {
-            self.down_kind: {"meta": "header", "theta": "quantized"},
-            self.up_kind: {"meta": "header", "metrics": "header", "mask": "mask"},
+            self.down_kind: {"meta": "header", "theta": "quantized", **PLAIN_LAYOUT},
+            self.up_kind: {"meta": "header", "metrics": "header", "mask": "mask", **PLAIN_LAYOUT},
         }
 
     @property
@@ -206,6 +209,8 @@ class FedPmServer:
             state[f"{info.name}.beta"] = np.full(info.size, f.lambda0)
         for n, keep in self._eval_masks(probs, 0).items():
             state[f"{n}.keep"] = keep
+        if self.plain:
+            state |= self.plain.init(self.model_factory())
         return state
 
     def probs(self, state: State) -> dict[str, np.ndarray]:
@@ -220,14 +225,15 @@ class FedPmServer:
         fields = {"meta": pack_scalars([round_idx, self.total_samples])}
         for info in self.layers:
             fields[f"{info.name}.theta"] = encode_quantized(state[f"{info.name}.level"], 1 << self.bits)
-        return frame(self.down_kind, fields)
+        return frame(self.down_kind, fields | self.plain.encode_state(state))
 
     def decode_uplink(self, data: bytes, probs: dict[str, np.ndarray],
                       round_idx: int | None = None) -> tuple[int, dict[str, np.ndarray], float]:
-        """Decode and validate one upload: (n_t, mask per layer, local nll); MessageError / CodecError with a
-        reason otherwise (wrong kind, stale round, bad n_t, missing layer, malformed or truncated mask)."""
+        """Decode and validate one upload: (n_t, mask per layer name and the other state per field name, local nll);
+        MessageError / CodecError with a reason otherwise (wrong kind, stale round, bad n_t, missing layer,
+        malformed or truncated mask)."""
         # at most 24 bits per coded bit plus headers: a bound on what an honest client can send
-        bound = sum(3 * info.size + 64 for info in self.layers) + 4096
+        bound = sum(3 * info.size + 64 for info in self.layers) + self.plain.max_bytes() + 4096
         fields = fields_dict(data, self.up_kind, max_bytes=bound)
         n_t = upload_samples(fields, round_idx, self.total_samples)
         masks = {}
@@ -237,6 +243,7 @@ class FedPmServer:
                                                        info.size)
             except CodecError as err:
                 raise CodecError(f"{info.name}.mask: {err}") from None
+        masks |= self.plain.decode(fields)
         nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
         if not math.isfinite(nll):
             raise MessageError(f"non-finite local loss {nll}")
@@ -249,7 +256,7 @@ class FedPmServer:
         sized, rejected = decode_uplinks(uplinks, lambda data: (self.decode_uplink(data, probs, round_idx), len(data)))
         valid, sizes = [v for v, _ in sized], [size for _, size in sized]
         reset = round_idx % f.reset_every == 0
-        new: State = dict(state)
+        new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[1] for v in valid])
         new_probs = {}
         for info in self.layers:
             n = info.name
@@ -290,6 +297,7 @@ class FedPmServer:
                 layer.mask.copy_(w_keep)
                 if layer.bias is not None:
                     layer.bias.mul_(keep[nw:])
+        self.plain.load_state(model, state)
         return model.eval()
 
 
@@ -305,6 +313,7 @@ class FedPmClient:
         self.model = frozen_model(model_factory, cfg.fedpm.weight_scale)
         self.device = resolve_device(cfg.experiment.device)
         self.layers = point_layers(self.model)
+        self.plain = PlainState(self.model)
         self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
         self.gates: list[tuple[_Gate, _Gate | None]] = []
         for _, layer in bayesian_layers(self.model):
@@ -349,6 +358,7 @@ class FedPmClient:
             theta = _decode_down_theta(need(fields, f"{info.name}.theta"), info, bits)
             self._set_scores(info, gates, theta)
             probs.append(theta)
+        self.plain.load_fields(self.model, fields)
         mask_gen = _gen(seed, round_idx, client_id, _TAG_GATES)
         for gates in self.gates:
             for gate in gates:
@@ -364,5 +374,6 @@ class FedPmClient:
             # the one sample sent (the authors' code: n_samples = 1)
             mask = (rng.random(info.size) < theta_local).astype(np.uint8)
             up[f"{info.name}.mask"] = encode_mask_payload(mask, theta_g, self.cfg.fedpm.upload_model)
+        up |= self.plain.encode_model(self.model)
         up["metrics"] = pack_scalars([result.nll])
         return frame(self.up_kind, up)

@@ -14,6 +14,8 @@ from ..config import TrainConfig
 from ..device import CPU
 from .base import ClientData, ClientError
 
+_GLOBAL_RNG_TAG = 0x6C6F63616C  # keeps the global stream apart from the generator's own
+
 
 @dataclass
 class LocalResult:
@@ -56,8 +58,13 @@ def train_local(
         raise ClientError("client has no data")
     steps = num_local_steps(train, n)
     model.to(device)
+    # Draws a model makes from torch's global RNG (dropout in a model of one's own) come from a stream seeded by
+    # this client's generator, and leave the global RNG as it was: the round stays a pure function of its inputs.
+    # (dturbo's layers and the baselines draw from ``generator`` itself; this draws nothing from it.)
     try:
-        return _steps(model, data, train, generator, penalty, device, steps, min(train.batch_size, n))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(generator.initial_seed() ^ _GLOBAL_RNG_TAG)
+            return _steps(model, data, train, generator, penalty, device, steps, min(train.batch_size, n))
     finally:
         model.to(CPU)
 

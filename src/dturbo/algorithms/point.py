@@ -2,7 +2,8 @@
 
 The baselines train the same architectures as D-Turbo-VBI as ordinary networks: the Bayesian layers run
 deterministically (``stochastic = False``), every weight is trainable, there is no KL term. Per layer the
-parameters travel as one vector ``theta = [weight (row-major), bias]``.
+parameters travel as one vector ``theta = [weight (row-major), bias]``; state outside the Bayesian layers travels
+dense in float16, averaged by n_t (:mod:`dturbo.algorithms.plain`).
 
 A subclass decides three things: which clients take part (:meth:`PointServer.select_clients`), how a client
 encodes its local result (:meth:`PointClient.encode_theta`, the server's :meth:`PointServer.decode_theta`),
@@ -43,6 +44,8 @@ from .base import (
     upload_samples,
 )
 from .local import train_local
+from .plain import LAYOUT as PLAIN_LAYOUT
+from .plain import PlainState
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,14 @@ def _load(layer: BayesianLayer, w: np.ndarray, bias: np.ndarray) -> None:
             layer.bias.copy_(torch.from_numpy(np.asarray(bias, dtype=np.float32)))
 
 
-def point_model(model_factory: Callable[[], nn.Module], layers: list[PointLayer], state: State) -> nn.Module:
-    """The deterministic network with the weights and biases of ``state`` (``<layer>.w``, ``<layer>.bias``), in
-    eval mode: the global model of every point-estimate baseline."""
+def point_model(model_factory: Callable[[], nn.Module], layers: list[PointLayer], state: State,
+                plain: PlainState) -> nn.Module:
+    """The deterministic network with the weights and biases of ``state`` (``<layer>.w``, ``<layer>.bias``) and its
+    other state (:mod:`~dturbo.algorithms.plain`), in eval mode: the global model of every point-estimate baseline."""
     model = make_deterministic(model_factory())
     for info, (_, layer) in zip(layers, bayesian_layers(model), strict=True):
         _load(layer, state[f"{info.name}.w"], state[f"{info.name}.bias"])
+    plain.load_state(model, state)
     return model.eval()
 
 
@@ -105,11 +110,13 @@ class PointServer:
         self.configure(cfg)
         self.model_factory = model_factory
         self.total_samples = int(total_samples)
-        self.layers = point_layers(model_factory())
+        model = model_factory()
+        self.layers = point_layers(model)
+        self.plain = PlainState(model)
         self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
         self.layouts = {
-            self.down_kind: {"meta": "header", "w": "dense", "bias": "dense"},
-            self.up_kind: {"meta": "header", "metrics": "header", "theta": self.up_layout},
+            self.down_kind: {"meta": "header", "w": "dense", "bias": "dense", **PLAIN_LAYOUT},
+            self.up_kind: {"meta": "header", "metrics": "header", "theta": self.up_layout, **PLAIN_LAYOUT},
         }
 
     def configure(self, cfg: Config) -> None:
@@ -126,7 +133,7 @@ class PointServer:
             theta = _theta(layer)
             state[f"{info.name}.w"] = theta[: -info.n_bias or None].reshape(info.grid).astype(np.float32)
             state[f"{info.name}.bias"] = theta[theta.size - info.n_bias :].astype(np.float32)
-        return state
+        return state | self.plain.init(model)
 
     def select_clients(self, round_idx: int) -> list[int]:
         f = self.cfg.federation
@@ -137,7 +144,7 @@ class PointServer:
         for info in self.layers:
             fields[f"{info.name}.w"] = encode_dense(state[f"{info.name}.w"], dtype=self.dtype)
             fields[f"{info.name}.bias"] = encode_dense(state[f"{info.name}.bias"], dtype=self.dtype)
-        return frame(self.down_kind, fields)
+        return frame(self.down_kind, fields | self.plain.encode_state(state))
 
     # ---------------------------------------------------------------- uplink
     def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
@@ -145,8 +152,9 @@ class PointServer:
         return decode_dense(payload, max_elements=info.size).reshape(-1)
 
     def decode_uplink(self, data: bytes, round_idx: int | None = None) -> tuple[int, dict[str, np.ndarray], float]:
-        """Decode and validate one upload; raises MessageError / CodecError with a reason."""
-        bound = sum(8 * i.size + 256 for i in self.layers) + 4096
+        """Decode and validate one upload: (n_t, theta per layer name and the other state per field name, nll);
+        raises MessageError / CodecError with a reason."""
+        bound = sum(8 * i.size + 256 for i in self.layers) + self.plain.max_bytes() + 4096
         fields = fields_dict(data, self.up_kind, max_bytes=bound)
         n_t = upload_samples(fields, round_idx, self.total_samples)
         out = {}
@@ -157,6 +165,7 @@ class PointServer:
             if not np.all(np.isfinite(theta)):
                 raise MessageError(f"{info.name}.theta contains NaN or Inf")
             out[info.name] = theta.astype(np.float64)
+        out |= self.plain.decode(fields)
         nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
         return int(n_t), out, nll
 
@@ -164,7 +173,7 @@ class PointServer:
         t0 = time.perf_counter()
         valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(data, round_idx))
         p = client_weights([v[0] for v in valid], self.weighting)
-        new: State = dict(state)
+        new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[1] for v in valid])
         nonzero = total = 0
         for info in self.layers:
             n = info.name
@@ -187,7 +196,7 @@ class PointServer:
         return RoundResult(state=new, metrics=metrics, rejected=rejected)
 
     def global_model(self, state: State) -> nn.Module:
-        return point_model(self.model_factory, self.layers, state)
+        return point_model(self.model_factory, self.layers, state, self.plain)
 
 
 class PointClient:
@@ -199,6 +208,7 @@ class PointClient:
         self.cfg = cfg
         self.model = make_deterministic(model_factory())
         self.layers = point_layers(self.model)
+        self.plain = PlainState(self.model)
         self.device = resolve_device(cfg.experiment.device)
         self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
 
@@ -216,12 +226,14 @@ class PointClient:
                 raise MessageError(f"{info.name}: downlink shapes {w.shape}, {b.shape} do not fit the model")
             _load(layer, w, b)
             starts.append(_theta(layer))
+        self.plain.load_fields(self.model, fields)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         result = train_local(self.model, data, self.cfg.train, gen, device=self.device)
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x51])
         up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
         for info, (_, layer), start in zip(self.layers, bayesian_layers(self.model), starts, strict=True):
             up[f"{info.name}.theta"] = self.encode_theta(_theta(layer), start, rng)
+        up |= self.plain.encode_model(self.model)
         up["metrics"] = pack_scalars([result.nll])
         return frame(self.up_kind, up)
 

@@ -23,7 +23,9 @@ the position stream as positions.
 
 Downlink: round 0 carries the initial model dense in float32 (the one time W travels; the paper's clients start
 from a common model too, this counts what that costs); every later round carries only the ternary update S of
-the previous aggregation, plus an 8-byte digest (sha256) of the model it yields. The server state holds W, its
+the previous aggregation, plus an 8-byte digest (sha256) of the model it yields. State outside the Bayesian layers
+(a model of one's own with BatchNorm, ...) is not STC-compressed: it travels dense in float16 both ways every round,
+as with every algorithm (:mod:`dturbo.algorithms.plain`). The server state holds W, its
 residual R and the pending S, so the server side is checkpointed whole.
 
 Client state (private in STC: residuals R_i, and the copy of W the updates apply to):
@@ -87,6 +89,8 @@ from .base import (
     upload_samples,
 )
 from .local import train_local
+from .plain import LAYOUT as PLAIN_LAYOUT
+from .plain import PlainState
 from .point import PointLayer, _load, _theta, make_deterministic, point_layers, point_model
 
 DOWN_KIND, UP_KIND = "stc/down", "stc/up"
@@ -215,13 +219,16 @@ class StcServer:
         self.cfg = cfg
         self.model_factory = model_factory
         self.total_samples = int(total_samples)
-        self.layers = point_layers(model_factory())
+        model = model_factory()
+        self.layers = point_layers(model)
+        self.plain = PlainState(model)  # the state outside the Bayesian layers: dense both ways, every round
         self.tensors = stc_tensors(self.layers)
         self.size = sum(t.size for t in self.tensors)
         self.k_up = {t.name: stc_k(t.size, cfg.stc.p_up) for t in self.tensors}
         self.layouts = {
-            DOWN_KIND: {"meta": "header", "digest": "header", "w": "dense", "bias": "dense", "delta": "ternary"},
-            UP_KIND: {"meta": "header", "metrics": "header", "delta": "ternary"},
+            DOWN_KIND: {"meta": "header", "digest": "header", "w": "dense", "bias": "dense", "delta": "ternary",
+                        **PLAIN_LAYOUT},
+            UP_KIND: {"meta": "header", "metrics": "header", "delta": "ternary", **PLAIN_LAYOUT},
         }
 
     def init(self) -> State:
@@ -234,7 +241,7 @@ class StcServer:
         for t in self.tensors:
             state[f"{t.name}.residual"] = np.zeros(t.size, dtype=np.float64)  # the server's error feedback R
             state[f"{t.name}.sent"] = np.zeros(t.size, dtype=np.float32)  # S of the last round, broadcast next
-        return state
+        return state | self.plain.init(model)
 
     def select_clients(self, round_idx: int) -> list[int]:
         return sample_uniform(self.cfg.experiment.seed, round_idx, self.cfg.federation.clients, None)
@@ -252,20 +259,22 @@ class StcServer:
                 mu = float(abs(sent[idx[0]])) if idx.size else 0.0
                 fields[f"{t.name}.delta"] = encode_ternary(idx, sent[idx] < 0, mu, t.size, dtype=self.cfg.stc.dtype)
         fields["digest"] = model_digest(theta)
-        return frame(DOWN_KIND, fields)
+        return frame(DOWN_KIND, fields | self.plain.encode_state(state))
 
-    def decode_uplink(self, data: bytes, round_idx: int | None = None) -> tuple[int, np.ndarray, int, float]:
-        """(n_t, dense float64 update, entries kept, train nll) of one upload; MessageError / CodecError with a
-        reason when it is malformed, stale, too long, or does not fit the model."""
-        bound = sum(2 * t.size // 8 + 64 for t in self.tensors) + 4096  # bitmap + signs is the worst case
+    def decode_uplink(self, data: bytes, round_idx: int | None = None
+                      ) -> tuple[int, np.ndarray, int, float, dict[str, np.ndarray]]:
+        """(n_t, dense float64 update, entries kept, train nll, the other state per field) of one upload;
+        MessageError / CodecError with a reason when it is malformed, stale, too long, or does not fit the model."""
+        bound = sum(2 * t.size // 8 + 64 for t in self.tensors) + self.plain.max_bytes() + 4096  # bitmap + signs
         fields = fields_dict(data, UP_KIND, max_bytes=bound)
-        extra = set(fields) - {"meta", "metrics", *(f"{t.name}.delta" for t in self.tensors)}
+        extra = set(fields) - {"meta", "metrics", *(f"{t.name}.delta" for t in self.tensors),
+                               *(t.field for t in self.plain.tensors)}
         if extra:
             raise MessageError(f"unexpected fields {sorted(extra)}")
         n_t = upload_samples(fields, round_idx, self.total_samples)
         update, kept = _decode_update(fields, self.tensors, self.size, self.k_up)
         nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
-        return int(n_t), update, kept, nll
+        return int(n_t), update, kept, nll, self.plain.decode(fields)
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         t0 = time.perf_counter()
@@ -273,7 +282,7 @@ class StcServer:
         w = client_weights([v[0] for v in valid], self.cfg.stc.weighting)
         mean = w @ np.stack([v[1] for v in valid])  # sum_i w_i S_i, float64
         theta = _flat_state(state, self.layers)
-        new: State = dict(state)
+        new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[4] for v in valid])
         step = np.zeros(self.size, dtype=np.float32)
         kept_down = 0
         for t in self.tensors:
@@ -303,7 +312,7 @@ class StcServer:
         return RoundResult(state=new, metrics=metrics, rejected=rejected)
 
     def global_model(self, state: State) -> nn.Module:
-        return point_model(self.model_factory, self.layers, state)
+        return point_model(self.model_factory, self.layers, state, self.plain)
 
 
 # ========================================================================= client
@@ -332,6 +341,7 @@ class StcClient:
         self.model = make_deterministic(model_factory())
         self.device = resolve_device(cfg.experiment.device)
         self.layers = point_layers(self.model)
+        self.plain = PlainState(self.model)
         self.tensors = stc_tensors(self.layers)
         self.size = sum(t.size for t in self.tensors)
         self._model: _ModelCopy | None = None
@@ -391,6 +401,8 @@ class StcClient:
             n_w = info.size - info.n_bias
             _load(layer, start[pos : pos + n_w], start[pos + n_w : pos + info.size])
             pos += info.size
+        if self.plain or self.plain.fixed:  # the other state comes dense in every downlink
+            self.plain.load_fields(self.model, fields_dict(downlink, DOWN_KIND))
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         result = train_local(self.model, data, self.cfg.train, gen, device=self.device)
         local = np.concatenate([_theta(layer) for _, layer in bayesian_layers(self.model)])
@@ -404,6 +416,7 @@ class StcClient:
         for t in self.tensors:
             idx, negative, mu, after[t.sl] = stc_compress(acc[t.sl], s.p_up, s.dtype)
             up[f"{t.name}.delta"] = encode_ternary(idx, negative, mu, t.size, dtype=s.dtype)
+        up |= self.plain.encode_model(self.model)
         up["metrics"] = pack_scalars([result.nll])
         self._residuals[client_id] = _Residual(round_idx, before, after)
         return frame(UP_KIND, up)

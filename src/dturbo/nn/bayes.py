@@ -125,29 +125,61 @@ class BayesLinear(BayesianLayer):
 
 
 class BayesConv2d(BayesianLayer):
-    """Bayesian 2-D convolution; its grid is (out_channels x in_channels/groups * kh * kw)."""
+    """Bayesian 2-D convolution; its grid is (out_channels x in_channels/groups * kh * kw) (docs/algorithm.md §2).
+
+    Takes what ``nn.Conv2d`` takes: ``kernel_size``, ``stride``, ``padding`` (an int, a pair or ``"same"`` /
+    ``"valid"``) and ``dilation`` as an int or a pair, ``groups`` (depthwise: ``groups = in_channels``) and
+    ``padding_mode`` (``"zeros"``, ``"reflect"``, ``"replicate"``, ``"circular"``). The attributes keep the values
+    as given (an int stays an int)."""
 
     def __init__(
-        self, in_channels: int, out_channels: int, kernel_size: int, *, stride: int = 1,
-        padding: int | str = 0, groups: int = 1, bias: bool = True, sigma_mode: SigmaMode = "layer",
-        sigma_init: float = 1e-3,
+        self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], *,
+        stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] | str = 0,
+        dilation: int | tuple[int, int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
+        sigma_mode: SigmaMode = "layer", sigma_init: float = 1e-3,
     ) -> None:
         super().__init__()
         if in_channels % groups or out_channels % groups:
             raise ValueError("in_channels and out_channels must be divisible by groups")
+        if padding_mode not in _PADDING_MODES:
+            raise ValueError(f"padding_mode must be one of {', '.join(_PADDING_MODES)}, got {padding_mode!r}")
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.padding, self.groups = kernel_size, stride, padding, groups
-        shape = (out_channels, in_channels // groups, kernel_size, kernel_size)
+        self.dilation, self.padding_mode = dilation, padding_mode
+        kh, kw = _pair(kernel_size)
+        shape = (out_channels, in_channels // groups, kh, kw)
         self._init_bayes(shape, bias, sigma_mode, sigma_init)
+        if padding_mode != "zeros":
+            if isinstance(padding, str):
+                raise ValueError(f"padding {padding!r} needs padding_mode 'zeros' (as nn.Conv2d)")
+            ph, pw = _pair(padding)
+            self._pad = (pw, pw, ph, ph)  # F.pad's order: last dimension first
 
     def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.conv2d(x, weight, bias, self.stride, self.padding, 1, self.groups)
+        # The variance path calls this with x * x: reflect / replicate / circular padding of x * x is the square of
+        # the padding of x, so the local reparameterisation stays exact.
+        if self.padding_mode != "zeros":
+            return F.conv2d(F.pad(x, self._pad, mode=self.padding_mode), weight, bias, self.stride, 0,
+                            self.dilation, self.groups)
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
     def extra_repr(self) -> str:
+        extra = "" if self.dilation in (1, (1, 1)) else f", dilation={self.dilation}"
+        extra += "" if self.padding_mode == "zeros" else f", padding_mode={self.padding_mode}"
         return (
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-            f"padding={self.padding}, groups={self.groups}, sigma_mode={self.sigma_mode}"
+            f"padding={self.padding}{extra}, groups={self.groups}, sigma_mode={self.sigma_mode}"
         )
+
+
+def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
+    if isinstance(v, int):
+        return v, v
+    a, b = v
+    return int(a), int(b)
+
+
+_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
 
 def bayesian_layers(model: nn.Module) -> list[tuple[str, BayesianLayer]]:

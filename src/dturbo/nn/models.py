@@ -77,18 +77,34 @@ def _flat_size(features: nn.Module, input_shape: Sequence[int], model_name: str)
             raise _input_error(model_name, features, input_shape) from None
 
 
-def check_input_shape(model: nn.Module, input_shape: Sequence[int], model_name: str) -> None:
+class ModelOutputError(ValueError):
+    """The model's output does not fit the data: not one logit per class."""
+
+
+def check_input_shape(model: nn.Module, input_shape: Sequence[int], model_name: str,
+                      num_classes: int | None = None) -> None:
     """A dry forward pass of one zero sample through ``model`` (in eval mode, no RNG draws, mode restored);
-    raises :class:`ModelInputError` naming the model, the input size and the failing layer."""
+    raises :class:`ModelInputError` naming the model, the input size and the failing layer, and with
+    ``num_classes`` :class:`ModelOutputError` when the output is not one logit per class."""
     training = model.training
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model.eval()
-            model(torch.zeros(1, *input_shape))
+            out = model(torch.zeros(1, *input_shape))
     except RuntimeError:
         raise _input_error(model_name, model, input_shape) from None
     finally:
         model.train(training)
+    if num_classes is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ModelOutputError(f"model {model_name!r} returns a {type(out).__name__}; dturbo needs a tensor of "
+                               f"logits, one row per sample and one column per class ({num_classes})")
+    if tuple(out.shape) != (1, num_classes):
+        raise ModelOutputError(
+            f"model {model_name!r} gives {int(out[0].numel()) if out.dim() else 1} output values per sample "
+            f"(output shape {tuple(out.shape[1:])} for one sample), but the data has {num_classes} classes: its last "
+            f"layer must have {num_classes} outputs")
 
 
 def alexnet_small(input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode) -> nn.Sequential:
@@ -212,6 +228,15 @@ def build_model(
         model = mobilenet_v1(input_shape, num_classes, layer_mode, width)
     else:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    init_sigmas(model, sigma_mode, sigma_init_ratio)
+    model.input_shape = tuple(int(d) for d in input_shape)  # one sample's shape: what layer costs are counted on
+    return model
+
+
+def init_sigmas(model: nn.Module, sigma_mode: str, sigma_init_ratio: float) -> None:
+    """Start every Bayesian layer's sigma at ``sigma_init_ratio`` times the layer's initial weight std s_l
+    (:func:`layer_scale`). ``sigma_mode = "client"``: the paper's single sigma, one Parameter tied across the layers,
+    started at ``sigma_init_ratio`` times the mean of their s_l (docs/algorithm.md §3)."""
     layers = [layer for _, layer in bayesian_layers(model)]
     with torch.no_grad():
         for layer in layers:
@@ -221,8 +246,6 @@ def build_model(
             sigma_init_ratio * sum(layer_scale(la) for la in layers) / len(layers))))
         for layer in layers:
             layer.sigma_param = shared  # one Parameter object: one gradient, one value for every layer
-    model.input_shape = tuple(int(d) for d in input_shape)  # one sample's shape: what layer costs are counted on
-    return model
 
 
 def weight_uses(model: nn.Module, input_shape: Sequence[int] | None = None) -> dict[str, int]:

@@ -1,0 +1,313 @@
+"""Models of one's own (issue 14): dturbo.bayesianize and dturbo.Experiment(model=...), with two networks that are not
+built into dturbo: a residual CNN with BatchNorm (and dropout), and one with a depthwise convolution and a
+concatenation."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.numpy import load_file
+from torch import nn
+
+import dturbo
+from dturbo.algorithms.base import message_bits
+from dturbo.algorithms.plain import PlainState
+from dturbo.nn import BayesConv2d, BayesianizeError, BayesLinear, UnsupportedLayerError, bayesian_layers
+from dturbo.nn.convert import user_model_factory
+from dturbo.nn.models import ModelOutputError
+from dturbo.prior import grid_shape
+
+TIMING = {"seconds", "server_seconds"}
+CLASSES = 4
+
+
+class Residual(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class ResNetTiny(nn.Module):
+    """conv + BN stem, one residual block (an add), dropout, a dense head."""
+
+    def __init__(self, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.block = Residual(8)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(8 * 6 * 6, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.flatten(F.max_pool2d(self.block(self.stem(x)), 2), 1)))
+
+
+class DepthwiseNet(nn.Module):
+    """A depthwise 3x3 convolution (groups = channels), its output concatenated with its input, a pointwise 1x1."""
+
+    def __init__(self, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.dw = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8)
+        self.pw = nn.Conv2d(16, 16, 1)
+        self.head = nn.Linear(16 * 3 * 3, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = F.relu(self.stem(x))
+        h = F.relu(self.pw(torch.cat([F.relu(self.dw(s)), s], 1)))
+        return self.head(torch.flatten(F.avg_pool2d(h, 4), 1))
+
+
+MODELS = {"residual_bn": ResNetTiny, "depthwise": DepthwiseNet}
+
+
+def images(n: int = 300) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """1x12x12 uint8 images of 4 classes: the class's quadrant is brighter. 240 to train, 60 to test."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 120, size=(n, 12, 12), dtype=np.uint8)
+    y = rng.integers(0, CLASSES, size=n).astype(np.int64)
+    for q in range(CLASSES):
+        r, c = 6 * (q // 2), 6 * (q % 2)
+        x[y == q, r : r + 6, c : c + 6] += 100
+    return x[:240], y[:240], x[240:], y[240:]
+
+
+def config(algorithm: str = "dturbo", rounds: int = 3, **sections: dict) -> dict:
+    cfg: dict = {
+        "experiment": {"name": "user", "seed": 0, "rounds": rounds, "threads": 1, "algorithm": algorithm},
+        "data": {"name": "arrays"},
+        "federation": {"clients": 3, "partition": "iid"},
+        "train": {"local_steps": 3, "batch_size": 16, "lr": 0.01},
+        "dturbo": {"sparsity": {"target_density": 0.4, "warmup_rounds": 0, "ramp_rounds": 2}},
+    }
+    for name, keys in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **keys}
+    return cfg
+
+
+def run(out: Path, model: object, algorithm: str = "dturbo", rounds: int = 3, resume: bool = False,
+        **sections: dict) -> dturbo.ExperimentResult:
+    return dturbo.Experiment(config(algorithm, rounds, **sections), data=images(), model=model, out=out,
+                             resume=resume, progress=False, figures=False).run()
+
+
+def rows(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+def server_state(run_dir: Path) -> dict[str, np.ndarray]:
+    return load_file(str(run_dir / "checkpoint" / "state.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------ bayesianize
+class Geometry(nn.Module):
+    """Conv2d's options: a non-square kernel and stride, dilation, reflect padding, groups 2, no bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 4, (3, 5), stride=(2, 1), padding=(1, 2), padding_mode="reflect")
+        self.b = nn.Conv2d(4, 6, 3, dilation=2, padding="same", groups=2, bias=False)
+        self.fc = nn.Linear(6 * 6 * 12, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.b(self.a(x)), 1))
+
+
+@pytest.mark.parametrize("make", [ResNetTiny, DepthwiseNet, Geometry], ids=["residual_bn", "depthwise", "geometry"])
+def test_bayesianize_keeps_the_function_and_grids_the_gemm(make):
+    torch.manual_seed(1)
+    net = make().eval()
+    x = torch.randn(5, 1, 12, 12)
+    with torch.no_grad():
+        before = net(x)
+    plain_layers = {n: m for n, m in net.named_modules() if type(m) in (nn.Linear, nn.Conv2d)}
+    out = dturbo.bayesianize(net, example_input=x)
+    assert out is net and out.input_shape == (1, 12, 12)
+    layers = dict(bayesian_layers(out))
+    assert sorted(layers) == sorted(plain_layers) and not any(type(m) in (nn.Linear, nn.Conv2d) for m in out.modules())
+    for name, old in plain_layers.items():
+        new = layers[name]
+        assert isinstance(new, BayesLinear if isinstance(old, nn.Linear) else BayesConv2d)
+        w = old.weight
+        assert grid_shape(new) == (w.shape[0], int(np.prod(w.shape[1:])))  # SPEC §2: (out, in/groups * kh * kw)
+        torch.testing.assert_close(new.weight_mu, w, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(out(x), before, rtol=0, atol=1e-6)  # eval: the mean weights, the same network
+    if make is DepthwiseNet:
+        assert grid_shape(layers["dw"]) == (8, 9)
+    # each layer's sigma starts at sigma_init_ratio times its weight std, sampled in training mode
+    out.train()
+    with torch.no_grad():
+        assert not torch.equal(out(x), out(x))
+
+
+def test_bayesianize_leaves_the_rng_alone_and_a_shared_layer_shared():
+    shared = nn.Linear(4, 4)
+    net = nn.Sequential(shared, nn.ReLU(), shared)
+    state = torch.random.get_rng_state()
+    dturbo.bayesianize(net)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert net[0] is net[2] and isinstance(net[0], BayesLinear) and len(bayesian_layers(net)) == 1
+    # the root itself
+    assert isinstance(dturbo.bayesianize(nn.Conv2d(1, 2, 3), input_shape=(1, 5, 5)), BayesConv2d)
+    # seed: the weights drawn again, the same for the same seed
+    a, b = (dturbo.bayesianize(nn.Linear(3, 2), seed=5) for _ in range(2))
+    torch.testing.assert_close(a.weight_mu, b.weight_mu, rtol=0, atol=0)
+
+
+def test_bayesianize_refuses_what_it_cannot_grid():
+    with pytest.raises(BayesianizeError, match="no nn.Linear or nn.Conv2d"):
+        dturbo.bayesianize(nn.Sequential(nn.BatchNorm2d(3), nn.ReLU()))
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.Conv1d(2, 2, 3), nn.ConvTranspose2d(2, 2, 3)))
+    with pytest.raises(UnsupportedLayerError, match=r"1\.0 \(Conv1d\), 1\.1 \(ConvTranspose2d\)"):
+        dturbo.bayesianize(net)
+    assert type(net[0]) is nn.Conv2d  # nothing was replaced
+    with pytest.raises(UnsupportedLayerError, match="LazyLinear"):
+        dturbo.bayesianize(nn.Sequential(nn.LazyLinear(3)))
+    with pytest.raises(BayesianizeError, match="sigma_mode"):
+        dturbo.bayesianize(nn.Linear(2, 2), sigma_mode="row")
+
+
+def test_a_factory_gives_the_same_model_every_call():
+    module = ResNetTiny()
+    state = torch.random.get_rng_state()
+    kw = {"sigma_mode": "layer", "sigma_init_ratio": 0.1, "seed": 3, "input_shape": (1, 12, 12)}
+    for source in (ResNetTiny, module):  # a function (seeded) and a module (copied)
+        make = user_model_factory(source, **kw)
+        a, b = make(), make()
+        assert a is not b and a.input_shape == (1, 12, 12)
+        for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+            assert ka == kb and torch.equal(va, vb)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_plain_state_is_averaged_by_samples():
+    net = dturbo.bayesianize(ResNetTiny())
+    plain = PlainState(net)
+    keys = {t.key for t in plain.tensors}
+    assert "stem.1.running_mean" in keys and "block.bn2.weight" in keys
+    assert "stem.1.num_batches_tracked" in plain.fixed and not any(k.startswith("head.") for k in keys)
+    f = plain.tensors[0].field
+    decoded = [{t.field: np.full(t.shape, v) for t in plain.tensors} for v in (1.0, 5.0)]
+    np.testing.assert_allclose(plain.aggregate([1, 3], decoded)[f], 4.0)
+    assert not PlainState(dturbo.bayesianize(DepthwiseNet()))  # no state outside its Bayesian layers
+
+
+# ------------------------------------------------------------------------------------------------- federation
+@pytest.mark.filterwarnings("ignore::dturbo.sim.ScheduleWarning")  # the cut runs end before the ramp does
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dturbo_federates_sparsifies_and_resumes(tmp_path, name):
+    make = MODELS[name]
+    whole = run(tmp_path / "whole", make)
+    last = whole.metrics[-1]
+    assert last["scheduled_density"] == 0.4 and 0.4 - 2e-3 <= last["density"] <= 0.4
+    assert all(np.isfinite(r["loss"]) for r in whole.metrics)
+    assert isinstance(dict(bayesian_layers(whole.model))["head"], BayesLinear)
+    # cut after round 1 and after round 2, then resume: the same rows, state and model as the whole run
+    states = []
+    for rounds in (1, 2, 3):
+        res = run(tmp_path / "split", make, rounds=rounds, resume=rounds > 1)
+        states.append(server_state(tmp_path / "split"))
+    assert rows(tmp_path / "split") == rows(tmp_path / "whole")
+    final = server_state(tmp_path / "whole")
+    assert states[-1].keys() == final.keys() and all(np.array_equal(states[-1][k], final[k]) for k in final)
+    for k, v in whole.model.state_dict().items():
+        assert torch.equal(v, res.model.state_dict()[k]), k
+    if name == "residual_bn":
+        # BatchNorm's statistics and affine weights travel: the server's state moves round after round, and the
+        # global model carries it
+        key = "block.bn1.running_mean.plain"
+        assert not np.array_equal(states[0][key], np.zeros(8)) and not np.array_equal(states[0][key], states[1][key])
+        assert not np.array_equal(states[0]["stem.1.weight.plain"], states[1]["stem.1.weight.plain"])
+        torch.testing.assert_close(whole.model.block.bn1.running_mean, torch.from_numpy(final[key]), rtol=0, atol=0)
+
+
+def _plain_numel(make: type[nn.Module]) -> int:
+    return sum(t.size for t in PlainState(dturbo.bayesianize(make())).tensors)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fedavg_federates_and_counts_the_other_state(tmp_path, name):
+    make = MODELS[name]
+    res = run(tmp_path / "run", make, algorithm="fedavg", rounds=2, fedavg={"dtype": "float32"})
+    net = dturbo.bayesianize(make())
+    weights = sum(p.numel() for _, la in bayesian_layers(net) for p in (la.weight_mu, la.bias) if p is not None)
+    # the ledger's values: every weight and bias at 32 bits, the other state at 16, to each of 3 clients and back
+    per_message = 32 * weights + 16 * _plain_numel(make)
+    for row in res.metrics:
+        assert row["down_values_bits"] == row["up_values_bits"] == 3 * per_message
+    assert res.density == 1.0 and all(np.isfinite(r["loss"]) for r in res.metrics)
+    if name == "residual_bn":
+        state = server_state(tmp_path / "run")
+        assert not np.array_equal(state["stem.1.running_var.plain"], np.ones(8))
+
+
+@pytest.mark.parametrize("algorithm", ["fedpaq", "dssm", "stc", "fedpm"])
+def test_every_baseline_carries_batchnorm(tmp_path, algorithm):
+    res = run(tmp_path / "run", ResNetTiny, algorithm=algorithm, rounds=2)
+    state = server_state(tmp_path / "run")
+    assert not np.array_equal(state["block.bn2.running_mean.plain"], np.zeros(8))
+    torch.testing.assert_close(res.model.block.bn2.running_mean,
+                               torch.from_numpy(state["block.bn2.running_mean.plain"]), rtol=0, atol=0)
+    assert all(r["clients_ok"] == 3 for r in res.metrics)
+
+
+def test_the_other_state_is_in_the_ledger_of_dturbo(tmp_path):
+    """A downlink's values grow by exactly 16 bits per value of the other state."""
+    from dturbo.sim import Simulator
+
+    sims = {}
+    for name, make in (("bn", ResNetTiny), ("no_bn", lambda: _without_bn(ResNetTiny()))):
+        exp = dturbo.Experiment(config(), data=images(), model=make, out=tmp_path / name, progress=False)
+        sims[name] = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
+    bits = {n: message_bits(s.server.downlink(s.server.init(), 0), s.server.layouts) for n, s in sims.items()}
+    assert bits["bn"]["values"] - bits["no_bn"]["values"] == 16 * _plain_numel(ResNetTiny)
+
+
+def _without_bn(net: nn.Module) -> nn.Module:
+    for parent in net.modules():
+        for key, child in list(parent._modules.items()):
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(parent, key, nn.Identity())
+    return net
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+def test_bad_models_are_refused_at_construction(tmp_path):
+    with pytest.raises(ModelOutputError, match=r"7 output values per sample.*4 classes"):
+        dturbo.Experiment(config(), data=images(), model=lambda: ResNetTiny(classes=7), out=tmp_path / "a")
+    with pytest.raises(UnsupportedLayerError, match=r"conv \(Conv1d\)"):
+        dturbo.Experiment(config(), data=images(), model=nn.Sequential(dict_conv1d()), out=tmp_path / "b")
+    with pytest.raises(BayesianizeError, match="has no nn.Linear or nn.Conv2d"):
+        dturbo.Experiment(config(), data=images(), model=nn.Sequential(nn.Flatten()), out=tmp_path / "c")
+    with pytest.raises(BayesianizeError, match="not a torch.nn.Module"):
+        dturbo.Experiment(config(), data=images(), model=lambda: 3, out=tmp_path / "d")
+    with pytest.raises(dturbo.ConfigError, match="'custom' needs the model"):
+        dturbo.Experiment(config() | {"model": {"name": "custom"}}, data=images(), out=tmp_path / "e")
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def dict_conv1d() -> nn.Module:
+    from collections import OrderedDict
+
+    return nn.Sequential(OrderedDict(conv=nn.Conv1d(1, 2, 3), flat=nn.Flatten()))
+
+
+@pytest.mark.filterwarnings("ignore::dturbo.sim.ScheduleWarning")
+def test_a_custom_run_draws_figures_and_export_says_why_not(tmp_path):
+    from dturbo.export import ExportError, export_run
+
+    dturbo.Experiment(config(rounds=1, dturbo={"sparsity": {"warmup_rounds": 1}}), data=images(), model=DepthwiseNet,
+                      out=tmp_path / "run", progress=False).run()
+    assert (tmp_path / "run" / "figures" / "curves.png").exists()
+    with pytest.raises(ExportError, match="model of one's own"):
+        export_run(tmp_path / "run")
