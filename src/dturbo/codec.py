@@ -658,7 +658,7 @@ class _Search:
         r0, r1, c0, c1 = boxes.T
         return self.costs.estimate(_box_sum(self.sat_nz, r0, c0, r1, c1), r1 - r0, c1 - c0)
 
-    def run(self, n_min: int) -> np.ndarray:
+    def run(self, n_min: int, full_only: bool = False) -> np.ndarray:
         """Rectangles (R, 4) = (row, col, h, w). Every box of a generation is (1) dropped when it is smaller than
         mc x mc, holds no all-nonzero window or fewer than ``n_min`` nonzeros; (2) sent whole when it is full;
         otherwise its best cut (least estimated bits of the two shrunk halves; ties: the more balanced cut) is (3)
@@ -698,7 +698,9 @@ class _Search:
             cut_of[ids] = best
             rect = c.F + c.b * h * w
             scat = nnz * (c.b + c.p)
-            accept = (best_est >= np.minimum(rect, scat)) & (rect < scat)
+            # A rectangle with zeros inside is fine when its values travel with it (the zeros say where S is not);
+            # a support coded alone (``full_only``) can only hold whole rectangles.
+            accept = (best_est >= np.minimum(rect, scat)) & (rect < scat) & (not full_only)
             out.append(boxes[accept])
             cut = cut_of[~accept & (cut_of >= 0)]
             boxes = np.concatenate([low[cut], high[cut]])
@@ -747,7 +749,7 @@ def _plan(support: np.ndarray, rects: np.ndarray, F: int, value_bits: int) -> tu
     return bits + 8 * (len(_varint(len(rects))) + len(_varint(scattered.size))), scattered
 
 
-def _find_rectangles(support: np.ndarray, min_cluster: int, value_bits: int) -> np.ndarray:
+def _find_rectangles(support: np.ndarray, min_cluster: int, value_bits: int, full_only: bool = False) -> np.ndarray:
     """Disjoint rectangles (R, 4) = (row, col, height, width) of the cluster coding (§9); see the module
     docstring for the rule and :class:`_Search` for the method.
 
@@ -772,7 +774,8 @@ def _find_rectangles(support: np.ndarray, min_cluster: int, value_bits: int) -> 
         if p is None:
             break
         search.costs.p = p
-        rects = _merge_touching(search.run(int(math.floor((F + value_bits * mc * mc) / (value_bits + p))) + 1))
+        rects = _merge_touching(search.run(int(math.floor((F + value_bits * mc * mc) / (value_bits + p))) + 1,
+                                           full_only))
         if not len(rects):
             break
         bits, scattered = _plan(support, rects, F, value_bits)
@@ -802,12 +805,13 @@ def _grid_parts(matrix: np.ndarray, min_cluster: int, dtype: str) -> tuple[bytes
 
 
 def _support_stream(
-    support: np.ndarray, min_cluster: int, value_bits: int
+    support: np.ndarray, min_cluster: int, value_bits: int, full_only: bool = False
 ) -> tuple[np.ndarray, np.ndarray, int, bytes]:
     """The cluster coding of a support's positions: (rectangles (r0, c0, h, w), scattered flat indices, position
-    scheme, bit stream = rectangle records + scattered positions + padding)."""
+    scheme, bit stream = rectangle records + scattered positions + padding). ``full_only``: rectangles hold no
+    zero (a support whose values travel apart: its rectangles are read back as all in S)."""
     k, m = support.shape
-    rects = _find_rectangles(support, min_cluster, value_bits)
+    rects = _find_rectangles(support, min_cluster, value_bits, full_only)
     covered = np.zeros((k, m), dtype=bool)
     for r0, c0, h, w in rects.tolist():
         covered[r0 : r0 + h, c0 : c0 + w] = True
@@ -831,7 +835,7 @@ def encode_support(support: np.ndarray, *, min_cluster: int = 3, value_bits: int
     if s.ndim != 2 or s.size == 0:
         raise ValueError(f"encode_support needs a non-empty 2-D mask, got shape {s.shape}")
     k, m = s.shape
-    rects, scattered, scheme, stream = _support_stream(s, int(min_cluster), int(value_bits))
+    rects, scattered, scheme, stream = _support_stream(s, int(min_cluster), int(value_bits), full_only=True)
     return bytes([scheme]) + _varint(k) + _varint(m) + _varint(len(rects)) + _varint(scattered.size) + stream
 
 
