@@ -2,7 +2,8 @@
 # Set up everything dturbo needs on a fresh machine (idempotent):
 #   - the Debian package with real Fashion-MNIST (when apt-get is available and we are root),
 #   - a virtual environment in .venv with the pinned CPU torch FIRST (an unpinned torch would pull a
-#     multi-GB CUDA build), then the project with its test extras.
+#     multi-GB CUDA build), then the project with its test extras, Flower and Flower's simulation engine
+#     (flwr[simulation]: ray, a 74 MB wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +32,6 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   echo "[setup] installing torch==2.13.0 (CPU)"
   pip_install "torch==2.13.0"
 fi
-echo "[setup] installing dturbo and its test extras"
-pip_install -e ".[test,flower]"
+echo "[setup] installing dturbo and its test extras (with flwr and ray)"
+pip_install -e ".[test,flower,simulation]"
 .venv/bin/python -c "import dturbo, torch; print(f'[setup] dturbo {dturbo.__version__}, torch {torch.__version__}')"

@@ -111,3 +111,18 @@ def test_algorithm_doc_keeps_sections_and_equations():
         assert re.search(rf"^## {n}\. ", text, re.M), f"section {n}"
     for e in range(1, 7):
         assert f"(E{e})" in text, f"E{e}"
+
+
+def test_local_sim_connection_is_the_same_in_readme_and_docs():
+    """The Flower simulation federation (`[superlink.local-sim]`, for $FLWR_HOME/config.toml) shown in the README
+    is docs/flower.md's, which tests/test_flower_sim.py runs."""
+    def connection(path: Path) -> dict:
+        blocks = [b for b in re.findall(r"```toml\n(.*?)```", path.read_text(), flags=re.S)
+                  if "[superlink.local-sim]" in b]
+        assert len(blocks) == 1, f"{path.name}: one local-sim block expected, found {len(blocks)}"
+        return tomllib.loads(blocks[0])
+
+    docs, readme = connection(ROOT / "docs" / "flower.md"), connection(ROOT / "README.md")
+    assert docs == readme
+    assert docs["superlink"]["local-sim"]["options"]["num-supernodes"] == load_config(
+        ROOT / "configs" / "flower_sim100.toml").federation.clients

@@ -269,7 +269,9 @@ def test_pyproject_is_a_valid_flower_app():
     ok, errors, _ = validate_config(config, check_module=True, project_dir=ROOT)
     assert ok, errors
     assert "federations" not in config["tool"]["flwr"]  # flwr would migrate (rewrite) pyproject.toml
-    assert config["project"]["optional-dependencies"]["flower"] == ["flwr==1.41.0"]
+    extras = config["project"]["optional-dependencies"]
+    assert extras["flower"] == ["flwr==1.41.0"] and extras["simulation"] == ["flwr[simulation]==1.41.0"]
+    assert '".[test,flower,simulation]"' in (ROOT / "scripts" / "setup.sh").read_text()  # CI runs the simulation
     fab = build_fab_from_disk(ROOT)
     assert len(fab) < 200_000
 

@@ -15,7 +15,9 @@ Modules (each imports flwr; this package itself does not):
 * :mod:`dturbo.flower.client_app`: the ClientApp (``dturbo.flower.client_app:app``);
 * :mod:`dturbo.flower.inprocess`: a Grid that hands messages straight to the ClientApp (tests, debugging).
 
-See docs/flower.md for deployment across machines.
+The same ServerApp and ClientApp run on a deployment (SuperLink and SuperNodes) and on Flower's simulation
+engine (``flwr run . local-sim``, the extra ``dturbo[simulation]``: Ray; one virtual SuperNode per client). See
+docs/flower.md for both.
 """
 
 FLWR_VERSION = "1.41.0"

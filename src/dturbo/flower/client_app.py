@@ -2,7 +2,8 @@
 
 A SuperNode's node config names its ``partition-id`` (the client id) and optionally ``num-partitions``
 (checked against ``federation.clients``) and ``data-path`` (where this machine holds the dataset; it
-replaces ``data.path`` of the configuration). On a train message the ClientApp builds, from the
+replaces ``data.path`` of the configuration); on Flower's simulation engine each virtual SuperNode gets
+``partition-id`` and ``num-partitions`` from Flower itself. On a train message the ClientApp builds, from the
 configuration text in the message, the same :class:`~dturbo.config.Config`, the federation
 (:func:`dturbo.sim.build_federation`, seeded: every node computes the same split and keeps its own part)
 and the client algorithm (:func:`dturbo.sim.build_algorithm`), then answers

@@ -14,11 +14,18 @@ Run config (``[tool.flwr.app.config]`` in pyproject.toml, overridden with ``flwr
 Client id <-> node id: each SuperNode's node config names its ``partition-id``, which IS the client id; the
 server learns it with a ``query.partition`` message to every node it does not know yet (at the first round,
 and later when a node joins or comes back under a new node id).
+
+On Flower's simulation engine (``flwr run . <local simulation connection>``, ``flwr[simulation]``: Ray) the
+SuperNodes are virtual, one per partition, every one registered before the ServerApp starts, and their node
+config carries ``partition-id`` / ``num-partitions`` as a deployment's does; the same app runs unchanged. Only
+the federation's size is checked first (``num-supernodes`` must equal ``federation.clients``), so that a
+mismatch is an error at once instead of clients waiting ``connect-timeout`` and counting as dropped.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -195,11 +202,34 @@ def server_settings(run_config: UserConfig) -> dict[str, Any]:
     return out
 
 
+def on_simulation_engine(grid: Grid) -> bool:
+    """Whether ``grid`` is the one of Flower's simulation engine (flwr 1.41: an ``InMemoryGrid``, which only the
+    simulation runtime builds; a deployment's ServerApp gets an ``HttpGrid``)."""
+    module = sys.modules.get("flwr.superlink.grid.inmemory_grid")  # not imported: not the simulation engine
+    return module is not None and isinstance(grid, module.InMemoryGrid)
+
+
+def check_simulation_size(grid: Grid, cfg: Config) -> None:
+    """On the simulation engine every virtual SuperNode exists from the start, one per partition: their number
+    must be ``federation.clients`` (ValueError saying how to set it otherwise). Elsewhere nothing is checked
+    (SuperNodes connect over time; :meth:`FlowerSimulator.discover` waits for them)."""
+    if not on_simulation_engine(grid):
+        return
+    nodes, clients = len(list(grid.get_node_ids())), cfg.federation.clients
+    if nodes != clients:
+        raise ValueError(
+            f"the simulation federation has {nodes} SuperNodes but the configuration has federation.clients = "
+            f"{clients}: one SuperNode per client is needed (flwr run . <connection> --federation-config "
+            f"'num-supernodes={clients}', or options.num-supernodes = {clients} in the connection of "
+            "$FLWR_HOME/config.toml; docs/flower.md)")
+
+
 def run_server(grid: Grid, run_config: UserConfig, **kwargs: Any) -> list[dict[str, Any]]:
     """Run the experiment of ``run_config`` over ``grid`` into its run directory; the metrics rows.
     ``kwargs`` go to :class:`FlowerSimulator` (e.g. ``poll_interval``)."""
     s = server_settings(run_config)
     cfg = load_config(s["config"])
+    check_simulation_size(grid, cfg)
     rounds = cfg.experiment.rounds
     log.info("dturbo %s: %s, %d clients, %d rounds -> %s", cfg.experiment.name, cfg.experiment.algorithm,
              cfg.federation.clients, rounds, s["out"])
