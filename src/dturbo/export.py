@@ -34,6 +34,10 @@ What export does to the weights (the effective weight is ``weight_mu * mask``; e
   recorded in the loaded model (``kernels``, ``pools``, ``info``).
 
 The exported model computes the masked dense model's function: outputs agree to float rounding.
+
+Any other model (one's own, with residual additions, concatenations, BatchNorm, ...) is exported by
+:func:`export_model` as a graph (:mod:`dturbo.export_graph`, format version 4), with this module's compaction
+mechanics on the links of the graph that allow it; :func:`load` reads both formats.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ _IDENTITY_METHODS = ("contiguous",)
 _ARGS = {"reshape": ("input", "shape"), "permute": ("input", "dims"), "cat": ("tensors",),
          "add": ("input", "other"), "sub": ("input", "other"), "mul": ("input", "other"), "div": ("input", "other"),
          "getitem": ("input", "index")}
-_NOT_ATTRS = ("input", "inplace", "_stacklevel", "dtype", "return_indices", "alpha")
+_NOT_ATTRS = ("input", "inplace", "_stacklevel", "dtype", "return_indices")
 _IDENTITY_MODULES = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                      nn.FeatureAlphaDropout)
 
@@ -402,9 +402,10 @@ class _Capture:
         self.emit(node, type_, bound)
 
     def emit(self, node: fx.Node, type_: str, bound: dict[str, Any]) -> None:
-        if bound.get("dtype") is not None or bound.get("return_indices") or bound.get("alpha", 1) != 1:
-            raise ExportError(f"node {node.name!r} ({_target(node)}): dtype, return_indices and alpha are not "
-                              f"supported")
+        if bound.get("dtype") is not None or bound.get("return_indices") or (
+                type_ in ("add", "sub") and bound.pop("alpha", 1) != 1):
+            raise ExportError(f"node {node.name!r} ({_target(node)}): dtype, return_indices and alpha (of add / sub) "
+                              f"are not supported")
         if type_ == "relu6":
             type_, bound = "hardtanh", {**bound, "min_val": 0.0, "max_val": 6.0}
         if type_ in ("maxpool2d", "avg_pool2d") and bound["stride"] is None:
