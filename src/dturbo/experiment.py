@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +61,35 @@ class ExperimentResult:
     def density(self) -> float:
         """Fraction of nonzero weights of the final global model (the last round's row)."""
         return float(self.metrics[-1]["density"])
+
+    def export(self, out_dir: str | os.PathLike[str], *, example_input: torch.Tensor | None = None,
+               compaction: bool = True) -> Any:
+        """Export the final model (a model of one's own or a built-in one) into ``out_dir`` with
+        :func:`dturbo.export.export_model`, with the run's input normalisation (so that ``dturbo.export.load(out_dir,
+        inputs="raw")`` takes the data as stored); returns the :class:`dturbo.export_graph.ExportedGraph`.
+
+        ``example_input``: a batch of normalised inputs to capture and check the graph on; default 2 seeded random
+        samples of the model's ``input_shape``. Raises :class:`dturbo.export.ExportError` (e.g. a model torch.fx
+        cannot trace, or an op outside export's vocabulary, named)."""
+        from safetensors import safe_open
+
+        from .export import ExportError, check_input_norm, export_model
+
+        if example_input is None:
+            shape = getattr(self.model, "input_shape", None)
+            if not shape:
+                raise ExportError("the model records no input_shape: pass example_input (a batch of inputs)")
+            example_input = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
+        norm = None
+        with safe_open(str(self.out / "model.safetensors"), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+        if "input_norm" in meta:
+            norm = check_input_norm(json.loads(meta["input_norm"]), tuple(example_input.shape[1:]),
+                                    f"{self.out}/model.safetensors")
+        source = {"run_dir": str(self.out.resolve()), "model": self.config.model.name,
+                  "dataset": self.config.data.name, "algorithm": self.config.experiment.algorithm}
+        return export_model(self.model, out_dir, example_input=example_input, compaction=compaction,
+                            input_norm=norm, source=source)
 
 
 class Experiment:

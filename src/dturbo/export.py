@@ -34,6 +34,10 @@ What export does to the weights (the effective weight is ``weight_mu * mask``; e
   recorded in the loaded model (``kernels``, ``pools``, ``info``).
 
 The exported model computes the masked dense model's function: outputs agree to float rounding.
+
+Any other model (one's own, with residual additions, concatenations, BatchNorm, ...) is exported by
+:func:`export_model` as a graph (:mod:`dturbo.export_graph`, format version 4), with this module's compaction
+mechanics on the links of the graph that allow it; :func:`load` reads both formats.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,9 +75,11 @@ from .kernels import (
 
 FORMAT = "dturbo-export"
 # 2: conv2d ops may carry a ``bias_map``; 3: ``input_norm`` (the dataset's input normalisation, or null).
-# Older files are read as well (they take normalised inputs only).
+# Older files are read as well (they take normalised inputs only). The built-in models are written as 3.
+# 4: any model, as a graph of ops (:mod:`dturbo.export_graph`, written by ``export_model``).
 VERSION = 3
-READS_VERSIONS = (1, 2, 3)
+GRAPH_VERSION = 4
+READS_VERSIONS = (1, 2, 3, GRAPH_VERSION)
 INPUTS = ("normalised", "raw")
 WEIGHTS_FILE = "model.safetensors"
 SPEC_FILE = "model.json"
@@ -84,8 +91,18 @@ INPUT_SHAPES: dict[str, tuple[int, ...]] = {
 MIN_INPUT_DROP = 0.05
 
 _PARAM_TYPES = ("conv2d", "linear")
-_CHANNELWISE = ("leaky_relu", "relu", "maxpool2d", "adaptive_avg_pool2d", "flatten")
-_OP_TYPES = (*_PARAM_TYPES, *_CHANNELWISE, "group_norm", "input_select")
+# Elementwise activations, called as ``fn(x, **attrs)``: a unit that is constant before one is constant after it
+# (the value :func:`_constant` computes), so compaction carries units across them.
+ACTIVATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "relu": F.relu, "leaky_relu": F.leaky_relu, "hardtanh": F.hardtanh, "elu": F.elu, "gelu": F.gelu,
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": F.silu, "hardswish": F.hardswish,
+    "hardsigmoid": F.hardsigmoid,
+}
+# Ops between two layers that act on each unit (channel) alone and keep a constant unit constant.
+_CHANNELWISE = (*ACTIVATIONS, "maxpool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "flatten")
+# The ops of the built-in (version 1-3) format.
+_OP_TYPES = (*_PARAM_TYPES, "leaky_relu", "relu", "maxpool2d", "adaptive_avg_pool2d", "flatten", "group_norm",
+             "input_select")
 
 
 class ExportError(ValueError):
@@ -267,8 +284,6 @@ def _effective(name: str, layer: nn.Module, state: dict[str, torch.Tensor]) -> t
     mask = state.get(f"{name}.mask")
     if mask is not None and tuple(mask.shape) != shape:
         raise ExportError(f"'{name}.mask' has shape {tuple(mask.shape)}, the model layout needs {shape}")
-    w = mu.float() if mask is None else mu.float() * mask.float()
-    w = torch.where(w == 0, torch.zeros_like(w), w)  # -0.0 -> 0.0
     bias = None
     if layer.bias is not None:
         bias = state.get(f"{name}.bias")
@@ -276,7 +291,17 @@ def _effective(name: str, layer: nn.Module, state: dict[str, torch.Tensor]) -> t
             raise ExportError(f"the model file has no tensor '{name}.bias': it does not match the model layout")
         if tuple(bias.shape) != (shape[0],):
             raise ExportError(f"'{name}.bias' has shape {tuple(bias.shape)}, the model layout needs {(shape[0],)}")
-        bias = bias.float().clone()
+    return masked_weights(name, mu, mask, bias)
+
+
+def masked_weights(name: str, mu: torch.Tensor, mask: torch.Tensor | None,
+                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The effective float32 weight ``mu * mask`` (no mask: ``mu``; -0.0 made 0.0) and a copy of the bias;
+    :class:`ExportError` when either holds NaN or Inf."""
+    w = mu.detach().float() if mask is None else mu.detach().float() * mask.detach().float()
+    w = torch.where(w == 0, torch.zeros_like(w), w)  # -0.0 -> 0.0
+    if bias is not None:
+        bias = bias.detach().float().clone()
     for t, what in ((w, "weight_mu * mask"), (bias, "bias")):
         if t is not None and not bool(torch.isfinite(t).all()):
             raise ExportError(f"layer {name!r}: {what} holds NaN or Inf values")
@@ -295,10 +320,8 @@ def _constant(bias: torch.Tensor | None, between: list[Op], units: int) -> torch
     """The value a unit with all-zero weights takes after the channel-wise ops ``between``."""
     c = torch.zeros(units) if bias is None else bias.clone()
     for op in between:
-        if op.type == "leaky_relu":
-            c = F.leaky_relu(c, op.attrs["negative_slope"])
-        elif op.type == "relu":
-            c = F.relu(c)
+        if op.type in ACTIVATIONS:
+            c = ACTIVATIONS[op.type](c, **op.attrs)
     return c
 
 
@@ -379,12 +402,16 @@ def compact(ops: list[Op]) -> list[Op]:
     (the given ones are modified in place), with an ``input_select`` op where the first layer's unused
     inputs are dropped, and each op's shape attributes updated."""
     params = [i for i, op in enumerate(ops) if op.type in _PARAM_TYPES]
-    links = []
-    for a, b in zip(params[:-1], params[1:], strict=True):
-        between = ops[a + 1 : b]
-        units = _link_units(ops[a], ops[b], between)
-        if units is not None:
-            links.append((ops[a], ops[b], between))
+    compact_links([(ops[a], ops[b], ops[a + 1 : b]) for a, b in zip(params[:-1], params[1:], strict=True)])
+    out = _select_inputs(ops, params[0]) if params else ops
+    update_shapes(out)
+    return out
+
+
+def compact_links(links: list[tuple[Op, Op, list[Op]]]) -> None:
+    """Remove units across the links (producer, consumer, the ops between them) until nothing changes; a link
+    whose ops between are not all channel-wise (or whose layers cannot carry units) is left alone."""
+    links = [link for link in links if _link_units(*link) is not None]
     changed = True
     while changed:
         changed = False
@@ -392,8 +419,11 @@ def compact(ops: list[Op]) -> list[Op]:
             units = _link_units(prod, cons, between)
             if units is not None and _compact_link(prod, cons, between, units):
                 changed = True
-    out = _select_inputs(ops, params[0]) if params else ops
-    for op in out:
+
+
+def update_shapes(ops: list[Op]) -> None:
+    """Set each conv2d / linear op's shape attributes from its (compacted) weight."""
+    for op in ops:
         if op.type == "conv2d":
             assert op.weight is not None
             op.attrs["out_channels"] = int(op.weight.shape[0])
@@ -401,7 +431,22 @@ def compact(ops: list[Op]) -> list[Op]:
         elif op.type == "linear":
             assert op.weight is not None
             op.attrs["out_features"], op.attrs["in_features"] = (int(s) for s in op.weight.shape)
-    return out
+
+
+def layer_stats(ops: list[Op], before: dict[str, tuple[tuple[int, ...], int]]) -> list[dict[str, Any]]:
+    """Per conv2d / linear op: shape and size before (``before[name]``) and after compaction, nonzeros, density."""
+    layers = []
+    for op in ops:
+        if op.weight is None:
+            continue
+        shape0, numel0 = before[op.name]
+        nnz = int((op.weight != 0).sum())
+        layers.append({
+            "name": op.name, "type": op.type, "shape_before": list(shape0), "shape_after": list(op.weight.shape),
+            "params_before": numel0, "params_after": int(op.weight.numel()), "nonzeros": nnz,
+            "density_before": nnz / max(numel0, 1), "density_after": nnz / max(int(op.weight.numel()), 1),
+        })
+    return layers
 
 
 def _select_inputs(ops: list[Op], first: int) -> list[Op]:
@@ -442,17 +487,7 @@ def export_state(
     before = {op.name: (tuple(op.weight.shape), int(op.weight.numel())) for op in ops if op.weight is not None}
     if compaction:
         ops = compact(ops)
-    layers = []
-    for op in ops:
-        if op.weight is None:
-            continue
-        shape0, numel0 = before[op.name]
-        nnz = int((op.weight != 0).sum())
-        layers.append({
-            "name": op.name, "type": op.type, "shape_before": list(shape0), "shape_after": list(op.weight.shape),
-            "params_before": numel0, "params_after": int(op.weight.numel()), "nonzeros": nnz,
-            "density_before": nnz / max(numel0, 1), "density_after": nnz / max(int(op.weight.numel()), 1),
-        })
+    layers = layer_stats(ops, before)
     return Exported(ops, tuple(int(s) for s in input_shape), ncls, layers, dict(source or {}))
 
 
@@ -462,7 +497,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compac
     model_name = meta.get("model", cfg.model.name)
     if model_name == "custom":
         raise ExportError(f"{run_dir} ran a model of one's own (dturbo.Experiment(model=...)), which export cannot "
-                          f"rebuild from the run directory yet; use the ExperimentResult's model (a torch.nn.Module)")
+                          f"rebuild from the run directory (it holds no code); export the model itself: "
+                          f"result.export(OUT) on the ExperimentResult, or dturbo.export.export_model(model, OUT, "
+                          f"example_input=...) (docs/library.md, 'Exporting your own model')")
     if model_name != cfg.model.name:
         raise ExportError(f"{run_dir}: model.safetensors holds a {model_name!r} but config.toml says "
                           f"{cfg.model.name!r}")
@@ -475,6 +512,19 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compac
     if out_dir is not None:
         save(exported, out_dir)
     return exported
+
+
+def export_model(
+    model: nn.Module, out_dir: str | Path | None = None, *, example_input: torch.Tensor, compaction: bool = True,
+    input_norm: dict[str, Any] | None = None, source: dict[str, Any] | None = None,
+) -> Any:
+    """Export any model (a bayesianized model of one's own, a built-in one) as a graph, format version 4: see
+    :func:`dturbo.export_graph.export_model` (this is it; it lives there to keep this module to the built-in
+    format). Returns its :class:`dturbo.export_graph.ExportedGraph`."""
+    from .export_graph import export_model as export_graph_model
+
+    return export_graph_model(model, out_dir, example_input=example_input, compaction=compaction,
+                              input_norm=input_norm, source=source)
 
 
 def check_input_norm(norm: Any, input_shape: tuple[int, ...], where: str) -> dict[str, Any]:
@@ -561,11 +611,12 @@ def _conv_output_shape(entry: dict[str, Any]) -> tuple[int, int, int]:
 
 
 class InferenceModel(nn.Module):
-    """An exported network: ``net`` (an :class:`torch.nn.Sequential` of torch layers) plus the execution
+    """An exported network: ``net`` (an :class:`torch.nn.Sequential` of torch layers, or for a graph export a
+    :class:`dturbo.export_graph.GraphNet`) plus the execution
     settings chosen at load: ``kernels`` (per linear/conv layer), ``channels_last``, ``compiled``, and
     ``info`` (timings and reasons)."""
 
-    def __init__(self, net: nn.Sequential, spec: dict[str, Any]) -> None:
+    def __init__(self, net: nn.Module, spec: dict[str, Any]) -> None:
         super().__init__()
         self.net = net
         self.spec = spec
@@ -806,7 +857,12 @@ def load(
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     dev = torch.device(device)
     spec, tensors = _read_spec(model_dir)
-    net, linears = _build_net(spec, tensors)
+    if spec["version"] == GRAPH_VERSION:
+        from .export_graph import build_graph_net
+
+        net, linears = build_graph_net(spec, tensors)
+    else:
+        net, linears = _build_net(spec, tensors)
     model = InferenceModel(net, spec)
     model.set_inputs(inputs)
     layer_info: dict[str, dict[str, Any]] = {}
@@ -870,9 +926,21 @@ def _settle_compile(model: InferenceModel, x: torch.Tensor, *, auto: bool, conv:
 @torch.no_grad()
 def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, pool: str) -> None:
     """Set each convolution's and max-pooling's kernel: ``conv`` / ``pool`` for all, or (``"auto"``) per layer
-    by timing on its real input."""
-    h = model.prepare(x)
-    for name, m in list(model.net.named_children()):
+    by timing on its real input (recorded in one pass through ``net``; any layout of children: a sequence or
+    a graph)."""
+    inputs: dict[str, torch.Tensor] = {}
+    layers = [(name, m) for name, m in model.net.named_children() if isinstance(m, nn.Conv2d | nn.MaxPool2d)]
+    hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: inputs.setdefault(name, args[0]))
+             for name, m in layers]
+    try:
+        model.net(model.prepare(x))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for name, m in layers:
+        h = inputs.get(name)
+        if h is None:  # not reached by the example input: default kernels
+            continue
         if isinstance(m, nn.Conv2d):
             if conv == "auto":
                 _, kind, times = choose_conv_kernel(m, h)
@@ -880,8 +948,7 @@ def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, poo
             else:
                 kind = conv
             model.set_conv_kernels({name: kind})
-            m = getattr(model.net, name)
-        elif isinstance(m, nn.MaxPool2d):
+        else:
             if pool == "auto":
                 m, kind, times = choose_pool_kernel(m, h)
                 model.info["layers"][name] = {"kernel": kind, "times_ms": times}
@@ -890,7 +957,6 @@ def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, poo
                 m = pool_as(kind, m)
             setattr(model.net, name, m)
             model.pools[name] = kind
-        h = m(h)
 
 
 def _example_input(model: InferenceModel, batch_size: int, dev: torch.device) -> torch.Tensor:
