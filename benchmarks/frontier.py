@@ -132,8 +132,6 @@ DT_ABLATION: list[tuple[str, dict[str, Any], str]] = [
     ("dturbo_base", {}, "base: up 4 bits (update), down 8 bits, sigma_prior rebuilt, 12% target, no warm-up, "
                         "6-round ramp, beta 0.003"),
     ("dturbo_up8", {"dturbo.transmission.up_bits": 8}, "up 8 bits"),
-    ("dturbo_down4", {"dturbo.transmission.down_bits": 4}, "down 4 bits"),
-    ("dturbo_down16", {"dturbo.transmission.down_bits": 16}, "down float16, cluster-coded (the paper's)"),
     ("dturbo_sent", {"dturbo.transmission.prior_std": "sent"}, "sigma_prior sent (8-bit log levels)"),
     ("dturbo_t10", {"dturbo.sparsity.target_density": 0.10}, "10% target"),
     ("dturbo_t15", {"dturbo.sparsity.target_density": 0.15}, "15% target"),
