@@ -98,17 +98,18 @@ def points(s: fr.Settings) -> list[tuple[str, fr.Candidate, tuple[int, ...]]]:
 
 def train_jobs(s: fr.Settings) -> list[fr.Job]:
     jobs = []
-    for _, cand, seeds in points(s):
-        for seed in seeds:
-            job = fr.plan_job(cand, seed, s)
-            run_dir = s.runs_root / job.name
-            if job.status == "done" and not (run_dir / "model.safetensors").exists():
-                # Committed metrics but no model here (a fresh clone): timing needs the model, so train it again.
-                resume = (run_dir / "checkpoint" / "state.safetensors").exists()
-                job.status = "resume" if resume else "todo"
-                job.rounds_left = job.want["experiment"]["rounds"] - (fr.csv_rows(run_dir / "metrics.csv")
-                                                                      if resume else 0)
-            jobs.append(job)
+    # Seed by seed (every setting's seed 0 first): a session cut short still has one seed of every setting.
+    pairs = sorted(((cand, seed) for _, cand, seeds in points(s) for seed in seeds), key=lambda p: p[1])
+    for cand, seed in pairs:
+        job = fr.plan_job(cand, seed, s)
+        run_dir = s.runs_root / job.name
+        if job.status == "done" and not (run_dir / "model.safetensors").exists():
+            # Committed metrics but no model here (a fresh clone): timing needs the model, so train it again.
+            resume = (run_dir / "checkpoint" / "state.safetensors").exists()
+            job.status = "resume" if resume else "todo"
+            job.rounds_left = job.want["experiment"]["rounds"] - (fr.csv_rows(run_dir / "metrics.csv")
+                                                                  if resume else 0)
+        jobs.append(job)
     return jobs
 
 
