@@ -99,7 +99,9 @@ def points(s: fr.Settings) -> list[tuple[str, fr.Candidate, tuple[int, ...]]]:
 def train_jobs(s: fr.Settings) -> list[fr.Job]:
     jobs = []
     # Seed by seed (every setting's seed 0 first): a session cut short still has one seed of every setting.
-    pairs = sorted(((cand, seed) for _, cand, seeds in points(s) for seed in seeds), key=lambda p: p[1])
+    # The chosen D-Turbo-VBI setting's seeds 1, 2 are the communication frontier's to run (its seeds stage).
+    pairs = sorted(((cand, seed) for label, cand, seeds in points(s) for seed in seeds
+                    if label != "dturbo" or seed == 0), key=lambda p: p[1])
     for cand, seed in pairs:
         job = fr.plan_job(cand, seed, s)
         run_dir = s.runs_root / job.name
