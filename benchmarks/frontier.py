@@ -161,8 +161,7 @@ CANDIDATES: list[Candidate] = [
     *(Candidate(label, "dssm", "dssm", {"dssm.gamma": g, "dssm.c0": 1.0, "dssm.decay": d, "dssm.min_clients": 3,
                                         "dssm.mode": "update", "dssm.dtype": "float16", "train.lr": 0.002}, note)
       for label, g, d, note in (("dssm_g0.1", 0.1, 0.1, "gamma 0.1, client fraction exp(-0.1 t)"),
-                                ("dssm_g0.05", 0.05, 0.1, "gamma 0.05, client fraction exp(-0.1 t)"),
-                                ("dssm_g0.1_all", 0.1, 0.0, "gamma 0.1, every client"))),
+                                ("dssm_g0.05", 0.05, 0.1, "gamma 0.05, client fraction exp(-0.1 t)"))),
     # STC: the paper's sparsity range is 1/25 .. 1/400; 1% and 4%, both directions.
     *(Candidate(f"stc_p{p:g}", "stc", "stc", {"stc.p_up": p, "stc.p_down": p, "train.lr": 0.002}, f"p = {p:g}")
       for p in (0.01, 0.04)),
