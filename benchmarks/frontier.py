@@ -733,12 +733,15 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
                f"{'on' if s.validation else 'off'}): not a result.", ""]
     selected = {r.cand.label for r in runs if r.seed == 0}
     missing = [c.label for c in CANDIDATES if c.label not in selected]
-    seeded = sum(1 for r in runs if r.seed != 0)
-    if missing or seeded < 2 * 5:  # seeds 1 and 2 of dturbo, fedavg32, fedavg16 and the two nearest peers
-        todo = f" and the selection has yet to see {', '.join(f'`{m}`' for m in missing)}" if missing else ""
-        md += [f"**Incomplete:** {len(selected)} of {len(CANDIDATES)} selection runs and {seeded} of 10 seed runs are "
-               f"in; the figures below are seed 0 only{todo}. `python benchmarks/frontier.py --jobs 2` runs the rest "
-               "(finished runs are reused).", ""]
+    # Seeds 1 and 2 of dturbo, fedavg32, fedavg16 and the two nearest peers.
+    want = [sel.chosen[ln] for ln in [*ALWAYS_SEEDED, *nearest_peers(runs, sel)[0]] if ln in sel.chosen]
+    have = {(r.cand.label, r.seed) for r in runs}
+    unseeded = [f"`{lab}_s{sd}`" for lab in want for sd in SEEDS[1:] if (lab, sd) not in have]
+    if missing or unseeded:
+        todo = f"; the selection has yet to see {', '.join(f'`{m}`' for m in missing)}" if missing else ""
+        md += [f"**Incomplete:** {len(selected)} of {len(CANDIDATES)} selection runs are in{todo}; seed runs still "
+               f"missing: {', '.join(unseeded) or 'none'} (their lines show the seeds that are in). "
+               "`python benchmarks/frontier.py --jobs 2` runs the rest (finished runs are reused).", ""]
     md += [f"![accuracy vs bits]({fig_rel})", ""]
     head = ["method", "setting", "seeds", "final test accuracy (%)", "nonzero (%)", *[f"Mbit to {t}" for t in tnames]]
     head += ["÷ FedAvg-16 at T", "D-Turbo-VBI ÷ this at T", "up bits/param/round", "down bits/param/round",
