@@ -244,7 +244,7 @@ def _capture_penalty(monkeypatch, cfg, factory, server, state, data, total=None)
     the model as the client set it up from the downlink. Returns (penalty value, the client's model)."""
     seen = {}
 
-    def probe(model, data, train, gen, penalty):
+    def probe(model, data, train, gen, penalty, **_):  # e.g. device='cpu
         seen["value"] = float(penalty().detach().double())
         seen["model"] = model
         return LocalResult(steps=0, nll=0.0, penalty=seen["value"])
