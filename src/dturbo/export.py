@@ -568,8 +568,9 @@ def _run_input_norm(run_dir: str | Path, cfg: Any, meta: dict[str, str],
     return check_input_norm(ds.input_norm, input_shape, f"data {cfg.data.name!r}")
 
 
-def save(exported: Exported, out_dir: str | Path) -> Path:
-    """Write ``model.safetensors`` and ``model.json`` into ``out_dir`` (created; each file atomically)."""
+def save(exported: Exported | Any, out_dir: str | Path) -> Path:
+    """Write ``model.safetensors`` and ``model.json`` into ``out_dir`` (created; each file atomically). Any export
+    with ``tensors()`` and ``spec()``: an :class:`Exported` or a :class:`dturbo.export_graph.ExportedGraph`."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} names a file; --out must be a directory (it is created if missing)")

@@ -35,16 +35,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save as save_tensors
 from torch import fx, nn
 
-from .checkpoint import atomic_write_bytes
 from .export import (
     ACTIVATIONS,
     FORMAT,
     GRAPH_VERSION,
     SPEC_FILE,
-    WEIGHTS_FILE,
     BiasMap,
     ExportError,
     Op,
@@ -52,6 +49,7 @@ from .export import (
     compact_links,
     layer_stats,
     masked_weights,
+    save,
     update_shapes,
 )
 from .kernels import as_pair, dense_linear
@@ -211,14 +209,9 @@ class ExportedGraph:
         return out
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write ``model.safetensors`` and ``model.json`` into ``out_dir`` (created; each file atomically)."""
-        out = Path(out_dir)
-        if out.exists() and not out.is_dir():
-            raise ExportError(f"{out} names a file; the export goes into a directory (created if missing)")
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(out / WEIGHTS_FILE, save_tensors(self.tensors(), metadata={"format": FORMAT}))
-        atomic_write_bytes(out / SPEC_FILE, (json.dumps(self.spec(), indent=1) + "\n").encode())
-        return out
+        """Write ``model.safetensors`` and ``model.json`` into ``out_dir``, as :func:`dturbo.export.save` writes
+        every export."""
+        return save(self, out_dir)
 
 
 # ----------------------------------------------------------------------------------------------------- capture
