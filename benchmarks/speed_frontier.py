@@ -150,10 +150,6 @@ def time_model(run_dir: Path, x: torch.Tensor, threads: int, compile_too: bool) 
     }
 
 
-def final(csv_path: Path, column: str) -> float:
-    return float(fr.read_csv(csv_path)[column][-1])
-
-
 def measure(s: fr.Settings, threads: int, compile_too: bool, samples: int) -> dict[str, Any]:
     from dturbo.data import load_dataset
 
@@ -174,9 +170,8 @@ def measure(s: fr.Settings, threads: int, compile_too: bool, samples: int) -> di
                 continue
             t0 = time.perf_counter()
             rec = time_model(run_dir, x, threads, compile_too)
-            rec.update({"seed": seed, "accuracy": final(s.runs_csv / f"{name}.csv", "accuracy"),
-                        "val_accuracy": final(s.runs_csv / f"{name}.csv", "val_accuracy"),
-                        "density": final(s.runs_csv / f"{name}.csv", "density")})
+            m = fr.read_csv(s.runs_csv / f"{name}.csv")
+            rec.update({"seed": seed, **{k: float(m[k][-1]) for k in ("accuracy", "val_accuracy", "density")}})
             per_seed.append(rec)
             print(f"  {label} s{seed}: acc {rec['accuracy']:.4f} density {rec['density']:.3f} speedup "
                   f"{rec['speedup']:.2f}x (eager {rec['speedup_eager']:.2f}x, batch 64 {rec['speedup_batch64']:.2f}x, "
