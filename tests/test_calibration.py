@@ -182,7 +182,8 @@ def test_every_saved_round_holds_the_real_message():
         eta.append(np.where(on, 40.0, -40.0).reshape(info.grid) + rng.normal(0, 0.5, info.grid))
     saved = []
     for rnd in range(2, 8):  # the schedule is at its 30% target from round 2 on
-        server._module_b(state, eta, eta, rnd)
+        pis, state["field"], _ = server._module_b(eta, eta, rnd, state["field"])
+        state |= {f"{info.name}.pi_logodds": pi for info, pi in zip(server.layers, pis, strict=True)}
         saved.append((state["field"].copy(), server.support_messages(state)))
     for field, msg in saved[1:]:
         assert np.array_equal(field, saved[0][0])

@@ -47,7 +47,6 @@ class LayerInfo:
     """A Bayesian layer as the server sees it: its name, its support grid (docs/algorithm.md §2) and prior."""
 
     name: str
-    weight_shape: tuple[int, ...]
     grid: tuple[int, int]
     prior: LayerPrior
     uses: int = 1  # multiply-adds each weight does for one sample (conv: output positions)

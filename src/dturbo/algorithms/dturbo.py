@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -107,12 +106,14 @@ def decode_prior_std(payload: bytes, dtype: str, count: int) -> np.ndarray:
 
 
 def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
+    """Every Bayesian layer of ``model`` with its grid and its prior from the config's section of its kind; the
+    multiply-adds a weight does only when the sparsity budget counts them (they need the model's input shape)."""
     uses = weight_uses(model) if cfg.dturbo.sparsity.budget == "flops" else {}
     infos = []
     for name, layer in bayesian_layers(model):
         pc: PriorConfig = getattr(cfg.dturbo.prior, layer_kind(layer))
         prior = resolve_prior(pc, layer_scale(layer))
-        infos.append(LayerInfo(name, tuple(layer.weight_mu.shape), grid_shape(layer), prior, uses.get(name, 1)))
+        infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1)))
     return infos
 
 
@@ -189,7 +190,9 @@ class DturboServer:
             # round 1 here exactly as every later round calibrates it for the next.
             evidence = [turbo.support_evidence(state[f"{i.name}.a_tilde"], state[f"{i.name}.b_tilde"], i.prior)
                         for i in self.layers]
-            self._module_b(state, [np.zeros(i.grid) for i in self.layers], evidence, 0)
+            pis, state["field"], _ = self._module_b([np.zeros(i.grid) for i in self.layers], evidence, 0,
+                                                    state["field"])
+            state |= {f"{info.name}.pi_logodds": pi for info, pi in zip(self.layers, pis, strict=True)}
         return state
 
     def support(self, state: State, info: LayerInfo) -> np.ndarray:
@@ -316,21 +319,22 @@ class DturboServer:
         """The turbo step E3 -> E4 -> E1 -> SPMP -> E2 -> support (docs/algorithm.md §7.3-7.5) of every layer on the
         aggregated ``state``, whose clients trained on the supports ``trained``. Mutates ``state``."""
         d = self.cfg.dturbo
-        threshold_logodds = float(vbi.safe_logit(d.support_threshold))
-        decide = self.sparsity.decides_support(round_idx)  # in target mode only after the warm-up rounds
+        layers = [LayerState.load(state, info.name) for info in self.layers]
+        halves = [turbo.module_a(layer, mask, info.prior, d.gamma_update)  # E3 -> E4 -> E1
+                  for info, layer, mask in zip(self.layers, layers, trained, strict=True)]
         kl = dict.fromkeys(("kl_w", "kl_rho", "kl_s"), 0.0)
-        eta, eta_next = [], []
-        for info, mask in zip(self.layers, trained, strict=True):
-            layer = LayerState.load(state, info.name)
-            a = turbo.module_a(layer, mask, info.prior, d.gamma_update)  # E3 -> E4 -> E1
+        for a in halves:
             for key, value in a.kl.items():
                 kl[key] += value
-            mu = turbo.support_rule(layer.mu, mask, a.pi_tilde_logodds, threshold_logodds, decide)  # §7.5
-            state |= replace(layer, mu=mu, a_tilde=a.a_tilde, b_tilde=a.b_tilde).entries(info.name)
-            eta.append(a.eta)
-            eta_next.append(a.eta_next)
-        # Module B (SPMP -> E2) on every grid, with the prior's field set by the sparsity policy for the next round.
-        iters = self._module_b(state, eta, eta_next, round_idx + 1)
+        # SPMP -> E2 on every grid, with the prior's field set by the sparsity policy for the next round.
+        pis, state["field"], iters = self._module_b([a.eta for a in halves], [a.eta_next for a in halves],
+                                                    round_idx + 1, state["field"])
+        # Support rule (§7.5); in target mode only after the warm-up rounds.
+        threshold_logodds = float(vbi.safe_logit(d.support_threshold))
+        decide = self.sparsity.decides_support(round_idx)
+        for info, layer, mask, a, pi_logodds in zip(self.layers, layers, trained, halves, pis, strict=True):
+            mu = turbo.support_rule(layer.mu, mask, a.pi_tilde_logodds, threshold_logodds, decide)
+            state |= LayerState(mu, layer.sigma, pi_logodds, a.a_tilde, a.b_tilde).entries(info.name)
         # Metrics of the new state.
         total = kept = 0
         flops = flops_kept = 0.0
@@ -353,17 +357,16 @@ class DturboServer:
             **layer_density,
         }
 
-    def _module_b(self, state: State, eta: list[np.ndarray], eta_next: list[np.ndarray], next_round: int) -> int:
-        """SPMP on every grid with unary ``eta`` (E1) plus the field the sparsity policy sets for round
-        ``next_round`` (from ``eta_next``, that round's E3 evidence); stores the B->A message pi (E2) that round's E3
-        will use, and the fields. Returns the most SPMP iterations a layer used."""
-        fields = self.sparsity.fields(eta, eta_next, next_round, state["field"])
-        iters = 0
-        for info, ev, h in zip(self.layers, eta, fields, strict=True):
-            state[f"{info.name}.pi_logodds"], used = turbo.module_b(ev, info.prior, h, self.cfg.dturbo.spmp)
-            iters = max(iters, used)
-        state["field"] = np.asarray(fields, dtype=np.float64)
-        return iters
+    def _module_b(self, eta: list[np.ndarray], eta_next: list[np.ndarray], next_round: int,
+                  previous: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, int]:
+        """SPMP -> E2 on every grid with unary ``eta`` (E1) plus the field the sparsity policy sets for round
+        ``next_round`` (from ``eta_next``, that round's E3 evidence, and the ``previous`` fields). Returns the B->A
+        message logit(pi) of every layer that round's E3 will use, the fields, and the most SPMP iterations a layer
+        used."""
+        fields = self.sparsity.fields(eta, eta_next, next_round, previous)
+        out = [turbo.module_b(ev, info.prior, h, self.cfg.dturbo.spmp)
+               for info, ev, h in zip(self.layers, eta, fields, strict=True)]
+        return [pi for pi, _ in out], np.asarray(fields, dtype=np.float64), max((it for _, it in out), default=0)
 
     # ------------------------------------------------------------ the model
     def global_model(self, state: State) -> nn.Module:
