@@ -17,13 +17,13 @@ from safetensors.torch import save_file as save_torch_file
 from typer.testing import CliRunner
 
 from dturbo import export as ex
-from dturbo.algorithms.dturbo import density_schedule
 from dturbo.checkpoint import STATE_FILE, CheckpointError, CheckpointWarning, load_checkpoint, save_checkpoint
 from dturbo.cli import app
 from dturbo.config import ConfigError, load_config, parse_config
 from dturbo.data import DataError, DataWarning, load_dataset
 from dturbo.nn.models import ModelInputError, build_model, check_input_shape
 from dturbo.sim import ScheduleWarning, Simulator, schedule_warning
+from dturbo.sparsity import density_schedule
 
 
 def flat(text: str) -> str:

@@ -171,7 +171,7 @@ def test_dturbo_ledger_splits_positions_and_values(fed):
     server, _ = build_algorithm(cfg, fed)
     state = server.init()
     for info in server.layers:  # a sparse support: positions now cost bits
-        mask = state[f"{info.name}.mask"]
+        mask = np.float16(state[f"{info.name}.mu"]) != 0  # S: the nonzeros of mu_G
         mask[:, ::3] = False
         state[f"{info.name}.mu"] *= mask
     down = server.downlink(state, 0)

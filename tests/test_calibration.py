@@ -9,6 +9,7 @@ import torch
 from scipy.special import expit
 
 import dturbo.algorithms.dturbo as dt
+from dturbo import turbo
 from dturbo.config import parse_config
 from dturbo.nn.models import build_model, weight_uses
 
@@ -40,7 +41,7 @@ def _density(server, eta, eta_next, fields, weights_of=None) -> float:
     thr = 0.0  # logit(0.5), the default support threshold
     kept = total = 0.0
     for info, ev, nxt, h in zip(server.layers, eta, eta_next, fields, strict=True):
-        lo, _ = server._spmp(info, ev, h)
+        lo, _ = turbo.module_b(ev, info.prior, h, server.cfg.dturbo.spmp)
         w = 1.0 if weights_of is None else weights_of(info)
         kept += float(np.sum(nxt + lo >= thr)) * w
         total += nxt.size * w
@@ -58,12 +59,12 @@ def test_settled_support_keeps_its_field_and_its_message():
     previous = np.zeros(len(server.layers))
     seen = []
     for _ in range(6):
-        fields = server._calibrate_field(eta, eta_next, target, targets, 0.0, previous)
+        fields = server.sparsity.calibrate_field(eta, eta_next, target, targets, previous)
         seen.append(fields.copy())
         assert target - 5e-4 <= _density(server, eta, eta_next, fields) <= target
         previous = fields
     assert all(np.array_equal(seen[0], f) for f in seen)
-    pi = np.concatenate([expit(server._spmp(i, e, h)[0]).ravel() for i, e, h in
+    pi = np.concatenate([expit(turbo.module_b(e, i.prior, h, server.cfg.dturbo.spmp)[0]).ravel() for i, e, h in
                          zip(server.layers, eta, seen[-1], strict=True)])
     assert pi.mean() < 0.9 and pi.min() < 0.5  # a real message, not a saturated one
 
@@ -75,7 +76,7 @@ def test_field_still_moves_when_the_schedule_moves():
     prev = np.zeros(len(server.layers))
     seen = []
     for target in (0.6, 0.4, 0.25):
-        prev = server._calibrate_field(eta, eta, target, targets, 0.0, prev)
+        prev = server.sparsity.calibrate_field(eta, eta, target, targets, prev)
         assert target - 5e-4 <= _density(server, eta, eta, prev) <= target
         seen.append(prev[0])
     assert seen[0] > seen[1] > seen[2]
@@ -93,11 +94,11 @@ def test_floor_never_empties_a_tied_layer():
     server = dt.DturboServer(cfg, factory, 100)
     rng = np.random.default_rng(0)
     # conv1's evidence far below every other layer's: the shared field alone would empty it.
-    eta = [dt._tie(rng.normal(-30 if i.name == "conv1" else 0, 1, i.grid), i) for i in server.layers]
-    fields = server._calibrate_field(eta, eta, 0.3, np.full(len(server.layers), np.nan), 0.0,
-                                     np.zeros(len(server.layers)))
+    eta = [turbo.tie_rows(rng.normal(-30 if i.name == "conv1" else 0, 1, i.grid), i.prior) for i in server.layers]
+    fields = server.sparsity.calibrate_field(eta, eta, 0.3, np.full(len(server.layers), np.nan),
+                                             np.zeros(len(server.layers)))
     for info, ev, h in zip(server.layers, eta, fields, strict=True):
-        dens = float(np.mean(ev + server._spmp(info, ev, h)[0] >= 0))
+        dens = float(np.mean(ev + turbo.module_b(ev, info.prior, h, server.cfg.dturbo.spmp)[0] >= 0))
         assert dens >= 0.02, info.name
 
 
@@ -114,13 +115,13 @@ def test_weight_uses_are_output_positions():
 def test_flops_budget_counts_multiply_adds_and_thins_costly_layers_hardest():
     server = _server("lenet5", (1, 28, 28), 10, budget="flops")
     eta = [np.random.default_rng(2).normal(0, 3, i.grid) for i in server.layers]  # the same law everywhere
-    fields = server._calibrate_field(eta, eta, 0.3, np.full(len(server.layers), np.nan), 0.0,
-                                     np.zeros(len(server.layers)))
+    fields = server.sparsity.calibrate_field(eta, eta, 0.3, np.full(len(server.layers), np.nan),
+                                             np.zeros(len(server.layers)))
     flops = _density(server, eta, eta, fields, weights_of=lambda i: i.uses)
     # At most the budget; below it by at most what the last 1e-3 step of the field flips (one conv1 weight of
     # lenet5 is 784 of its ~0.4M multiply-adds, and its field is ~30x the shared one).
     assert 0.3 - 0.01 <= flops <= 0.3
-    dens = {i.name: float(np.mean(e + server._spmp(i, e, h)[0] >= 0)) for i, e, h in
+    dens = {i.name: float(np.mean(e + turbo.module_b(e, i.prior, h, server.cfg.dturbo.spmp)[0] >= 0)) for i, e, h in
             zip(server.layers, eta, fields, strict=True)}
     uses = {i.name: i.uses for i in server.layers}
     costly = max(uses, key=uses.get)
@@ -128,7 +129,7 @@ def test_flops_budget_counts_multiply_adds_and_thins_costly_layers_hardest():
     assert dens[costly] < 0.3 < dens[cheap]
     # The same evidence with a budget in weights: one field, and the weight density is what is held.
     plain = _server("lenet5", (1, 28, 28), 10)
-    f2 = plain._calibrate_field(eta, eta, 0.3, np.full(len(plain.layers), np.nan), 0.0, np.zeros(len(plain.layers)))
+    f2 = plain.sparsity.calibrate_field(eta, eta, 0.3, np.full(len(plain.layers), np.nan), np.zeros(len(plain.layers)))
     assert 0.3 - 5e-4 <= _density(plain, eta, eta, f2) <= 0.3
     assert np.all(f2 == f2[0])
 
@@ -181,7 +182,8 @@ def test_every_saved_round_holds_the_real_message():
         eta.append(np.where(on, 40.0, -40.0).reshape(info.grid) + rng.normal(0, 0.5, info.grid))
     saved = []
     for rnd in range(2, 8):  # the schedule is at its 30% target from round 2 on
-        server._module_b(state, eta, eta, rnd)
+        pis, state["field"], _ = server._module_b(eta, eta, rnd, state["field"])
+        state |= {f"{info.name}.pi_logodds": pi for info, pi in zip(server.layers, pis, strict=True)}
         saved.append((state["field"].copy(), server.support_messages(state)))
     for field, msg in saved[1:]:
         assert np.array_equal(field, saved[0][0])

@@ -15,6 +15,7 @@ from dturbo.codec import decode_message, decode_values
 from dturbo.config import parse_config
 from dturbo.nn.bayes import bayesian_layers
 from dturbo.sim import Simulator
+from dturbo.turbo import support, support_evidence
 
 LAYERS = ("dense1", "dense2")
 R = 12.0  # in the window of docs/algorithm.md §11 where the literal algorithm prunes some weights and keeps others
@@ -56,13 +57,20 @@ def _aggregated(before, uplinks):
     p = n_t / n_t.sum()
     mu, sigma = {}, {}
     for n in LAYERS:
-        mask = before[f"{n}.mask"]
+        mask = support(before[f"{n}.mu"])
         full = np.zeros(mask.shape)
         full[mask] = sum(pt * decode_values(u[f"{n}.mu"]).astype(np.float64) for pt, u in zip(p, ups, strict=True))
         mu[n] = full
         sigma[n] = float(np.float32(sum(pt * float(decode_values(u[f"{n}.sigma"])[0])
                                         for pt, u in zip(p, ups, strict=True))))
     return mu, sigma
+
+
+def _pi_tilde_logodds(before, info) -> np.ndarray:
+    """logit(pi~) = logit(pi) + E1 of a round (E3), from the state the round started with: pi~ is a temporary of
+    the server step, not kept in its state."""
+    n = info.name
+    return before[f"{n}.pi_logodds"] + support_evidence(before[f"{n}.a_tilde"], before[f"{n}.b_tilde"], info.prior)
 
 
 def _hyper(sim) -> dict[str, tuple[float, float, float, float]]:
@@ -80,7 +88,8 @@ def test_prior_mode_literal_algorithm_end_to_end(tmp_path, make_toy):
     cfg = _cfg(make_toy(400), sparsity={"mode": "prior"})
     sim, rows, rounds = _recorded_run(cfg, tmp_path / "run")
     assert len(rows) == len(rounds) == 3
-    sizes = {n: rounds[0][0][f"{n}.mask"].size for n in LAYERS}
+    sizes = {n: rounds[0][0][f"{n}.mu"].size for n in LAYERS}
+    infos = {info.name: info for info in sim.server.layers}
     densities, reentered = [], 0
     for r, (row, (before, uplinks, after)) in enumerate(zip(rows, rounds, strict=True), start=1):
         mu_agg, _ = _aggregated(before, uplinks)
@@ -89,11 +98,11 @@ def test_prior_mode_literal_algorithm_end_to_end(tmp_path, make_toy):
         msg = load_file(str(tmp_path / "run" / "messages" / f"round_{r:04d}.safetensors"))
         kept = 0
         for n in LAYERS:
-            old, pt_lo = before[f"{n}.mask"], after[f"{n}.pt_lo"]
-            keep = pt_lo >= 0.0  # pi~ >= 0.5
+            old, pi_tilde_logodds = support(before[f"{n}.mu"]), _pi_tilde_logodds(before, infos[n])
+            keep = pi_tilde_logodds >= 0.0  # pi~ >= 0.5
             cand = np.where(keep & ~old, 2.0**-14, mu_agg[n])
             expected = keep & (np.float16(cand) != 0)
-            np.testing.assert_array_equal(after[f"{n}.mask"], expected, err_msg=f"round {r} {n}")
+            np.testing.assert_array_equal(support(after[f"{n}.mu"]), expected, err_msg=f"round {r} {n}")
             np.testing.assert_allclose(after[f"{n}.mu"], np.where(expected, cand, 0.0), rtol=1e-6, atol=0)
             np.testing.assert_array_equal(msg[f"{n}.mask"].astype(bool), expected)
             assert float(row[f"density_{n}"]) == pytest.approx(expected.mean(), abs=1e-12)
@@ -105,8 +114,8 @@ def test_prior_mode_literal_algorithm_end_to_end(tmp_path, make_toy):
         # per bias, plus one float32 sigma per layer, per client
         assert int(row["up_positions_bits"]) == 0
         biases = sum(before[f"{n}.bias"].size for n in LAYERS)
-        support = sum(int(before[f"{n}.mask"].sum()) for n in LAYERS)
-        assert int(row["up_values_bits"]) == len(uplinks) * (16 * (support + biases) + 32 * len(LAYERS))
+        trained = sum(int(support(before[f"{n}.mu"]).sum()) for n in LAYERS)
+        assert int(row["up_values_bits"]) == len(uplinks) * (16 * (trained + biases) + 32 * len(LAYERS))
     # the literal rule really pruned something (r is in the window of docs/algorithm.md §11; ~90% dense here), but not
     # everything, and some pruned weights came back
     assert 0.5 < min(densities) and max(densities) < 1.0 and reentered > 0, (densities, reentered)
@@ -121,18 +130,19 @@ def test_paper_gamma_update_end_to_end(tmp_path, make_toy):
                sparsity={"mode": "target", "target_density": 0.5, "warmup_rounds": 1, "ramp_rounds": 2})
     sim, rows, rounds = _recorded_run(cfg, tmp_path / "run")
     hyper = _hyper(sim)
+    infos = {info.name: info for info in sim.server.layers}
     for before, uplinks, after in rounds:
         mu_agg, sig_agg = _aggregated(before, uplinks)
         for n in LAYERS:
             a, b, ab, bb = hyper[n]
-            pt = expit(after[f"{n}.pt_lo"])
-            np.testing.assert_allclose(after[f"{n}.a_t"], pt * a + (1 - pt) * ab + 1.0, rtol=1e-12)
-            np.testing.assert_allclose(after[f"{n}.b_t"], pt * b + (1 - pt) * bb + mu_agg[n] ** 2 + sig_agg[n] ** 2,
+            pt = expit(_pi_tilde_logodds(before, infos[n]))
+            np.testing.assert_allclose(after[f"{n}.a_tilde"], pt * a + (1 - pt) * ab + 1.0, rtol=1e-12)
+            np.testing.assert_allclose(after[f"{n}.b_tilde"], pt * b + (1 - pt) * bb + mu_agg[n] ** 2 + sig_agg[n] ** 2,
                                        rtol=1e-9)
     state, _ = load_checkpoint(tmp_path / "run" / "checkpoint")
     for n in LAYERS:  # the checkpoint holds the last round's q(rho)
-        np.testing.assert_array_equal(state[f"{n}.a_t"], rounds[-1][2][f"{n}.a_t"])
-        np.testing.assert_array_equal(state[f"{n}.b_t"], rounds[-1][2][f"{n}.b_t"])
+        np.testing.assert_array_equal(state[f"{n}.a_tilde"], rounds[-1][2][f"{n}.a_tilde"])
+        np.testing.assert_array_equal(state[f"{n}.b_tilde"], rounds[-1][2][f"{n}.b_tilde"])
     for row in rows:
         assert all(math.isfinite(float(row[c])) for c in ("accuracy", "loss", "neg_elbo", "train_nll", "density"))
     assert float(rows[-1]["accuracy"]) > 0.5  # 4 balanced-ish classes: chance is ~0.25

@@ -13,9 +13,10 @@ from scipy import integrate
 from scipy.special import expit
 from torch.distributions import Bernoulli, Gamma, kl_divergence
 
-from dturbo.algorithms.dturbo import density_schedule
 from dturbo.config import parse_config
 from dturbo.sim import Simulator
+from dturbo.sparsity import density_schedule
+from dturbo.turbo import support, support_evidence
 
 
 def _toy_npz(tmp_path: Path) -> Path:
@@ -37,15 +38,15 @@ def _config(tmp_path: Path, *, beta: float = 1.0, tie_rows: bool = False, **spar
     }
 
 
-def _expected_gaussian_kl(mu: float, sigma: float, a_t: float, b_t: float) -> float:
+def _expected_gaussian_kl(mu: float, sigma: float, a_tilde: float, b_tilde: float) -> float:
     """E over rho ~ Gamma(a~, b~) of KL(N(mu, sigma^2) || N(0, 1/rho)), by quadrature of the textbook KL
     against the Gamma density (rho = x / b~ to put the mass near 1)."""
-    log_norm = -math.lgamma(a_t)
+    log_norm = -math.lgamma(a_tilde)
 
     def integrand(x: float) -> float:  # density of x = b~ rho, times the KL at rho = x / b~
-        s2 = b_t / x
+        s2 = b_tilde / x
         kl = 0.5 * math.log(s2 / sigma**2) + (sigma**2 + mu**2) / (2 * s2) - 0.5
-        return math.exp(log_norm + (a_t - 1) * math.log(x) - x) * kl
+        return math.exp(log_norm + (a_tilde - 1) * math.log(x) - x) * kl
 
     return integrate.quad(integrand, 0, math.inf, epsabs=1e-13, epsrel=1e-10, limit=200)[0]
 
@@ -67,16 +68,20 @@ def test_neg_elbo_terms_match_an_independent_computation(tmp_path, tie_rows):
     kl_w = kl_rho = kl_s = 0.0
     for info in server.layers:
         name, g = info.name, info.prior.gamma_kwargs()
-        mask = state[f"{name}.mask"]  # the support the clients trained this round
+        mask = support(state[f"{name}.mu"])  # the support the clients trained this round
         mu = sum(pt * d[1][f"{name}.mu"].astype(np.float64) for pt, d in zip(p, decoded, strict=True))
         sigma = float(sum(pt * float(d[1][f"{name}.sigma"][0]) for pt, d in zip(p, decoded, strict=True)))
-        a_t, b_t = new[f"{name}.a_t"], new[f"{name}.b_t"]
+        a_tilde, b_tilde = new[f"{name}.a_tilde"], new[f"{name}.b_tilde"]
         # q(w): every weight on the support, by quadrature over q(rho)
         for k, j in enumerate(np.flatnonzero(mask.reshape(-1))):
-            kl_w += _expected_gaussian_kl(mu[k], sigma, a_t.flat[j], b_t.flat[j])
+            kl_w += _expected_gaussian_kl(mu[k], sigma, a_tilde.flat[j], b_tilde.flat[j])
         # q(rho) against p(rho | s), averaged over q(s)
-        pt = torch.from_numpy(expit(new[f"{name}.pt_lo"]))
-        q_rho = Gamma(torch.from_numpy(a_t), torch.from_numpy(b_t))
+        # q(s) of this round's E3: logit(pi~) = logit(pi) + E1, from the state the round started with (pi~ is a
+        # temporary of the server step)
+        pi_tilde_logodds = state[f"{name}.pi_logodds"] + support_evidence(state[f"{name}.a_tilde"],
+                                                                         state[f"{name}.b_tilde"], info.prior)
+        pt = torch.from_numpy(expit(pi_tilde_logodds))
+        q_rho = Gamma(torch.from_numpy(a_tilde), torch.from_numpy(b_tilde))
         kl_rho += float((pt * kl_divergence(q_rho, Gamma(torch.tensor(g["a"], dtype=torch.float64),
                                                          torch.tensor(g["b"], dtype=torch.float64)))
                          + (1 - pt) * kl_divergence(q_rho, Gamma(torch.tensor(g["a_bar"], dtype=torch.float64),
@@ -84,8 +89,8 @@ def test_neg_elbo_terms_match_an_independent_computation(tmp_path, tie_rows):
         # q(s) against Module B's pi of this round: one variable per weight, or per row when rows are tied
         cols = slice(0, 1) if tie_rows else slice(None)
         # (from log-odds: torch clamps probabilities at 2e-16, and a calibrated pi can be far smaller)
-        pt_lo, pi_lo = (torch.from_numpy(x[:, cols]) for x in (new[f"{name}.pt_lo"], state[f"{name}.pi_lo"]))
-        kl_s += float(kl_divergence(Bernoulli(logits=pt_lo), Bernoulli(logits=pi_lo)).sum())
+        q_s, p_s = (torch.from_numpy(x[:, cols]) for x in (pi_tilde_logodds, state[f"{name}.pi_logodds"]))
+        kl_s += float(kl_divergence(Bernoulli(logits=q_s), Bernoulli(logits=p_s)).sum())
     assert m["kl_w"] == pytest.approx(kl_w, rel=1e-6)
     assert m["kl_rho"] == pytest.approx(kl_rho, rel=1e-9)
     assert m["kl_s"] == pytest.approx(kl_s, rel=1e-9, abs=1e-9)

@@ -131,7 +131,7 @@ def test_dturbo_round_on_mobilenet():
     state = server.init()
     result = server.aggregate(state, [client.fit(server.downlink(state, 0), data, 0)], 0)
     assert result.metrics["clients_ok"] == 1
-    assert result.state["dw1.pi_lo"].shape == (8, 9)
+    assert result.state["dw1.pi_logodds"].shape == (8, 9)
 
 
 def test_every_shipped_config_parses():

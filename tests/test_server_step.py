@@ -15,6 +15,7 @@ import torch
 from scipy.special import digamma, expit, gammaln, log_expit
 
 import dturbo.algorithms.dturbo as dt
+from dturbo import turbo
 from dturbo.algorithms.base import ClientData, frame, message_bits, pack_scalars
 from dturbo.algorithms.local import LocalResult
 from dturbo.codec import decode_grid, decode_message, decode_values, encode_dense, encode_values
@@ -60,17 +61,35 @@ def _hyper(factory) -> dict[str, dict[str, float]]:
 
 def _scramble(server, state, hyper, rng, *, keep=0.7) -> None:
     """A state in the middle of a run: old q(rho) unrelated to the current mu (so E3-with-old-q(rho) and
-    E4-first give different results), random pi, a stale pi~ that the step must not read, a partial support."""
+    E4-first give different results), random pi, a partial support (the nonzeros of mu; the state holds no pi~
+    for the step to read: it is a temporary of the step)."""
     for info in server.layers:
         n, shape = info.name, info.grid
-        state[f"{n}.a_t"] = rng.uniform(0.6, 2.5, shape)
-        state[f"{n}.b_t"] = hyper[n]["b"] * rng.uniform(0.05, 2.0, shape)
-        state[f"{n}.pi_lo"] = rng.normal(0.0, 1.5, shape)
-        state[f"{n}.pt_lo"] = rng.normal(0.0, 3.0, shape)
+        state[f"{n}.a_tilde"] = rng.uniform(0.6, 2.5, shape)
+        state[f"{n}.b_tilde"] = hyper[n]["b"] * rng.uniform(0.05, 2.0, shape)
+        state[f"{n}.pi_logodds"] = rng.normal(0.0, 1.5, shape)
+        rng.normal(0.0, 3.0, shape)  # drawn as when the state held a stale pi~, so that the test data stay the same
         mask = rng.random(shape) < keep
         mask.flat[0] = False
-        state[f"{n}.mask"] = mask
         state[f"{n}.mu"] = np.where(mask, state[f"{n}.mu"], 0.0).astype(np.float32)
+
+
+def _support(state, n: str) -> np.ndarray:
+    """S of layer n: the float16 nonzeros of mu_G (the state holds no mask)."""
+    return np.float16(state[f"{n}.mu"]) != 0
+
+
+def _record_module_a(monkeypatch) -> list:
+    """Every Module A half the server step computes (E3, E4, E1), in layer order: pi~ is the step's temporary."""
+    seen = []
+    module_a = turbo.module_a
+
+    def recording(*args, **kwargs):
+        seen.append(module_a(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(turbo, "module_a", recording)
+    return seen
 
 
 def _upload(server, state, round_idx: int, cid: int, n_t: int, mus: dict, sigmas: dict, biases: dict) -> bytes:
@@ -78,7 +97,7 @@ def _upload(server, state, round_idx: int, cid: int, n_t: int, mus: dict, sigmas
     fields = {"meta": pack_scalars([round_idx, cid, n_t])}
     for info in server.layers:
         n = info.name
-        fields[f"{n}.mu"] = encode_values(mus[n][state[f"{n}.mask"]].astype(np.float32), dtype="float16")
+        fields[f"{n}.mu"] = encode_values(mus[n][_support(state, n)].astype(np.float32), dtype="float16")
         fields[f"{n}.sigma"] = encode_values(np.array([sigmas[n]], np.float32), dtype="float32")
         fields[f"{n}.bias"] = encode_dense(biases[n], dtype="float16")
     fields["metrics"] = pack_scalars([0.7, 0.01])
@@ -101,35 +120,35 @@ def _brute_marginals(u: np.ndarray, p01_row, p11_row, p01_col, p11_col) -> np.nd
 def _reference_step(before, mu_agg, sig_agg, hyper, *, thr, fields, spmp, gamma="exact", spmp_kw=None):
     """docs/algorithm.md §7.3-7.5 written out: E3 with the OLD q(rho), E4 with the new pi~ and the aggregated moments,
     E1, SPMP (+ the field h of target mode), E2, support {pi~ >= thr} with re-entry at 2^-14 and S equal to
-    the float16 nonzeros of mu_G (module docstring of algorithms/dturbo.py)."""
+    the float16 nonzeros of mu_G (module docstrings of turbo.py and algorithms/dturbo.py)."""
     out = {}
     for i, (n, h) in enumerate(hyper.items()):
         a, b, ab, bb = h["a"], h["b"], h["a_bar"], h["b_bar"]
-        a_old, b_old, pi_lo = before[f"{n}.a_t"], before[f"{n}.b_t"], before[f"{n}.pi_lo"]
+        a_old, b_old, pi_logodds = before[f"{n}.a_tilde"], before[f"{n}.b_tilde"], before[f"{n}.pi_logodds"]
         e_ln_rho, e_rho = digamma(a_old) - np.log(b_old), a_old / b_old
-        ln_pi, ln_1_pi = log_expit(pi_lo), log_expit(-pi_lo)  # ln pi, ln(1 - pi), accurate near pi = 0, 1
+        ln_pi, ln_1_pi = log_expit(pi_logodds), log_expit(-pi_logodds)  # ln pi, ln(1 - pi), accurate near pi = 0, 1
         ln_c1 = ln_pi + a * np.log(b) - gammaln(a) + (a - 1) * e_ln_rho - b * e_rho
         ln_c2 = ln_1_pi + ab * np.log(bb) - gammaln(ab) + (ab - 1) * e_ln_rho - bb * e_rho
-        pt_lo = ln_c1 - ln_c2  # (E3)
-        pt = expit(pt_lo)
+        pi_tilde_logodds = ln_c1 - ln_c2  # (E3)
+        pt = expit(pi_tilde_logodds)
         m2 = mu_agg[n] ** 2 + sig_agg[n] ** 2
         if gamma == "exact":  # (E4)
-            a_t, b_t = pt * a + (1 - pt) * ab + 0.5, pt * b + (1 - pt) * bb + m2 / 2
+            a_tilde, b_tilde = pt * a + (1 - pt) * ab + 0.5, pt * b + (1 - pt) * bb + m2 / 2
         else:  # the paper's printed form
-            a_t, b_t = pt * a + (1 - pt) * ab + 1.0, pt * b + (1 - pt) * bb + m2
-        eta = pt_lo - before[f"{n}.pi_lo"]  # (E1)
+            a_tilde, b_tilde = pt * a + (1 - pt) * ab + 1.0, pt * b + (1 - pt) * bb + m2
+        eta = pi_tilde_logodds - before[f"{n}.pi_logodds"]  # (E1)
         unary = eta + fields[i]
         if spmp == "brute":
             belief = _brute_marginals(unary, **DENSE_MRF)
         else:
             belief = grid_bp(unary, Transitions(**DENSE_MRF), **spmp_kw).belief
-        pi_lo = belief - unary + fields[i]  # (E2): extrinsic, the field being a factor of Module B
-        old = before[f"{n}.mask"]
+        pi_logodds = belief - unary + fields[i]  # (E2): extrinsic, the field being a factor of Module B
+        old = _support(before, n)
         keep = pt >= thr
         mu = np.where(keep & ~old, 2.0**-14, np.where(keep, mu_agg[n], 0.0))
         keep &= np.float16(mu) != 0
-        out[n] = {"pt_lo": pt_lo, "a_t": a_t, "b_t": b_t, "pi_lo": pi_lo, "mask": keep,
-                  "mu": np.where(keep, mu, 0.0).astype(np.float32)}
+        out[n] = {"pi_tilde_logodds": pi_tilde_logodds, "a_tilde": a_tilde, "b_tilde": b_tilde,
+                  "pi_logodds": pi_logodds, "mask": keep, "mu": np.where(keep, mu, 0.0).astype(np.float32)}
     return out
 
 
@@ -140,7 +159,7 @@ CASES = {"chains-bruteforce": ((1,), 4, 3, "brute"), "loopy-grid_bp": ((5,), 6, 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["prior", "target"])
-def test_server_step_matches_independent_reference(case, mode):
+def test_server_step_matches_independent_reference(case, mode, monkeypatch):
     hidden, n_in, n_out, spmp = CASES[case]
     extra = {"target_density": 0.5, "warmup_rounds": 1, "ramp_rounds": 2} if mode == "target" else {}
     cfg, factory, server = _make(_config(mode=mode, hidden=hidden, **extra), n_in, n_out)
@@ -157,19 +176,20 @@ def test_server_step_matches_independent_reference(case, mode):
         biases.append({n: rng.normal(0, 0.1, info.grid[0]).astype(np.float32)
                        for n, info in zip(hyper, server.layers, strict=True)})
     for n in hyper:
-        state[f"{n}.mask"].flat[1] = True
-        state[f"{n}.pi_lo"].flat[:2] = 30.0
+        state[f"{n}.mu"].flat[1] = 0.25  # on S (the uploads replace its value)
+        state[f"{n}.pi_logodds"].flat[:2] = 30.0
         mus[0][n].flat[1], mus[1][n].flat[1] = 2.0**-24, 0.0  # 0.3 * 2^-24 rounds to 0 in float16
     round_idx = 3
     ups = [_upload(server, state, round_idx, c, nt, mus[c], sigs[c], biases[c]) for c, nt in enumerate((3, 7))]
     before = {k: np.copy(v) for k, v in state.items()}
 
+    module_a = _record_module_a(monkeypatch)
     result = server.aggregate(state, ups, round_idx)
     new = result.state
 
     p = np.array([3.0, 7.0]) / 10.0
     f16 = [{n: np.float16(m[n]).astype(np.float64) for n in m} for m in mus]  # what the wire carried
-    mu_agg = {n: np.where(before[f"{n}.mask"], p[0] * f16[0][n] + p[1] * f16[1][n], 0.0) for n in hyper}
+    mu_agg = {n: np.where(_support(before, n), p[0] * f16[0][n] + p[1] * f16[1][n], 0.0) for n in hyper}
     # sigma_G is kept in the state as float32 (as the model holds it)
     sig_agg = {n: float(np.float32(p[0] * np.float32(sigs[0][n]) + p[1] * np.float32(sigs[1][n]))) for n in hyper}
     fields = np.zeros(len(hyper))
@@ -182,17 +202,20 @@ def test_server_step_matches_independent_reference(case, mode):
     ref = _reference_step(before, mu_agg, sig_agg, hyper, thr=0.5, fields=fields, spmp=spmp,
                           spmp_kw={"max_iter": s.max_iter, "tol": s.tol, "damping": s.damping})
     reentered = dropped = 0
-    for n, r in ref.items():
-        np.testing.assert_allclose(new[f"{n}.pt_lo"], r["pt_lo"], rtol=0, atol=1e-9, err_msg=f"{n} pi~ (E3)")
-        np.testing.assert_allclose(new[f"{n}.a_t"], r["a_t"], rtol=1e-12, err_msg=f"{n} a~ (E4)")
-        np.testing.assert_allclose(new[f"{n}.b_t"], r["b_t"], rtol=1e-9, err_msg=f"{n} b~ (E4)")
-        np.testing.assert_allclose(new[f"{n}.pi_lo"], r["pi_lo"], rtol=0, atol=1e-9, err_msg=f"{n} pi (E1-SPMP-E2)")
-        np.testing.assert_array_equal(new[f"{n}.mask"], r["mask"], err_msg=f"{n} support")
+    assert len(module_a) == len(ref)
+    for (n, r), a in zip(ref.items(), module_a, strict=True):
+        np.testing.assert_allclose(a.pi_tilde_logodds, r["pi_tilde_logodds"], rtol=0, atol=1e-9,
+                                   err_msg=f"{n} pi~ (E3)")
+        np.testing.assert_allclose(new[f"{n}.a_tilde"], r["a_tilde"], rtol=1e-12, err_msg=f"{n} a~ (E4)")
+        np.testing.assert_allclose(new[f"{n}.b_tilde"], r["b_tilde"], rtol=1e-9, err_msg=f"{n} b~ (E4)")
+        np.testing.assert_allclose(new[f"{n}.pi_logodds"], r["pi_logodds"], rtol=0, atol=1e-9,
+                                   err_msg=f"{n} pi (E1-SPMP-E2)")
+        np.testing.assert_array_equal(_support(new, n), r["mask"], err_msg=f"{n} support")
         np.testing.assert_allclose(new[f"{n}.mu"], r["mu"], rtol=1e-6, atol=0, err_msg=f"{n} mu_G")
-        assert new[f"{n}.mu"].flat[0] == 2.0**-14 and new[f"{n}.mask"].flat[0]  # re-entered
-        assert not new[f"{n}.mask"].flat[1] and new[f"{n}.mu"].flat[1] == 0  # float16 zero: left S
-        reentered += int((r["mask"] & ~before[f"{n}.mask"]).sum())
-        dropped += int((before[f"{n}.mask"] & ~r["mask"]).sum())
+        assert new[f"{n}.mu"].flat[0] == 2.0**-14 and _support(new, n).flat[0]  # re-entered
+        assert not _support(new, n).flat[1] and new[f"{n}.mu"].flat[1] == 0  # float16 zero: left S
+        reentered += int((r["mask"] & ~_support(before, n)).sum())
+        dropped += int((_support(before, n) & ~r["mask"]).sum())
         # the step's own non-trivial outcome: weights both enter and leave, pi~ on both sides of 1/2
         assert 0 < r["mask"].sum() < r["mask"].size
     assert reentered >= 2 and dropped >= 3
@@ -223,9 +246,8 @@ def test_upload_has_no_positions_and_costs_two_bytes_per_support_weight():
         for info in server.layers:
             n = info.name
             mask = rng.random(info.grid) < keep
-            state[f"{n}.mask"] = mask
             state[f"{n}.mu"] = np.where(mask, state[f"{n}.mu"], 0.0).astype(np.float32)
-        support = sum(int(state[f"{i.name}.mask"].sum()) for i in server.layers)
+        support = sum(int(_support(state, i.name).sum()) for i in server.layers)
         up = client.fit(server.downlink(state, 0), data, 0)
         bits = message_bits(up, server.layouts)
         assert bits["positions"] == 0
@@ -233,8 +255,8 @@ def test_upload_has_no_positions_and_costs_two_bytes_per_support_weight():
         values = dict(fields)
         for info in server.layers:  # the mu field is exactly the values of S, in row-major order
             n = info.name
-            assert len(values[f"{n}.mu"]) == 2 + 2 * int(state[f"{n}.mask"].sum())
-            assert decode_values(values[f"{n}.mu"]).size == int(state[f"{n}.mask"].sum())
+            assert len(values[f"{n}.mu"]) == 2 + 2 * int(_support(state, n).sum())
+            assert decode_values(values[f"{n}.mu"]).size == int(_support(state, n).sum())
         sizes[support] = len(up) - 2 * support
     assert len(sizes) == 3 and len(set(sizes.values())) == 1, sizes
 
@@ -262,10 +284,10 @@ def _kl_reference(server, state, beta, total):
     kl = 0.0
     for info in server.layers:
         n = info.name
-        mask = state[f"{n}.mask"]
+        mask = _support(state, n)
         mu = np.float16(state[f"{n}.mu"][mask]).astype(np.float64)
         sigma = float(state[f"{n}.sigma"].reshape(-1)[0])
-        sp = np.float16(np.sqrt(state[f"{n}.b_t"] / state[f"{n}.a_t"])[mask]).astype(np.float64)
+        sp = np.float16(np.sqrt(state[f"{n}.b_tilde"] / state[f"{n}.a_tilde"])[mask]).astype(np.float64)
         kl += float(np.sum(np.log(sp / sigma) + (sigma**2 + mu**2) / (2 * sp**2) - 0.5))
     return beta * kl / total
 
@@ -286,8 +308,8 @@ def test_client_penalty_is_beta_kl_over_global_n_with_downloaded_prior(monkeypat
     assert value == pytest.approx(ref, rel=2e-5)
     # the client's layers hold the downloaded prior (float16 of E5) on S
     for info, (_, layer) in zip(server.layers, bayesian_layers(model), strict=True):
-        mask = state[f"{info.name}.mask"]
-        sp = np.float16(np.sqrt(state[f"{info.name}.b_t"] / state[f"{info.name}.a_t"]))
+        mask = _support(state, info.name)
+        sp = np.float16(np.sqrt(state[f"{info.name}.b_tilde"] / state[f"{info.name}.a_tilde"]))
         np.testing.assert_allclose(layer.prior_std.numpy().reshape(info.grid)[mask], sp[mask], rtol=1e-6)
     # n_t does not enter: another client (more samples) gets the same penalty
     assert _capture_penalty(monkeypatch, cfg, factory, server, state, large)[0] == pytest.approx(value, rel=1e-12)
@@ -301,13 +323,13 @@ def test_client_penalty_is_beta_kl_over_global_n_with_downloaded_prior(monkeypat
     # a different q(rho) in the server state changes the prior the client uses, as E5 says
     state2 = dict(state)
     for info in server.layers:
-        state2[f"{info.name}.b_t"] = state[f"{info.name}.b_t"] * 4.0
+        state2[f"{info.name}.b_tilde"] = state[f"{info.name}.b_tilde"] * 4.0
     value2 = _capture_penalty(monkeypatch, cfg, factory, server, state2, small, total=500)[0]
     assert value2 == pytest.approx(_kl_reference(server, state2, 1.0, 500), rel=2e-5)
     assert value2 != pytest.approx(value, rel=1e-2)
 
 
-def test_reentering_weight_restarts_is_sent_trained_and_aggregated():
+def test_reentering_weight_restarts_is_sent_trained_and_aggregated(monkeypatch):
     """§7.5 and the module docstring: a weight off S whose pi~ crosses the threshold enters S at 2^-14,
     is in the next downlink's grid, is trained by the clients and its aggregated value is taken next round."""
     torch.set_num_threads(1)
@@ -317,26 +339,26 @@ def test_reentering_weight_restarts_is_sent_trained_and_aggregated():
     clients = _toy_clients(n_in, n_out)
     state = server.init()
     name, pos = "dense1", (2, 3)
-    state[f"{name}.mask"][pos] = False
-    state[f"{name}.mu"][pos] = 0.0
+    state[f"{name}.mu"][pos] = 0.0  # off S
     # round 0: the weight is off S, so its upload carries nothing for it; pi from Module B pushes it back in
     ups = [client.fit(server.downlink(state, 0), d, c) for c, d in enumerate(clients)]
-    state["dense1.pi_lo"][pos] = 30.0
+    state["dense1.pi_logodds"][pos] = 30.0
+    module_a = _record_module_a(monkeypatch)
     st1 = server.aggregate(state, ups, 0).state
-    assert st1[f"{name}.pt_lo"][pos] >= 0 and st1[f"{name}.mask"][pos]
-    assert st1[f"{name}.mu"][pos] == np.float32(dt.REENTRY_VALUE) == 2.0**-14
+    assert module_a[0].pi_tilde_logodds[pos] >= 0 and _support(st1, name)[pos]
+    assert st1[f"{name}.mu"][pos] == np.float32(turbo.REENTRY_VALUE) == 2.0**-14
     # round 1: it is in the downlink's cluster-coded grid at 2^-14 ...
     down = server.downlink(st1, 1)
     grid = decode_grid(dict(decode_message(down)[1])[f"{name}.mu"])
     assert grid[pos] == 2.0**-14
     # ... the clients train it (it moves away from 2^-14) and upload it in its row-major slot of S ...
-    st1[f"{name}.pi_lo"][pos] = 30.0  # keep it on S in round 1 whatever Module B says, to see its value
+    st1[f"{name}.pi_logodds"][pos] = 30.0  # keep it on S in round 1 whatever Module B says, to see its value
     ups = [client.fit(down, d, c) for c, d in enumerate(clients)]
-    slot = int(np.flatnonzero(st1[f"{name}.mask"].reshape(-1)).tolist().index(np.ravel_multi_index(pos, (5, 6))))
+    slot = int(np.flatnonzero(_support(st1, name).reshape(-1)).tolist().index(np.ravel_multi_index(pos, (5, 6))))
     sent = [float(decode_values(dict(decode_message(u)[1])[f"{name}.mu"])[slot]) for u in ups]
     assert all(abs(v - 2.0**-14) > 1e-3 for v in sent), sent
     # ... and the server takes their aggregate, p_t = n_t / n
     st2 = server.aggregate(st1, ups, 1).state
-    assert st2[f"{name}.mask"][pos]
+    assert _support(st2, name)[pos]
     expected = (24 * sent[0] + 40 * sent[1]) / 64
     assert st2[f"{name}.mu"][pos] == pytest.approx(expected, rel=1e-6)

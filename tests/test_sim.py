@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from dturbo.algorithms.dturbo import density_schedule
 from dturbo.checkpoint import CheckpointError, load_checkpoint
 from dturbo.config import parse_config
 from dturbo.data import load_dataset
 from dturbo.sim import BASE_COLUMNS, Simulator, build_federation
+from dturbo.sparsity import density_schedule
+from dturbo.turbo import support
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fmnist = pytest.mark.skipif(
@@ -144,14 +145,15 @@ def test_global_model_is_masked_mean(tmp_path):
     for name in ("dense1", "dense2"):
         layer = getattr(model, name)
         w = layer.weight_mu.detach().numpy()
-        assert np.all(w[state[f"{name}.mask"] == 0] == 0)
-        assert state[f"{name}.mask"].mean() == float(rows[-1][f"density_{name}"])
+        mask = support(state[f"{name}.mu"])
+        assert np.all(w[~mask] == 0)
+        assert mask.mean() == float(rows[-1][f"density_{name}"])
         # scope 'layer': each layer's support follows the schedule (CSV row r is 0-based round r - 1, whose
-        # support the previous round's Module B -- or init, with no warm-up -- calibrated). _calibrate_field never
+        # support the previous round's Module B -- or init, with no warm-up -- calibrated). calibrate_field never
         # exceeds the scheduled density and stops within 5e-4 below it, or at an interval of h of width 1e-3 whose
         # upper end overshoots: the gap is then the discrete jump of the weights whose threshold lies in it, one
         # weight of the layer in this run (1/320 for dense1, 1/32 for dense2, at row 2).
-        size = state[f"{name}.mask"].size
+        size = mask.size
         for row in rows:
             sched = density_schedule(int(row["round"]) - 1, target=0.5, warmup=0, ramp=2)
             dens = float(row[f"density_{name}"])
@@ -203,9 +205,9 @@ def test_layer_targets_fix_named_layers_and_the_rest_keeps_the_global_budget(tmp
     sim = Simulator(cfg, tmp_path / "run")
     rows = sim.run()
     state, _ = load_checkpoint(tmp_path / "run" / "checkpoint")
-    sizes = {n: state[f"{n}.mask"].size for n in ("dense1", "dense2", "dense3")}
+    sizes = {n: state[f"{n}.mu"].size for n in ("dense1", "dense2", "dense3")}
     assert sizes == {"dense1": 320, "dense2": 128, "dense3": 16}
-    dens = {n: float(state[f"{n}.mask"].mean()) for n in sizes}
+    dens = {n: float(support(state[f"{n}.mu"]).mean()) for n in sizes}
     assert 0.08 <= dens["dense2"] <= 0.1  # calibrated alone, from below
     total = sum(dens[n] * sizes[n] for n in sizes) / sum(sizes.values())
     assert 0.48 <= total <= 0.5 and float(rows[-1]["density"]) == pytest.approx(total)
@@ -267,13 +269,14 @@ def test_bad_uplinks_are_rejected_and_the_round_uses_the_rest(tmp_path):
                      for u in ups]
             expected = p[0] * parts[0].astype(np.float64) + p[1] * parts[1].astype(np.float64)
             np.testing.assert_allclose(new[f"{name}.{key}"].reshape(-1), expected.reshape(-1), rtol=1e-6, atol=1e-9)
-        mu = np.zeros(state[f"{name}.mask"].shape)
-        mu[state[f"{name}.mask"]] = sum(pt * decode_values(u[f"{name}.mu"]).astype(np.float64)
+        trained = support(state[f"{name}.mu"])
+        mu = np.zeros(trained.shape)
+        mu[trained] = sum(pt * decode_values(u[f"{name}.mu"]).astype(np.float64)
                                         for pt, u in zip(p, ups, strict=True))
-        kept = new[f"{name}.mask"]
+        kept = support(new[f"{name}.mu"])
         assert kept.sum() > 0.9 * kept.size  # round 0: the support is (almost) all kept
         np.testing.assert_allclose(new[f"{name}.mu"][kept], mu[kept], rtol=1e-6, atol=0)
-        assert not np.allclose(mu[kept], decode_values(ups[0][f"{name}.mu"])[kept[state[f"{name}.mask"]]])
+        assert not np.allclose(mu[kept], decode_values(ups[0][f"{name}.mu"])[kept[trained]])
     reasons = " | ".join(result.rejected)
     assert "truncated" in reasons and "NaN" in reasons and "support has 24" in reasons
     with pytest.raises(MessageError, match="no valid client update"):

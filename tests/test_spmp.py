@@ -321,22 +321,18 @@ def test_alexnet_grids_converge_quickly_at_demo_couplings() -> None:
 def test_tied_rows_are_one_variable_per_row_on_the_column_chain(start: float | None) -> None:
     """prior.tie_rows: each row is one support variable with the summed evidence of its M weights and M times
     the per-weight field, the rows coupled by the column chain; checked against brute force on that chain."""
-    from types import SimpleNamespace
-
-    from dturbo.algorithms.dturbo import DturboServer, LayerInfo, _tie
-    from dturbo.config import Config
+    from dturbo.config import SpmpConfig
     from dturbo.prior import LayerPrior
+    from dturbo.turbo import module_b, tie_rows
 
     rng = np.random.default_rng(7)
     k, m, field = 5, 3, -0.4
     eta = rng.normal(scale=1.5, size=(k, m))
     transitions = Transitions(0.3, 0.48, STRONG["p01_col"], STRONG["p11_col"], start_row=start, start_col=start)
     prior = LayerPrior(1.0, 1.0, 1.0, 0.01, transitions, tie_rows=True)
-    info = LayerInfo("dense1", (k, m), (k, m), prior)
-    server = SimpleNamespace(cfg=Config())
-    tied = _tie(eta, info)
+    tied = tie_rows(eta, prior)
     assert np.allclose(tied, eta.sum(1, keepdims=True))
-    lo, _ = DturboServer._spmp(server, info, tied, field)
+    lo, _ = module_b(tied, prior, field, SpmpConfig())
     posterior = tied + lo  # E3 in the next round with the same evidence: the row's posterior log-odds
     assert np.allclose(posterior, posterior[:, :1])  # one value per row
     ref = brute_force(eta.sum(1, keepdims=True) + m * field, 0.3, 0.48, STRONG["p01_col"], STRONG["p11_col"],

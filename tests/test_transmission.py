@@ -15,6 +15,7 @@ from dturbo.codec import CodecError, decode_support, encode_grid, encode_support
 from dturbo.config import ConfigError, parse_config
 from dturbo.quantize import decode_stochastic, dequantize, encode_stochastic, quantize
 from dturbo.sim import Simulator
+from dturbo.turbo import support, support_evidence
 
 
 def test_stochastic_rounding_is_unbiased_and_within_one_level():
@@ -118,12 +119,12 @@ def test_quantised_run_sends_the_bits_it_says_and_learns(tmp_path):
     state = sim.server.init()
     down = sim.server.downlink(state, 0)
     up = sim.client.fit(down, sim.fed.clients[0], 0)
-    support = sum(int(state[f"{i.name}.mask"].sum()) for i in sim.server.layers)
+    kept = sum(int(support(state[f"{i.name}.mu"]).sum()) for i in sim.server.layers)
     layers = len(sim.server.layers)
     # values: 8 bits a support weight down + a float32 scale and a float32 sigma per layer + float16 biases
     biases = sum(state[f"{i.name}.bias"].size for i in sim.server.layers)
-    assert message_bits(down, sim.server.layouts)["values"] == 8 * support + 64 * layers + 16 * biases
-    assert message_bits(up, sim.server.layouts)["values"] == 4 * support + 64 * layers + 16 * biases
+    assert message_bits(down, sim.server.layouts)["values"] == 8 * kept + 64 * layers + 16 * biases
+    assert message_bits(up, sim.server.layouts)["values"] == 4 * kept + 64 * layers + 16 * biases
     assert all(not k.endswith(".prior_std") for k in _field_names(down))  # rebuilt: nothing sent
     rows = Simulator(parse_config(_config(tmp_path, tr)), tmp_path / "run2").run()
     assert float(rows[-1]["accuracy"]) > 0.9 and float(rows[-1]["density"]) <= 0.3
@@ -147,9 +148,9 @@ def test_a_quantised_upload_is_an_update_added_to_the_servers_mean(tmp_path):
     p /= p.sum()
     new = server.aggregate(state, ups, 0).state
     layer = server.layers[0].name
-    mask = state[f"{layer}.mask"]
+    mask = support(state[f"{layer}.mu"])
     expect = state[f"{layer}.mu"][mask] + sum(pt * d[1][f"{layer}.mu"] for pt, d in zip(p, decoded, strict=True))
-    kept = new[f"{layer}.mask"][mask]
+    kept = support(new[f"{layer}.mu"])[mask]
     np.testing.assert_allclose(new[f"{layer}.mu"][mask][kept], expect[kept].astype(np.float32), rtol=1e-6)
 
 
@@ -160,7 +161,7 @@ def test_rebuilt_prior_std_equals_the_servers_within_the_stated_tolerance(tmp_pa
     server, client = sim.server, sim.client
     state = server.init()
     ups = [client.fit(server.downlink(state, 0), sim.fed.clients[c], c) for c in range(3)]
-    state = server.aggregate(state, ups, 0).state
+    before, state = state, server.aggregate(state, ups, 0).state
     from dturbo.codec import decode_grid, decode_message, decode_values
     fields = dict(decode_message(server.downlink(state, 1))[1])
     worst = 0.0
@@ -171,8 +172,10 @@ def test_rebuilt_prior_std_equals_the_servers_within_the_stated_tolerance(tmp_pa
         sigma = np.full(mask.shape, float(decode_values(fields[f"{n}.sigma"])[0]))
         rebuilt = rebuilt_prior_std(info, mu, sigma, "exact")[mask]
         exact = server.prior_std(state, info)[mask]
-        pt = expit(state[f"{n}.pt_lo"])[mask]
-        bound = (1 - pt) * (g["b"] - g["b_bar"]) / (2 * state[f"{n}.b_t"][mask]) + 2**-10
+        # the server's pi~ of that E4: logit(pi) + E1 of the state the round started with (E3; not kept in the state)
+        pt = expit(before[f"{n}.pi_logodds"] + support_evidence(before[f"{n}.a_tilde"], before[f"{n}.b_tilde"],
+                                                                info.prior))[mask]
+        bound = (1 - pt) * (g["b"] - g["b_bar"]) / (2 * state[f"{n}.b_tilde"][mask]) + 2**-10
         rel = np.abs(rebuilt / exact - 1)
         assert np.all(rel <= bound), float((rel - bound).max())
         worst = max(worst, float(rel.max()))

@@ -98,20 +98,20 @@ def test_e3_matches_quadrature_and_e1_does_not_depend_on_pi():
 
         mid = q.median()
         ev = integrate.quad(diff, 0, mid, limit=200)[0] + integrate.quad(diff, mid, np.inf, limit=200)[0]
-        for pi_lo in (-3.0, 0.0, 2.5):
-            pt_lo = float(vbi.support_posterior_logodds(pi_lo, at, bt, **h))
-            assert abs(pt_lo - (pi_lo + ev)) < 1e-6 * (1 + abs(ev))
-            assert abs((pt_lo - pi_lo) - ev) < 1e-6 * (1 + abs(ev))
-            # the server's E1 (algorithms/dturbo.py): support_evidence, the same quantity without pi
+        for pi_logodds in (-3.0, 0.0, 2.5):
+            pi_tilde_logodds = float(vbi.support_posterior_logodds(pi_logodds, at, bt, **h))
+            assert abs(pi_tilde_logodds - (pi_logodds + ev)) < 1e-6 * (1 + abs(ev))
+            assert abs((pi_tilde_logodds - pi_logodds) - ev) < 1e-6 * (1 + abs(ev))
+            # the server's E1 (turbo.support_evidence): vbi.support_evidence, the same quantity without pi
             assert abs(float(vbi.support_evidence(at, bt, **h)) - ev) < 1e-6 * (1 + abs(ev))
-            p = vbi.support_posterior(expit(pi_lo), at, bt, **h)
-            assert abs(float(p) - expit(pi_lo + ev)) < 1e-9
+            p = vbi.support_posterior(expit(pi_logodds), at, bt, **h)
+            assert abs(float(p) - expit(pi_logodds + ev)) < 1e-9
 
 
 def test_e2_divides_out_exactly_the_node_own_input():
     """(E2) on the smallest grid, a 1 x 2 chain, by enumeration: belief minus the node's own unary input is the
     log-odds the node has when its own input is removed (u_0 = 0), i.e. the message from its neighbour. The server's
-    E2 is grid_bp's ``extrinsic`` (algorithms/dturbo.py)."""
+    E2 is grid_bp's ``extrinsic`` (turbo.module_b)."""
     p01, p11 = 0.3, 0.7
     P = np.array([[1 - p01, p01], [1 - p11, p11]])
 

@@ -34,7 +34,6 @@ from .algorithms.base import (
     ServerAlgorithm,
     message_bits,
 )
-from .algorithms.dturbo import density_schedule
 from .algorithms.registry import ALGORITHMS
 from .checkpoint import (
     STATE_FILE,
@@ -49,6 +48,7 @@ from .config import Config, ConfigError
 from .data import Dataset, load_dataset, partition_dirichlet, partition_iid
 from .device import CPU, resolve_device
 from .nn.models import build_model, check_input_shape
+from .sparsity import density_schedule
 
 BASE_COLUMNS = ["round", "accuracy", "loss", "density", "up_bits", "down_bits", "cum_bits", "seconds"]
 # The bit ledger (docs/algorithm.md §9): up and down apart, each split into headers, positions and values.

@@ -158,13 +158,12 @@ def kl_precision(
     b_bar: ArrayLike,
 ) -> np.ndarray:
     """E_q(s)[KL(q(rho) || p(rho | s))] per weight = E_q[ln q(rho) - ln p(rho | s)] (never negative)."""
-    pt, a_t, b_t = _f64(pi_tilde), _f64(a_tilde), _f64(b_tilde)
-    e_log_rho, e_rho = expected_log_rho(a_t, b_t), expected_rho(a_t, b_t)
+    pi_tilde, a_tilde, b_tilde = _f64(pi_tilde), _f64(a_tilde), _f64(b_tilde)
+    e_log_rho, e_rho = expected_log_rho(a_tilde, b_tilde), expected_rho(a_tilde, b_tilde)
     # Entropy of Gamma(a~, b~): a~ - ln b~ + lgamma(a~) + (1 - a~) digamma(a~).
-    entropy = a_t - np.log(b_t) + gammaln(a_t) + (1.0 - a_t) * digamma(a_t)
-    log_prior = pt * _gamma_log_density_terms(a, b, e_log_rho, e_rho) + (1.0 - pt) * _gamma_log_density_terms(
-        a_bar, b_bar, e_log_rho, e_rho
-    )
+    entropy = a_tilde - np.log(b_tilde) + gammaln(a_tilde) + (1.0 - a_tilde) * digamma(a_tilde)
+    log_prior = (pi_tilde * _gamma_log_density_terms(a, b, e_log_rho, e_rho)
+                 + (1.0 - pi_tilde) * _gamma_log_density_terms(a_bar, b_bar, e_log_rho, e_rho))
     return -entropy - log_prior
 
 

@@ -1,29 +1,35 @@
-"""D-Turbo-VBI: the server and client halves of one round (docs/algorithm.md §7).
+"""D-Turbo-VBI's protocol adapter: the wire format of its two messages, the server's aggregation, and the client.
 
-Server (Module A closed forms + Module B):  aggregate -> E3 -> E4 -> E1 -> SPMP -> E2 -> support.
-Client: set mu, sigma from the downlink, train (E6) on the support only, upload mu on the support
-(canonical row-major order, no positions), sigma, biases and n_t. State outside the Bayesian layers (BatchNorm, ...
-of a model of one's own) travels dense both ways (:mod:`dturbo.algorithms.plain`).
+One round (docs/algorithm.md §7): the server sends mu_G on S, sigma_G and sigma_prior on S (E5); a client sets
+mu, sigma from it, trains (E6) on the support only and uploads mu on the support (canonical row-major order, no
+positions), sigma, biases and n_t; the server aggregates the uploads that decode and validate, then runs the turbo
+step of :mod:`dturbo.turbo` (E3 -> E4 -> E1 -> SPMP -> E2 -> support) with the field of Module B set by the sparsity
+policy of :mod:`dturbo.sparsity`. State outside the Bayesian layers (BatchNorm, ... of a model of one's own) travels
+dense both ways (:mod:`dturbo.algorithms.plain`).
 
 The support S travels implicitly as the nonzeros of the cluster-coded mu_G (docs/algorithm.md §9). To keep that exact,
-the server keeps S equal to the nonzeros of mu_G in float16: a weight whose mean rounds to zero in 16-bit
-transmission leaves S, and a weight (re-)entering S restarts from the smallest normal float16, 2^-14,
-instead of exactly 0 (docs/algorithm.md §7 says "restarts from 0"; 2^-14 ~ 6e-5 is 0 for every practical purpose).
+S *is* the nonzeros of mu_G in float16 (:func:`dturbo.turbo.support`), derived from the state, never stored: a weight
+whose mean rounds to zero in 16-bit transmission leaves S, and a weight (re-)entering S restarts from the smallest
+normal float16, 2^-14, instead of exactly 0 (docs/algorithm.md §7 says "restarts from 0"; 2^-14 ~ 6e-5 is 0 for every
+practical purpose).
+
+The server state (checkpointed) holds, per Bayesian layer ``name``: the fields of :class:`dturbo.turbo.LayerState`
+(``name.mu``, ``name.sigma``, ``name.pi_logodds``, ``name.a_tilde``, ``name.b_tilde``) and ``name.bias``; ``field``:
+the field of every layer's Module B in its last SPMP (the sparsity policy starts its next search there); and the
+plain state.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from scipy.special import expit
 from torch import nn
 
-from .. import vbi
+from .. import turbo, vbi
 from ..codec import (
     decode_dense,
     decode_grid,
@@ -36,13 +42,14 @@ from ..codec import (
     encode_support,
     encode_values,
 )
-from ..config import Config, ConfigError, PriorConfig, SparsityConfig
+from ..config import Config, PriorConfig
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale, weight_uses
-from ..prior import LayerPrior, grid_shape, layer_kind, resolve_prior
+from ..prior import grid_shape, layer_kind, resolve_prior
 from ..quantize import decode_stochastic, encode_stochastic
-from ..spmp import grid_bp
+from ..sparsity import make_policy
+from ..turbo import LayerInfo, LayerState
 from .base import (
     ClientData,
     MessageError,
@@ -63,7 +70,6 @@ from .local import train_local
 from .plain import LAYOUT as PLAIN_LAYOUT
 from .plain import PlainState
 
-REENTRY_VALUE = float(2.0**-14)
 DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
 
 
@@ -99,69 +105,16 @@ def decode_prior_std(payload: bytes, dtype: str, count: int) -> np.ndarray:
     return out
 
 
-def density_schedule(round_idx: int, *, target: float, warmup: int, ramp: int) -> float:
-    """Scheduled support density of round ``round_idx`` in target mode: dense for ``warmup`` rounds, then a
-    cubic ramp to ``target`` over ``ramp`` rounds (the gradual-pruning schedule of Zhu & Gupta, 2017)."""
-    if round_idx < warmup:
-        return 1.0
-    progress = min(1.0, (round_idx - warmup + 1) / ramp)
-    return target + (1.0 - target) * (1.0 - progress) ** 3
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    name: str
-    weight_shape: tuple[int, ...]
-    grid: tuple[int, int]
-    prior: LayerPrior
-    uses: int = 1  # multiply-adds each weight does for one sample (conv: output positions)
-
-    @property
-    def cost(self) -> float:
-        """Multiply-adds of the whole layer for one sample, dense."""
-        return float(np.prod(self.grid)) * self.uses
-
-
 def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
+    """Every Bayesian layer of ``model`` with its grid and its prior from the config's section of its kind; the
+    multiply-adds a weight does only when the sparsity budget counts them (they need the model's input shape)."""
     uses = weight_uses(model) if cfg.dturbo.sparsity.budget == "flops" else {}
     infos = []
     for name, layer in bayesian_layers(model):
         pc: PriorConfig = getattr(cfg.dturbo.prior, layer_kind(layer))
         prior = resolve_prior(pc, layer_scale(layer))
-        infos.append(LayerInfo(name, tuple(layer.weight_mu.shape), grid_shape(layer), prior, uses.get(name, 1)))
+        infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1)))
     return infos
-
-
-def budget_sizes(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
-    """What one layer's full support counts in the density budget: its weights (``budget = "weights"``) or
-    its multiply-adds for one sample (``"flops"``)."""
-    if sp.budget == "flops":
-        return np.array([info.cost for info in layers], dtype=np.float64)
-    return np.array([float(np.prod(info.grid)) for info in layers], dtype=np.float64)
-
-
-def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
-    """Final support density of every layer in target mode (``sparsity.layer_targets``), NaN for layers
-    that share one field (scope 'global'). A clear error for unknown layers, or named targets that leave
-    the other layers no room in the global budget."""
-    names = [info.name for info in layers]
-    unknown = sorted(set(sp.layer_targets) - set(names))
-    if unknown:
-        raise ConfigError(f"dturbo.sparsity.layer_targets names {', '.join(map(repr, unknown))}, which the model "
-                          f"does not have; its layers: {', '.join(names)}")
-    default = np.nan if sp.scope == "global" else sp.target_density
-    out = np.array([sp.layer_targets.get(n, default) for n in names], dtype=np.float64)
-    shared = np.isnan(out)
-    if sp.scope == "global" and sp.layer_targets:
-        sizes = budget_sizes(layers, sp)
-        left = sp.target_density * sizes.sum() - (out[~shared] * sizes[~shared]).sum()
-        if not shared.any() or not 0 < left <= sizes[shared].sum():
-            raise ConfigError(
-                f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} with target_density {sp.target_density} "
-                f"(scope 'global') leave the other layers a density of "
-                f"{left / max(sizes[shared].sum(), 1):.4f}, outside (0, 1]: name fewer layers or change the targets"
-            )
-    return out
 
 
 def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: np.ndarray,
@@ -194,7 +147,7 @@ class DturboServer:
         model = model_factory()
         self.layers = _layer_infos(model, cfg)
         self.plain = PlainState(model)  # the state outside the Bayesian layers (BatchNorm, ...): sent dense
-        self.layer_targets = layer_targets(self.layers, cfg.dturbo.sparsity)
+        self.sparsity = make_policy(self.layers, cfg.dturbo)  # docs/algorithm.md §11: checks layer_targets now
         tr = cfg.dturbo.transmission
         down = {"meta": "header", "sigma": "values", "bias": "dense"}
         down |= {"mu": "grid"} if tr.down_bits == 16 else {"support": "support", "mu": "quantized"}
@@ -210,45 +163,45 @@ class DturboServer:
 
     # ----------------------------------------------------------------- state
     def init(self) -> State:
-        """Initial state (§7): pi = pi~ = 0.5, S = all, q(rho) by E4 from the initial mu and sigma. In target mode
-        with no warm-up, pi is instead Module B's prior with its field calibrated to the first scheduled density."""
+        """Initial state (§7): pi = pi~ = 0.5, S = all, q(rho) by E4 from the initial mu and sigma. When the sparsity
+        policy steers round 0's support (target mode with no warm-up), pi is instead Module B's prior with its field
+        calibrated to the first scheduled density."""
         model = self.model_factory()
         state: State = {"field": np.zeros(len(self.layers))}
         for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
             mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
-            mask = np.float16(mu) != 0
-            mu = np.where(mask, mu, 0.0)
+            mu = np.where(turbo.support(mu), mu, 0.0)
             sigma = layer.sigma.detach().double().numpy()
-            a_t, b_t = vbi.precision_posterior(
-                0.5, mu, self._sigma_grid(sigma, info), **info.prior.gamma_kwargs(), form=self.cfg.dturbo.gamma_update
-            )
-            n = info.name
-            state[f"{n}.mu"] = mu.astype(np.float32)
-            state[f"{n}.mask"] = mask
-            state[f"{n}.sigma"] = sigma.astype(np.float32).reshape(-1)  # (1,) per layer, or one per weight
+            a_tilde, b_tilde = vbi.precision_posterior(0.5, mu, turbo.sigma_grid(sigma, info.grid),
+                                                       **info.prior.gamma_kwargs(), form=self.cfg.dturbo.gamma_update)
+            state |= LayerState(
+                mu=turbo.restrict_to_support(mu),
+                sigma=sigma.astype(np.float32).reshape(-1),  # (1,) per layer, or one per weight
+                pi_logodds=np.zeros(info.grid),
+                a_tilde=np.asarray(a_tilde, dtype=np.float64),
+                b_tilde=np.asarray(b_tilde, dtype=np.float64),
+            ).entries(info.name)
             bias = layer.bias.detach().numpy().copy() if layer.bias is not None else np.zeros(0, np.float32)
-            state[f"{n}.bias"] = bias
-            state[f"{n}.pi_lo"] = np.zeros(info.grid)
-            state[f"{n}.pt_lo"] = np.zeros(info.grid)
-            state[f"{n}.a_t"] = np.asarray(a_t, dtype=np.float64)
-            state[f"{n}.b_t"] = np.asarray(b_t, dtype=np.float64)
+            state[f"{info.name}.bias"] = bias
         state |= self.plain.init(model)
-        if self.cfg.dturbo.sparsity.mode == "target" and self.scheduled_density(0) < 1.0:
-            # No warm-up: the first support decision must follow the schedule too. Module B has no A->B message
-            # yet (unary 0), and the first E3's evidence is already fixed by the initial q(rho), so the field is
-            # calibrated for round 1 here exactly as every later round calibrates it for the next.
-            evidence = [_tie(vbi.support_evidence(state[f"{i.name}.a_t"], state[f"{i.name}.b_t"],
-                                                  **i.prior.gamma_kwargs()), i) for i in self.layers]
-            self._module_b(state, [np.zeros(i.grid) for i in self.layers], evidence, 0)
+        if self.sparsity.steers(0):
+            # The first support decision must follow the schedule too. Module B has no A->B message yet (unary 0),
+            # and the first E3's evidence is already fixed by the initial q(rho), so the field is calibrated for
+            # round 1 here exactly as every later round calibrates it for the next.
+            evidence = [turbo.support_evidence(state[f"{i.name}.a_tilde"], state[f"{i.name}.b_tilde"], i.prior)
+                        for i in self.layers]
+            pis, state["field"], _ = self._module_b([np.zeros(i.grid) for i in self.layers], evidence, 0,
+                                                    state["field"])
+            state |= {f"{info.name}.pi_logodds": pi for info, pi in zip(self.layers, pis, strict=True)}
         return state
 
-    @staticmethod
-    def _sigma_grid(sigma: np.ndarray, info: LayerInfo) -> np.ndarray:
-        return sigma.reshape(info.grid) if sigma.size > 1 else np.full(info.grid, float(sigma.reshape(-1)[0]))
+    def support(self, state: State, info: LayerInfo) -> np.ndarray:
+        """S of a layer: the nonzeros of its mu_G in float16, the weights the downlink carries."""
+        return turbo.support(state[f"{info.name}.mu"])
 
     def prior_std(self, state: State, info: LayerInfo) -> np.ndarray:
         """(E5) sigma_prior = sqrt(b~ / a~) per weight."""
-        return vbi.prior_std(state[f"{info.name}.a_t"], state[f"{info.name}.b_t"])
+        return vbi.prior_std(state[f"{info.name}.a_tilde"], state[f"{info.name}.b_tilde"])
 
     # -------------------------------------------------------------- downlink
     def downlink(self, state: State, round_idx: int) -> bytes:
@@ -260,7 +213,7 @@ class DturboServer:
         fields = {"meta": pack_scalars([round_idx, self.total_samples])}
         for info in self.layers:
             n = info.name
-            mask = state[f"{n}.mask"]
+            mask = self.support(state, info)
             if tr.down_bits == 16:
                 fields[f"{n}.mu"] = encode_grid(state[f"{n}.mu"] * mask)
             else:
@@ -298,7 +251,7 @@ class DturboServer:
         out: dict[str, np.ndarray] = {}
         for info in self.layers:
             n = info.name
-            k = int(state[f"{n}.mask"].sum())
+            k = int(self.support(state, info).sum())
             if self.cfg.dturbo.transmission.up_bits == 16:
                 mu = decode_values(need(fields, f"{n}.mu"), max_elements=k)
             else:  # the update on S, quantised
@@ -331,10 +284,10 @@ class DturboServer:
         """Server step of docs/algorithm.md §7.3-7.5 on the uploads that decode and validate."""
         valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(state, data, round_idx))
         p = client_weights([v[0] for v in valid], "samples")
+        trained = [self.support(state, info) for info in self.layers]  # the S this round's clients trained on
         new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[1] for v in valid])
-        for info in self.layers:
+        for info, mask in zip(self.layers, trained, strict=True):
             n = info.name
-            mask = state[f"{n}.mask"]
             mu = np.zeros(info.grid, dtype=np.float64)
             mu[mask] = sum(pt * v[1][f"{n}.mu"].astype(np.float64) for pt, v in zip(p, valid, strict=True))
             if self.cfg.dturbo.transmission.up_bits < 16:
@@ -349,10 +302,10 @@ class DturboServer:
             new[f"{n}.sigma"] = np.asarray(sig, dtype=np.float32).reshape(state[f"{n}.sigma"].shape)
             new[f"{n}.bias"] = sum(pt * v[1][f"{n}.bias"] for pt, v in zip(p, valid, strict=True)).astype(np.float32)
         t0 = time.perf_counter()
-        metrics = self._server_step(new, round_idx)
+        metrics = self._server_step(new, trained, round_idx)
         metrics["server_seconds"] = round(time.perf_counter() - t0, 3)
         client_metrics = np.stack([v[2] for v in valid])
-        nll = _exact_sum(p * client_metrics[:, 0])
+        nll = turbo.exact_sum(p * client_metrics[:, 0])
         metrics["train_nll"] = nll
         # The (tempered, beta != 1) negative ELBO of E6 summed over the clients: n * E[-ln p(y|x,w)] + beta * KL,
         # the NLL estimated by the clients' mean training loss. E3/E4 minimise the KL whatever beta is.
@@ -362,50 +315,32 @@ class DturboServer:
         metrics["clients_rejected"] = float(len(rejected))
         return RoundResult(state=new, metrics=metrics, rejected=rejected)
 
-    def _server_step(self, state: State, round_idx: int) -> dict[str, float]:
-        """E3 -> E4 -> E1 -> SPMP -> E2 -> support (docs/algorithm.md §7.3-7.5). Mutates ``state``."""
+    def _server_step(self, state: State, trained: list[np.ndarray], round_idx: int) -> dict[str, float]:
+        """The turbo step E3 -> E4 -> E1 -> SPMP -> E2 -> support (docs/algorithm.md §7.3-7.5) of every layer on the
+        aggregated ``state``, whose clients trained on the supports ``trained``. Mutates ``state``."""
         d = self.cfg.dturbo
-        sp = d.sparsity
-        thr_lo = float(vbi.safe_logit(d.support_threshold))
-        eta: list[np.ndarray] = []
-        eta_next: list[np.ndarray] = []  # next round's E3 evidence, known now (it only needs this E4)
+        layers = [LayerState.load(state, info.name) for info in self.layers]
+        halves = [turbo.module_a(layer, mask, info.prior, d.gamma_update)  # E3 -> E4 -> E1
+                  for info, layer, mask in zip(self.layers, layers, trained, strict=True)]
         kl = dict.fromkeys(("kl_w", "kl_rho", "kl_s"), 0.0)
-        for info in self.layers:
-            n = info.name
-            g = info.prior.gamma_kwargs()
-            sigma = self._sigma_grid(state[f"{n}.sigma"].astype(np.float64), info)
-            mu = state[f"{n}.mu"]
-            # E3 with the current q(rho); its data-dependent part is the A->B message E1.
-            evidence = _tie(vbi.support_evidence(state[f"{n}.a_t"], state[f"{n}.b_t"], **g), info)
-            pt_lo = state[f"{n}.pi_lo"] + evidence
-            # E4 with the new q(s) and the aggregated moments.
-            a_t, b_t = vbi.precision_posterior(expit(pt_lo), mu, sigma, **g, form=d.gamma_update)
-            for key, value in _kl_terms(info, state[f"{n}.mask"], mu, sigma, state[f"{n}.pi_lo"], pt_lo,
-                                        a_t, b_t).items():
+        for a in halves:
+            for key, value in a.kl.items():
                 kl[key] += value
-            state[f"{n}.pt_lo"], state[f"{n}.a_t"], state[f"{n}.b_t"] = pt_lo, a_t, b_t
-            eta.append(evidence)
-            eta_next.append(_tie(vbi.support_evidence(a_t, b_t, **g), info))
-        # Support rule (docs/algorithm.md §7.5), in target mode only after the warm-up rounds.
-        apply_support = sp.mode == "prior" or round_idx >= sp.warmup_rounds
-        for info in self.layers:
-            n = info.name
-            old, mu = state[f"{n}.mask"], state[f"{n}.mu"]
-            if apply_support:
-                keep = state[f"{n}.pt_lo"] >= thr_lo
-                mu = np.where(keep & ~old, REENTRY_VALUE, np.where(keep, mu, 0.0))  # re-entry restarts near 0
-            else:
-                keep = old
-            keep = keep & (np.float16(mu) != 0)  # S is exactly the nonzeros of the 16-bit mu_G
-            state[f"{n}.mask"], state[f"{n}.mu"] = keep, np.where(keep, mu, 0.0).astype(np.float32)
-        # Module B: SPMP on every grid, with the prior's field calibrated in target mode for the next round.
-        iters = self._module_b(state, eta, eta_next, round_idx + 1)
+        # SPMP -> E2 on every grid, with the prior's field set by the sparsity policy for the next round.
+        pis, state["field"], iters = self._module_b([a.eta for a in halves], [a.eta_next for a in halves],
+                                                    round_idx + 1, state["field"])
+        # Support rule (§7.5); in target mode only after the warm-up rounds.
+        threshold_logodds = float(vbi.safe_logit(d.support_threshold))
+        decide = self.sparsity.decides_support(round_idx)
+        for info, layer, mask, a, pi_logodds in zip(self.layers, layers, trained, halves, pis, strict=True):
+            mu = turbo.support_rule(layer.mu, mask, a.pi_tilde_logodds, threshold_logodds, decide)
+            state |= LayerState(mu, layer.sigma, pi_logodds, a.a_tilde, a.b_tilde).entries(info.name)
         # Metrics of the new state.
         total = kept = 0
         flops = flops_kept = 0.0
         layer_density = {}
         for info in self.layers:
-            mask = state[f"{info.name}.mask"]
+            mask = self.support(state, info)
             total += mask.size
             kept += int(mask.sum())
             flops += info.cost
@@ -413,135 +348,25 @@ class DturboServer:
             layer_density[f"density_{info.name}"] = float(mask.mean())
         return {
             "density": kept / total,
-            **({"flops_density": flops_kept / flops} if sp.budget == "flops" else {}),
+            **({"flops_density": flops_kept / flops} if d.sparsity.budget == "flops" else {}),
             **kl,
             "spmp_iters": float(iters),
-            "field_mean": _exact_sum(state["field"]) / len(self.layers),
+            "field_mean": turbo.exact_sum(state["field"]) / len(self.layers),
             # The density this round's support was calibrated to (by the previous round's Module B, or init).
-            "scheduled_density": self.scheduled_density(round_idx) if sp.mode == "target" else float("nan"),
+            "scheduled_density": self.sparsity.scheduled_density(round_idx),
             **layer_density,
         }
 
-    def scheduled_density(self, round_idx: int) -> float:
-        """The schedule's density for the support chosen in round ``round_idx`` (0-based)."""
-        sp = self.cfg.dturbo.sparsity
-        return density_schedule(round_idx, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds)
-
-    def _module_b(self, state: State, eta: list[np.ndarray], eta_next: list[np.ndarray], next_round: int) -> int:
-        """SPMP on every grid with unary ``eta`` (E1) plus the prior's field; sets the B->A message pi (E2) that
-        round ``next_round``'s E3 will use, and the field. In target mode the field is calibrated so that the
-        support of that round, {eta_next + lo_h >= logit(threshold)}, has the scheduled density. Returns the
-        most SPMP iterations a layer used."""
-        sp = self.cfg.dturbo.sparsity
-        density = self.scheduled_density(next_round)
-        if sp.mode == "target" and density < 1.0:
-            targets = np.array([np.nan if np.isnan(t) else density_schedule(
-                next_round, target=t, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds) for t in self.layer_targets])
-            thr_lo = float(vbi.safe_logit(self.cfg.dturbo.support_threshold))
-            fields = self._calibrate_field(eta, eta_next, density, targets, thr_lo, state["field"])
-        else:
-            fields = np.zeros(len(self.layers))
-        iters = 0
-        for info, ev, h in zip(self.layers, eta, fields, strict=True):
-            res = self._spmp(info, ev, h)
-            state[f"{info.name}.pi_lo"] = res[0]
-            iters = max(iters, res[1])
-        state["field"] = np.asarray(fields, dtype=np.float64)
-        return iters
-
-    def _spmp(self, info: LayerInfo, eta: np.ndarray, field: float) -> tuple[np.ndarray, int]:
-        """Run SPMP with unary eta + field; return the B->A message (E2) lo_h = belief - eta, which
-        includes the field (a factor of Module B's prior), and the iterations used."""
-        s = self.cfg.dturbo.spmp
-        if info.prior.tie_rows:
-            # One variable per row: SPMP on the column chain of row evidences. The field stays a per-weight
-            # log-odds (so tied and untied layers share its scale): a row of M weights gets M * field.
-            row_field = field * eta.shape[1]
-            res = grid_bp(eta[:, :1] + row_field, info.prior.transitions, max_iter=s.max_iter, tol=s.tol,
-                          damping=s.damping)
-            return np.broadcast_to(res.extrinsic + row_field, eta.shape).copy(), res.iterations
-        res = grid_bp(eta + field, info.prior.transitions, max_iter=s.max_iter, tol=s.tol, damping=s.damping)
-        return res.extrinsic + field, res.iterations
-
-    def _calibrate_field(
-        self, eta: list[np.ndarray], eta_next: list[np.ndarray], density: float, targets: np.ndarray,
-        thr_lo: float, previous: np.ndarray,
-    ) -> np.ndarray:
-        """Field h of the MRF prior such that the support of the next round,
-        {eta_next + lo_h(h) >= logit(threshold)}, has the scheduled density. SPMP runs on this round's
-        E1 message ``eta``; ``eta_next`` is the next E3's evidence, already fixed by this round's E4, so
-        the prediction is exact (bisection on h, bracketed around the previous round's field; the
-        predicted density is monotone in h). ``targets`` holds this round's density of layers calibrated alone
-        (scope 'layer', or ``layer_targets``), NaN for layers that share one h (scope 'global': they keep
-        different densities and together take what the others leave of ``density``). A layer never goes below
-        min_layer_density."""
-        sp = self.cfg.dturbo.sparsity
-        L = len(self.layers)
-        sizes = budget_sizes(self.layers, sp)
-        # The shared field is a log-odds against activity per unit of cost: with budget "flops" a weight that
-        # does u multiply-adds a sample gets u / (the shared layers' mean u) times it, so the costly layers
-        # (early convolutions) are thinned hardest and the cheap dense layers keep more (issue 13).
-        scale = np.ones(L)
-        if sp.budget == "flops":
-            uses = np.array([info.uses for info in self.layers], dtype=np.float64)
-            weights = np.array([float(np.prod(info.grid)) for info in self.layers])
-            shared_idx = np.isnan(targets)
-            if shared_idx.any():
-                mean_use = (uses * weights)[shared_idx].sum() / weights[shared_idx].sum()
-                scale = np.where(shared_idx, uses / mean_use, 1.0)
-
-        def layer_density(i: int, h: float) -> float:
-            lo_h, _ = self._spmp(self.layers[i], eta[i], h * scale[i])
-            return float(np.mean(eta_next[i] + lo_h >= thr_lo))
-
-        def dens_at(h: float, idx: list[int]) -> float:
-            return sum(layer_density(i, h) * sizes[i] for i in idx) / sizes[idx].sum()
-
-        def solve(target: float, idx: list[int], start: float, at_least: bool = False) -> float:
-            def met(dens: float) -> bool:
-                return 0.0 <= (dens - target if at_least else target - dens) < 5e-4
-
-            # A field that already gives the scheduled support is kept. Once the support has settled, a whole range
-            # of fields gives the same support (its evidences are far apart); taking any other point of that range
-            # made the field drift by +8 per round (the bracket widens to hi = start + 4 + 16k and bisection
-            # returns its middle), until the message pi was 1 everywhere (issue 13).
-            if met(dens_at(start, idx)):
-                return start
-            # The field moves little between rounds: bracket around the last one, widen if needed.
-            lo, hi = start - 4.0, start + 4.0
-            while dens_at(lo, idx) > target and lo > -200:
-                lo -= 16.0
-            while dens_at(hi, idx) < target and hi < 200:
-                hi += 16.0
-            # Density rises with h; lo stays at or under the target, so the schedule is never exceeded
-            # ("at most 25% nonzero" means at most). It is approached from below within 5e-4 unless the density
-            # jumps by more inside the last 1e-3 step of h (a tied row, equal evidences): then by that jump.
-            # A floor is the other way round: at least the target (else a tied layer whose one row is more than
-            # the floor would be emptied).
-            while hi - lo > 1e-3:
-                mid = 0.5 * (lo + hi)
-                dens = dens_at(mid, idx)
-                if met(dens):
-                    return mid
-                lo, hi = (lo, mid) if dens > target else (mid, hi)
-            return hi if at_least else lo
-
-        fields = np.zeros(L)
-        alone = [i for i in range(L) if not np.isnan(targets[i])]
-        for i in alone:
-            fields[i] = solve(float(targets[i]), [i], float(previous[i]))
-        shared = [i for i in range(L) if np.isnan(targets[i])]
-        if shared:
-            # What the layers calibrated alone leave of the budget, as a density of the shared ones.
-            left = density * sizes.sum() - sum(layer_density(i, fields[i]) * sizes[i] for i in alone)
-            share = min(1.0, max(left / sizes[shared].sum(), 0.0)) if alone else density  # exact when all share
-            fields[shared] = solve(share, shared, float(np.mean(previous[shared] / scale[shared])))
-        floor = min(sp.min_layer_density, density)
-        for i in range(L):
-            if layer_density(i, fields[i]) < floor:
-                fields[i] = max(fields[i], solve(floor, [i], float(fields[i]), at_least=True))
-        # From here on a layer's field is its own (SPMP applies it as it is).
-        return fields * scale
+    def _module_b(self, eta: list[np.ndarray], eta_next: list[np.ndarray], next_round: int,
+                  previous: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, int]:
+        """SPMP -> E2 on every grid with unary ``eta`` (E1) plus the field the sparsity policy sets for round
+        ``next_round`` (from ``eta_next``, that round's E3 evidence, and the ``previous`` fields). Returns the B->A
+        message logit(pi) of every layer that round's E3 will use, the fields, and the most SPMP iterations a layer
+        used."""
+        fields = self.sparsity.fields(eta, eta_next, next_round, previous)
+        out = [turbo.module_b(ev, info.prior, h, self.cfg.dturbo.spmp)
+               for info, ev, h in zip(self.layers, eta, fields, strict=True)]
+        return [pi for pi, _ in out], np.asarray(fields, dtype=np.float64), max((it for _, it in out), default=0)
 
     # ------------------------------------------------------------ the model
     def global_model(self, state: State) -> nn.Module:
@@ -549,7 +374,7 @@ class DturboServer:
         model = self.model_factory()
         for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
             n = info.name
-            _load_layer(layer, state[f"{n}.mu"], state[f"{n}.mask"], state[f"{n}.sigma"],
+            _load_layer(layer, state[f"{n}.mu"], self.support(state, info), state[f"{n}.sigma"],
                         state[f"{n}.bias"] if layer.bias is not None else None, self.prior_std(state, info))
         self.plain.load_state(model, state)
         return model.eval()
@@ -558,8 +383,8 @@ class DturboServer:
         """pi (the B->A message, E2) and the support mask of every layer, as grids (for Fig. 3)."""
         out = {}
         for info in self.layers:
-            out[f"{info.name}.pi"] = expit(state[f"{info.name}.pi_lo"]).astype(np.float16)
-            out[f"{info.name}.mask"] = state[f"{info.name}.mask"].astype(np.uint8)
+            out[f"{info.name}.pi"] = expit(state[f"{info.name}.pi_logodds"]).astype(np.float16)
+            out[f"{info.name}.mask"] = self.support(state, info).astype(np.uint8)
         return out
 
 
@@ -567,37 +392,8 @@ def rebuilt_prior_std(info: LayerInfo, mu: np.ndarray, sigma: np.ndarray, form: 
     """sigma_prior as a client rebuilds it (``transmission.prior_std = "rebuilt"``): E4 then E5 with pi~ = 1, i.e.
     q(rho) = Gamma(a + 1/2, b + (mu^2 + sigma^2) / 2) from the downloaded mu_G and sigma_G. The server's E4 used its
     own pi~ (>= the support threshold on S) and the unrounded mu: docs/communication.md states how far they differ."""
-    a_t, b_t = vbi.precision_posterior(1.0, mu, sigma, **info.prior.gamma_kwargs(), form=form)
-    return vbi.prior_std(a_t, b_t)
-
-
-def _tie(evidence: np.ndarray, info: LayerInfo) -> np.ndarray:
-    """The E1 message of a layer with tied rows: all weights of a row share one support variable, whose
-    evidence is the sum of theirs (broadcast over the row, so E3 gives every weight the row's posterior)."""
-    if not info.prior.tie_rows:
-        return evidence
-    return np.broadcast_to(evidence.sum(1, keepdims=True), evidence.shape).copy()
-
-
-def _kl_terms(info: LayerInfo, mask: np.ndarray, mu: np.ndarray, sigma: np.ndarray, pi_lo: np.ndarray,
-              pt_lo: np.ndarray, a_t: np.ndarray, b_t: np.ndarray) -> dict[str, float]:
-    """One layer's KL terms of the negative ELBO (docs/algorithm.md §5-6) after this round's E3 and E4: q(w) on
-    the support the clients trained (``mask``; weights off it are exactly 0, outside the model), q(rho) of every
-    weight, q(s) of every support variable (one per row when rows are tied) against Module B's pi."""
-    pt = expit(pt_lo)
-    g = info.prior.gamma_kwargs()
-    support = (slice(None), slice(0, 1)) if info.prior.tie_rows else (slice(None), slice(None))
-    return {
-        "kl_w": _exact_sum(vbi.kl_weights(mu[mask], sigma[mask], a_t[mask], b_t[mask])),
-        "kl_rho": _exact_sum(vbi.kl_precision(pt, a_t, b_t, **g)),
-        "kl_s": _exact_sum(vbi.kl_support(pt[support], expit(pi_lo[support]))),
-    }
-
-
-def _exact_sum(values: np.ndarray) -> float:
-    """Correctly rounded sum: numpy's SIMD sums depend on memory alignment, and metrics must be
-    bit-identical between a resumed and an uninterrupted run."""
-    return math.fsum(np.asarray(values, dtype=np.float64).ravel().tolist())
+    a_tilde, b_tilde = vbi.precision_posterior(1.0, mu, sigma, **info.prior.gamma_kwargs(), form=form)
+    return vbi.prior_std(a_tilde, b_tilde)
 
 
 
