@@ -14,7 +14,8 @@ from dturbo.algorithms.dturbo import density_schedule
 from dturbo.checkpoint import CheckpointError, load_checkpoint
 from dturbo.config import parse_config
 from dturbo.data import load_dataset
-from dturbo.sim import BASE_COLUMNS, Simulator, build_federation
+from dturbo.federation import build_federation
+from dturbo.sim import BASE_COLUMNS, Simulator
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fmnist = pytest.mark.skipif(
