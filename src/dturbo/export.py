@@ -43,7 +43,6 @@ mechanics on the links of the graph that allow it; :func:`load` reads both forma
 from __future__ import annotations
 
 import json
-import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +71,7 @@ from .kernels import (
     separable_supported,
     time_call,
 )
+from .rundir import RunDir, RunDirError, classifier_rows
 
 FORMAT = "dturbo-export"
 # 2: conv2d ops may carry a ``bias_map``; 3: ``input_norm`` (the dataset's input normalisation, or null).
@@ -83,10 +83,6 @@ READS_VERSIONS = (1, 2, 3, GRAPH_VERSION)
 INPUTS = ("normalised", "raw")
 WEIGHTS_FILE = "model.safetensors"
 SPEC_FILE = "model.json"
-# Input shape of one sample for the built-in datasets; other data ("npz") is read to learn it.
-INPUT_SHAPES: dict[str, tuple[int, ...]] = {
-    "fashion-mnist": (1, 28, 28), "mnist": (1, 28, 28), "cifar10": (3, 32, 32), "cifar100": (3, 32, 32),
-}
 # Drop unused input features only when that removes at least this fraction (the gather costs a copy).
 MIN_INPUT_DROP = 0.05
 
@@ -170,18 +166,12 @@ class Exported:
 # ----------------------------------------------------------------------------------------------- reading a run
 def read_run(run_dir: str | Path) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
     """(config, model tensors, metadata) of a run directory; :class:`ExportError` naming the problem."""
-    from .config import ConfigError, load_config
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ExportError(f"run directory {run_dir} does not exist")
-    if not (run_dir / "config.toml").is_file():
-        raise ExportError(f"{run_dir} holds no run: config.toml is missing")
+    run = RunDir(run_dir)
     try:
-        cfg = load_config(run_dir / "config.toml")
-    except ConfigError as err:
-        raise ExportError(f"{run_dir}/config.toml: {err}") from None
-    state, meta = _read_safetensors(run_dir / "model.safetensors", what="the run's model file")
+        cfg = run.config()
+        state, meta = run.read_model()
+    except RunDirError as err:
+        raise ExportError(str(err)) from None
     return cfg, state, meta
 
 
@@ -197,49 +187,43 @@ def _read_safetensors(path: Path, *, what: str) -> tuple[dict[str, torch.Tensor]
     return state, meta
 
 
-def _input_shape(cfg: Any, state: dict[str, torch.Tensor], model_name: str) -> tuple[int, ...]:
-    """One sample's shape: from the dataset name, else from the weights (mlp), else by reading the data."""
-    name = cfg.data.name
-    if name in INPUT_SHAPES:
-        return INPUT_SHAPES[name]
-    if model_name == "mlp" and "dense1.weight_mu" in state:
-        return (int(state["dense1.weight_mu"].shape[1]),)
-    from .data import DataError, load_dataset
+# ------------------------------------------------------------------------------------------- model -> ops
+def _layout(model_name: str, input_shape: tuple[int, ...], num_classes: int, *,
+            hidden: list[int] | tuple[int, ...], width: float) -> nn.Module:
+    """The built-in model ``model_name``'s architecture (its initial weights are not used; the caller's torch RNG
+    is left as it was)."""
+    from .nn import models
 
     try:
-        ds = load_dataset(name, cfg.data.path, limit_train=1, limit_test=1, seed=cfg.experiment.seed)
-    except (DataError, ValueError) as err:
-        raise ExportError(f"cannot tell the input shape of data {name!r} without reading it: {err}") from None
-    return ds.input_shape
+        with torch.random.fork_rng(devices=[]):
+            return models.build_model(model_name, input_shape, num_classes, hidden=hidden, width=width)
+    except ValueError as err:
+        raise ExportError(f"unknown model layout: {err}") from None
 
 
-def _num_classes(state: dict[str, torch.Tensor]) -> int:
-    """Output size of the classifier: the dense layer with the highest number (every model ends in one)."""
-    dense = [(int(m.group(1)), k) for k in state if (m := re.fullmatch(r"dense(\d+)\.weight_mu", k))]
-    if not dense:
-        raise ExportError("the model file holds no 'denseN.weight_mu' tensors: not a dturbo model")
-    return int(state[max(dense)[1]].shape[0])
-
-
-# ------------------------------------------------------------------------------------------- model -> ops
 def ops_from_state(
     model_name: str, state: dict[str, torch.Tensor], input_shape: tuple[int, ...], num_classes: int, *,
     hidden: list[int] | tuple[int, ...] = (200, 100), width: float = 1.0,
 ) -> list[Op]:
-    """The operations of model ``model_name`` with effective weights ``weight_mu * mask`` from ``state``.
+    """The operations of model ``model_name`` with effective weights ``weight_mu * mask`` from ``state``: see
+    :func:`ops_from_model` (the architecture comes from :func:`dturbo.nn.models.build_model`)."""
+    model = _layout(model_name, tuple(input_shape), num_classes, hidden=hidden, width=width)
+    return ops_from_model(model, state, model_name, input_shape=tuple(input_shape))
 
-    The architecture comes from :func:`dturbo.nn.models.build_model`; every Bayesian layer's ``weight_mu``
-    (and ``bias``) must be in ``state`` with its shape; a missing ``mask`` counts as all ones."""
+
+def ops_from_model(model: nn.Module, state: dict[str, torch.Tensor], model_name: str = "", *,
+                   input_shape: tuple[int, ...] | None = None) -> list[Op]:
+    """The operations of the built-in model ``model`` (an ``nn.Sequential``, as :func:`dturbo.nn.models.build_model`
+    makes it, for samples of ``input_shape``, by default the one it records) with effective weights
+    ``weight_mu * mask`` from ``state``: every Bayesian layer's ``weight_mu`` (and ``bias``) must be in ``state``
+    with its shape; a missing ``mask`` counts as all ones. The model's own weights are not used."""
     from .nn.bayes import BayesConv2d, BayesLinear
-    from .nn.models import build_model
 
-    try:
-        model = build_model(model_name, input_shape, num_classes, hidden=hidden, width=width)
-    except ValueError as err:
-        raise ExportError(f"unknown model layout: {err}") from None
+    model_name = model_name or type(model).__name__
     ops: list[Op] = []
     model.eval()
-    x = torch.zeros(1, *input_shape)  # traced for the spatial size at each convolution's input
+    shape = input_shape if input_shape is not None else model.input_shape
+    x = torch.zeros(1, *shape)  # traced for the spatial size at each convolution's input
     for name, m in model.named_children():
         h_w = [int(s) for s in x.shape[-2:]]
         with torch.no_grad():
@@ -478,21 +462,37 @@ def export_state(
     hidden: list[int] | tuple[int, ...] = (200, 100), width: float = 1.0, compaction: bool = True,
     source: dict[str, Any] | None = None,
 ) -> Exported:
-    """Export a model state (the keys of a run's ``model.safetensors``) in memory.
+    """Export a model state (the keys of a run's ``model.safetensors``) of the built-in model ``model_name`` in
+    memory; ``num_classes`` by default the rows of its classifier in ``state``.
 
     ``compaction=False`` keeps every unit (the masked dense network in the same module types, for
     comparisons)."""
-    ncls = num_classes if num_classes is not None else _num_classes(state)
-    ops = ops_from_state(model_name, state, tuple(input_shape), ncls, hidden=hidden, width=width)
+    input_shape = tuple(int(s) for s in input_shape)
+    if num_classes is None:
+        probe = _layout(model_name, input_shape, 1, hidden=hidden, width=width)
+        try:
+            num_classes = classifier_rows(probe, state)
+        except RunDirError as err:
+            raise ExportError(str(err)) from None
+    model = _layout(model_name, input_shape, num_classes, hidden=hidden, width=width)
+    return export_ops(ops_from_model(model, state, model_name), input_shape, num_classes, compaction=compaction,
+                      source=source)
+
+
+def export_ops(ops: list[Op], input_shape: tuple[int, ...], num_classes: int, *, compaction: bool = True,
+               source: dict[str, Any] | None = None) -> Exported:
+    """The export of a built-in model's ``ops``: compacted (unless ``compaction=False``), with per-layer
+    statistics."""
     before = {op.name: (tuple(op.weight.shape), int(op.weight.numel())) for op in ops if op.weight is not None}
     if compaction:
         ops = compact(ops)
     layers = layer_stats(ops, before)
-    return Exported(ops, tuple(int(s) for s in input_shape), ncls, layers, dict(source or {}))
+    return Exported(ops, tuple(int(s) for s in input_shape), num_classes, layers, dict(source or {}))
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compaction: bool = True) -> Exported:
-    """Export run ``run_dir``'s global model; write it to ``out_dir`` when given (see :func:`save`)."""
+    """Export run ``run_dir``'s global model; write it to ``out_dir`` when given (see :func:`save`). The
+    architecture is the run's own (:meth:`dturbo.rundir.RunDir.build_model`)."""
     cfg, state, meta = read_run(run_dir)
     model_name = meta.get("model", cfg.model.name)
     if model_name == "custom":
@@ -505,9 +505,16 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compac
                           f"{cfg.model.name!r}")
     source = {"run_dir": str(Path(run_dir).resolve()), "model": model_name,
               "dataset": meta.get("dataset", cfg.data.name), "algorithm": meta.get("algorithm", "")}
-    input_shape = _input_shape(cfg, state, model_name)
-    exported = export_state(model_name, state, input_shape, num_classes=_num_classes(state),
-                            hidden=cfg.model.hidden, width=cfg.model.width, compaction=compaction, source=source)
+    run = RunDir(run_dir)
+    try:
+        model = run.build_model(cfg)
+        input_shape, num_classes = run.architecture(cfg)
+    except RunDirError as err:
+        raise ExportError(str(err)) from None
+    except ValueError as err:  # the builder's: the run's data does not fit its model
+        raise ExportError(f"unknown model layout: {err}") from None
+    exported = export_ops(ops_from_model(model, state, model_name), input_shape, num_classes,
+                          compaction=compaction, source=source)
     exported.input_norm = _run_input_norm(run_dir, cfg, meta, input_shape)
     if out_dir is not None:
         save(exported, out_dir)

@@ -36,6 +36,7 @@ class RunDir:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._model_file: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None
+        self._architecture: tuple[tuple[int, ...], int] | None = None
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -213,21 +214,21 @@ class RunDir:
         with flat inputs (``mlp``), its first layer's input size in the saved weights; else the data's, read again.
         The classes: the rows of the model's classifier (its last layer) in the saved weights."""
         from .data import sample_shape
+        from .nn.bayes import bayesian_layers
 
+        if self._architecture is not None:
+            return self._architecture
         cfg = cfg or self.config()
         tensors, _ = self.read_model()
         shape = sample_shape(cfg.data.name)
         if shape is None and cfg.model.name == "mlp":
-            first = _layer_names(cfg, (1,))[0]
+            first, _ = bayesian_layers(_probe(cfg, (1,)))[0]
             if f"{first}.weight_mu" in tensors:
                 shape = (int(tensors[f"{first}.weight_mu"].shape[1]),)
         if shape is None:
             shape = self._data_shape(cfg)
-        last = _layer_names(cfg, shape)[-1]
-        if f"{last}.weight_mu" not in tensors:
-            raise RunDirError(f"the model file has no tensor '{last}.weight_mu' (the classifier of a "
-                              f"{cfg.model.name!r}): not a dturbo model of this configuration")
-        return shape, int(tensors[f"{last}.weight_mu"].shape[0])
+        self._architecture = shape, classifier_rows(_probe(cfg, shape), tensors)
+        return self._architecture
 
     def _data_shape(self, cfg: Config) -> tuple[int, ...]:
         from .data import DataError, load_dataset
@@ -262,12 +263,23 @@ class RunDir:
         return model.eval()
 
 
-def _layer_names(cfg: Config, input_shape: tuple[int, ...]) -> list[str]:
-    """The Bayesian layers of ``[model]``'s built-in model in order (their names come from the model's builder)."""
+def _probe(cfg: Config, input_shape: tuple[int, ...]) -> nn.Module:
+    """``[model]``'s built-in model for one class: its layers and their names, as the model's builder gives them."""
     import torch
 
     from .algorithms.registry import model_factory
-    from .nn.bayes import bayesian_layers
 
     with torch.random.fork_rng(devices=[]):
-        return [name for name, _ in bayesian_layers(model_factory(cfg, input_shape, 1)())]
+        return model_factory(cfg, input_shape, 1)()
+
+
+def classifier_rows(architecture: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """The number of classes saved weights ``tensors`` were trained for: the rows of the classifier (the last
+    Bayesian layer of ``architecture``, a model of the same layers)."""
+    from .nn.bayes import bayesian_layers
+
+    last, _ = bayesian_layers(architecture)[-1]
+    if f"{last}.weight_mu" not in tensors:
+        raise RunDirError(f"the model file has no tensor '{last}.weight_mu' (the model's classifier): not a dturbo "
+                          f"model of this layout")
+    return int(tensors[f"{last}.weight_mu"].shape[0])
