@@ -67,7 +67,7 @@ class ExperimentResult:
                compaction: bool = True) -> Any:
         """Export the final model (a model of one's own or a built-in one) into ``out_dir`` with
         :func:`dturbo.export.export_model`, with the run's input normalisation (so that ``dturbo.export.load(out_dir,
-        inputs="raw")`` takes the data as stored); returns the :class:`dturbo.export_graph.ExportedGraph`.
+        inputs="raw")`` takes the data as stored); returns the :class:`dturbo.export.graph.ExportedGraph`.
 
         ``example_input``: a batch of normalised inputs to capture and check the graph on; default 2 seeded random
         samples of the model's ``input_shape``. Raises :class:`dturbo.export.ExportError` (e.g. a model torch.fx
