@@ -190,8 +190,8 @@ class Simulator:
                 val = (float(rows[-1]["val_accuracy"]), float(rows[-1]["val_loss"]))
         for rnd in range(start, cfg.experiment.rounds):
             t0 = time.perf_counter()
-            done = self.fit_round(state, rnd)
-            result, traffic = done.result, done.traffic
+            outcome = self.fit_round(state, rnd)
+            result, traffic = outcome.result, outcome.traffic
             state = result.state
             check_finite(state, rnd + 1)
             cum_bits += traffic.up_bits + traffic.down_bits
@@ -208,13 +208,13 @@ class Simulator:
                 "up_bits": traffic.up_bits, "down_bits": traffic.down_bits, "cum_bits": cum_bits,
                 "seconds": round(time.perf_counter() - t0, 3),
                 **traffic.parts,
-                "participants": done.attempt.participants,
-                **done.attempt.counts,
-                "retries": done.retries,
+                "participants": outcome.attempt.participants,
+                **outcome.attempt.counts,
+                "retries": outcome.retries,
                 **{k: _fmt(v) for k, v in result.metrics.items()},
             }
             rows.append(row)
-            self._record(rnd + 1, state, rows, cum_bits, done.events)
+            self._record(rnd + 1, state, rows, cum_bits, outcome.events)
             if self.on_round:
                 self.on_round(row)
         self.final_model = self.server.global_model(state).eval()
