@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from dturbo import codec  # noqa: E402
+from dturbo.algorithms.registry import build_algorithm  # noqa: E402
 from dturbo.config import parse_config  # noqa: E402
-from dturbo.sim import build_algorithm, build_federation  # noqa: E402
+from dturbo.federation import build_federation  # noqa: E402
 from dturbo.testing import mutate  # noqa: E402
 
 LIMIT = 5000

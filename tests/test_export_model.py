@@ -20,7 +20,7 @@ from torch import nn
 
 import dturbo
 from dturbo import export as ex
-from dturbo.export_graph import VOCABULARY
+from dturbo.export.graph import VOCABULARY
 from dturbo.nn.models import build_model
 
 TOL = 1e-4

@@ -9,18 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dturbo.algorithms.registry import build_algorithm
 from dturbo.checkpoint import load_checkpoint
 from dturbo.config import parse_config
-from dturbo.sim import (
-    CORRUPTIONS,
-    PoisonedStateError,
-    Simulator,
-    TooFewClientsError,
-    build_algorithm,
-    check_finite,
-    corrupt,
-    draw_faults,
-)
+from dturbo.faults import CORRUPTIONS, corrupt, draw_faults
+from dturbo.sim import PoisonedStateError, Simulator, TooFewClientsError, check_finite
 
 TIMING = {"seconds", "server_seconds"}
 
@@ -128,7 +121,7 @@ def test_a_poisoned_state_is_never_checkpointed(tmp_path, toy):
 
 def test_every_corruption_is_rejected_by_the_server(toy):
     cfg = parse_config(config(toy))
-    from dturbo.sim import build_federation
+    from dturbo.federation import build_federation
 
     fed = build_federation(cfg)
     for algorithm in ("dturbo", "fedavg", "fedpaq", "dssm"):
@@ -155,7 +148,7 @@ def test_fault_draws_are_seeded_and_have_the_asked_rates(toy):
 def test_a_stale_or_replayed_upload_is_rejected(toy):
     cfg = parse_config(config(toy))
     from dturbo.algorithms.base import MessageError
-    from dturbo.sim import build_federation
+    from dturbo.federation import build_federation
 
     fed = build_federation(cfg)
     for algorithm in ("dturbo", "fedavg"):

@@ -20,6 +20,7 @@ from dturbo.algorithms.fedpm import (
     posterior_probs,
     quantize_probs,
 )
+from dturbo.algorithms.registry import build_algorithm
 from dturbo.codec import CodecError, decode_message, encode_dense, encode_message, payload_bits
 from dturbo.coding.masks import (
     decode_mask,
@@ -29,7 +30,8 @@ from dturbo.coding.masks import (
     mask_cost_bits,
 )
 from dturbo.config import ConfigError, parse_config
-from dturbo.sim import Simulator, build_algorithm, build_federation
+from dturbo.federation import build_federation
+from dturbo.sim import Simulator
 
 TIMING = {"seconds", "server_seconds"}
 

@@ -36,7 +36,8 @@ from dturbo.flower import client_app as client_module  # noqa: E402
 from dturbo.flower import wire  # noqa: E402
 from dturbo.flower.inprocess import InProcessGrid, run_inprocess  # noqa: E402
 from dturbo.flower.server_app import server_settings  # noqa: E402
-from dturbo.sim import ClientLost, Simulator, TooFewClientsError  # noqa: E402
+from dturbo.sim import Simulator, TooFewClientsError  # noqa: E402
+from dturbo.transport import ClientLost  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"seconds", "server_seconds"}
@@ -118,16 +119,23 @@ def test_inprocess_flower_run_equals_simulator(tmp_path, toy, algorithm):
     assert kinds.count("train") == sum(int(r["participants"]) for r in rows_of(tmp_path / "sim"))
 
 
-class Scripted(Simulator):
-    """The in-process reference with the same client failures as the Flower run of the fault test."""
+class Scripted:
+    """A transport: the in-process clients with the same client failures as a Flower run of the fault tests."""
 
-    def __init__(self, *args, outcomes: dict[tuple[int, int], ClientError], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, inner, outcomes: dict[tuple[int, int], ClientError]) -> None:
+        self.inner = inner
         self.outcomes = outcomes
 
-    def fit_clients(self, down, clients, rnd):
-        answers = super().fit_clients(down, [c for c in clients if (rnd, c) not in self.outcomes], rnd)
+    def __call__(self, down, clients, rnd):
+        answers = self.inner(down, [c for c in clients if (rnd, c) not in self.outcomes], rnd)
         return {c: self.outcomes[(rnd, c)] if (rnd, c) in self.outcomes else answers[c] for c in clients}
+
+
+def scripted(cfg, out: Path, outcomes: dict[tuple[int, int], ClientError]) -> Simulator:
+    """The in-process reference whose clients fail as ``outcomes`` says."""
+    sim = Simulator(cfg, out)
+    sim.transport = Scripted(sim.transport, outcomes)
+    return sim
 
 
 def test_failing_and_silent_clients_are_dropped_and_recorded(tmp_path, toy, monkeypatch):
@@ -167,7 +175,7 @@ def test_failing_and_silent_clients_are_dropped_and_recorded(tmp_path, toy, monk
     run_inprocess(path, tmp_path / "flower", grid=grid)
 
     outcomes = {(1, 0): ClientError("x"), (1, 1): ClientError("x"), (1, 2): ClientLost("x")}
-    Scripted(load_config(path), tmp_path / "sim", outcomes=outcomes).run()
+    scripted(load_config(path), tmp_path / "sim", outcomes).run()
     assert_same_metrics(tmp_path / "sim", tmp_path / "flower")
 
     rows = rows_of(tmp_path / "flower")
@@ -483,7 +491,7 @@ def test_deployment_supernode_killed_mid_round(tmp_path, toy):
     """
     path = write_config(tmp_path, toy, "dturbo", rounds=3, clients=3)
     lost = ClientLost("SuperNode killed")
-    Scripted(load_config(path), tmp_path / "ref", outcomes={(1, 2): lost, (2, 2): lost}).run()
+    scripted(load_config(path), tmp_path / "ref", {(1, 2): lost, (2, 2): lost}).run()
     out = tmp_path / "run"
     metrics = out / "metrics.csv"
     t0 = time.monotonic()

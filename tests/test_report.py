@@ -11,9 +11,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from dturbo.algorithms.registry import build_algorithm
 from dturbo.cli import app
 from dturbo.config import load_config, parse_config
 from dturbo.data import load_dataset
+from dturbo.federation import build_federation
 from dturbo.nn.bayes import bayesian_layers
 from dturbo.nn.models import build_model
 from dturbo.prior import grid_shape
@@ -31,7 +33,7 @@ from dturbo.report import (
     read_metrics,
     summarize,
 )
-from dturbo.sim import Simulator, build_algorithm, build_federation
+from dturbo.sim import Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

@@ -13,7 +13,8 @@ from safetensors.numpy import load_file
 from dturbo.checkpoint import CheckpointError, load_checkpoint
 from dturbo.config import parse_config
 from dturbo.data import load_dataset
-from dturbo.sim import BASE_COLUMNS, Simulator, build_federation
+from dturbo.federation import build_federation
+from dturbo.sim import BASE_COLUMNS, Simulator
 from dturbo.sparsity import density_schedule
 from dturbo.turbo import support
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.numpy import load_file
 
 from dturbo.algorithms.base import ClientError, fields_dict, frame, message_bits, pack_scalars
+from dturbo.algorithms.registry import build_algorithm
 from dturbo.algorithms.stc import (
     DOWN_KIND,
     UP_KIND,
@@ -33,7 +34,9 @@ from dturbo.codec import (
     payload_bits,
 )
 from dturbo.config import ConfigError, parse_config
-from dturbo.sim import LEDGER_COLUMNS, Simulator, build_algorithm, build_federation
+from dturbo.federation import build_federation
+from dturbo.ledger import LEDGER_COLUMNS
+from dturbo.sim import Simulator
 
 TIMING = {"seconds", "server_seconds"}
 

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
+from .rundir import RunDir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="D-Turbo-VBI: Bayesian federated model compression.")
 console = Console(stderr=True)
@@ -49,7 +50,7 @@ def run(
         return
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} names a file; --out must be a directory (a new or empty one for a new run)")
-    if resume and not (out / "config.toml").exists():
+    if resume and not RunDir(out).config_path.exists():
         _fail(f"--resume: {out} holds no run (no config.toml)")
     console.print(f"[bold]dturbo[/] {cfg.experiment.name}: {cfg.experiment.algorithm} on {cfg.data.name}, "
                   f"{cfg.model.name}, {cfg.federation.clients} clients, {cfg.experiment.rounds} rounds -> {out}")
@@ -103,9 +104,9 @@ def report(
     from .report import compare, draw_run
 
     for run_dir in runs:
-        if not (run_dir / "metrics.csv").exists():
+        if not RunDir(run_dir).metrics_path.exists():
             _fail(f"{run_dir} holds no run (no metrics.csv)")
-        if not (run_dir / "config.toml").exists():
+        if not RunDir(run_dir).config_path.exists():
             _fail(f"{run_dir} holds no config.toml")
     for t in target or []:
         if not 0 < t <= 1:

@@ -29,6 +29,7 @@ from .data.readers import NPZ_KEYS
 from .device import resolve_device
 from .nn.convert import ModelSource, user_model_factory
 from .nn.models import check_input_shape
+from .rundir import RunDir
 from .sim import ModelFactory, Simulator, round_summary
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike[str]
@@ -66,13 +67,11 @@ class ExperimentResult:
                compaction: bool = True) -> Any:
         """Export the final model (a model of one's own or a built-in one) into ``out_dir`` with
         :func:`dturbo.export.export_model`, with the run's input normalisation (so that ``dturbo.export.load(out_dir,
-        inputs="raw")`` takes the data as stored); returns the :class:`dturbo.export_graph.ExportedGraph`.
+        inputs="raw")`` takes the data as stored); returns the :class:`dturbo.export.graph.ExportedGraph`.
 
         ``example_input``: a batch of normalised inputs to capture and check the graph on; default 2 seeded random
         samples of the model's ``input_shape``. Raises :class:`dturbo.export.ExportError` (e.g. a model torch.fx
         cannot trace, or an op outside export's vocabulary, named)."""
-        from safetensors import safe_open
-
         from .export import ExportError, check_input_norm, export_model
 
         if example_input is None:
@@ -81,8 +80,7 @@ class ExperimentResult:
                 raise ExportError("the model records no input_shape: pass example_input (a batch of inputs)")
             example_input = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
         norm = None
-        with safe_open(str(self.out / "model.safetensors"), framework="pt") as f:
-            meta = dict(f.metadata() or {})
+        _, meta = RunDir(self.out).read_model()
         if "input_norm" in meta:
             norm = check_input_norm(json.loads(meta["input_norm"]), tuple(example_input.shape[1:]),
                                     f"{self.out}/model.safetensors")
@@ -221,5 +219,5 @@ def _number(text: str) -> int | float | str | None:
 
 def read_metrics_rows(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The rows of a run directory's ``metrics.csv``, numbers as int or float and empty cells as None."""
-    with open(Path(run_dir) / "metrics.csv", newline="") as f:
+    with open(RunDir(run_dir).metrics_path, newline="") as f:
         return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]

@@ -1,4 +1,5 @@
-"""Figures and tables from run directories' own files (config.toml, metrics.csv, messages/, model.safetensors).
+"""Figures and tables from run directories' own files (config.toml, metrics.csv, messages/, model.safetensors),
+read through :class:`dturbo.rundir.RunDir`.
 
 One run: its curves, the Dense_2 message heat maps (the paper's Fig. 3) and its final support masks.
 Several runs (:func:`compare`): accuracy vs cumulative bits, one curve per method (Fig. 2), and the comparison
@@ -29,12 +30,14 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import EngFormatter, FixedLocator, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
+from .rundir import RunDir  # noqa: E402
+
 HEATMAP_LAYER = "dense2"  # the paper's "Dense_2" (Fig. 3)
 DPI = 120
 
 
 def read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
-    with open(run_dir / "metrics.csv", newline="") as f:
+    with open(RunDir(run_dir).metrics_path, newline="") as f:
         rows = list(csv.DictReader(f))
     cols: dict[str, np.ndarray] = {}
     for key in rows[0] if rows else []:
@@ -148,13 +151,9 @@ def draw_curves(run_dir: Path, out: Path) -> list[Path]:
     return [] if fig is None else _save(fig, out / "curves")
 
 
-def _message_files(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "messages").glob("round_*.safetensors"))
-
-
 def heatmap_figure(run_dir: Path, layer: str = HEATMAP_LAYER, panels: int = 5) -> Figure | None:
     """The B->A message pi of one layer as heat maps over rounds (the paper's Fig. 3); None without messages."""
-    files = _message_files(run_dir)
+    files = RunDir(run_dir).message_files()
     if not files:
         return None
     picks = sorted({files[int(round(i))] for i in np.linspace(0, len(files) - 1, min(panels, len(files)))})
@@ -187,12 +186,13 @@ MASK_COLUMNS = 7  # panels per row of the support-mask figure (MobileNetV1 has 2
 
 def masks_figure(run_dir: Path) -> Figure | None:
     """The final support mask of every layer (black = kept); None when the run has neither messages nor model."""
-    files = _message_files(run_dir)
+    run = RunDir(run_dir)
+    files = run.message_files()
     if files:
         last = load_file(str(files[-1]))
         source = files[-1].stem
-    elif (run_dir / "model.safetensors").exists():  # a baseline: the nonzeros of its final weights
-        weights = load_file(str(run_dir / "model.safetensors"))
+    elif run.model_path.exists():  # a baseline: the nonzeros of its final weights
+        weights = load_file(str(run.model_path))
         last = {}
         for key, w in weights.items():
             if key.endswith(".weight_mu"):
@@ -279,7 +279,8 @@ def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, rep
     from .config import load_config
 
     run_dir = Path(run_dir)
-    cfg = load_config(run_dir / "config.toml")
+    run = RunDir(run_dir)
+    cfg = load_config(run.config_path)
     m = read_metrics(run_dir)
     if not m or "accuracy" not in m:
         raise ValueError(f"{run_dir}/metrics.csv holds no rounds")
@@ -290,7 +291,7 @@ def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, rep
         up_bits=float(m["up_bits"].sum()), down_bits=float(m["down_bits"].sum()), metrics=m,
     )
     # a model of one's own (model.name "custom") cannot be rebuilt from the run directory: no timing for it
-    if inference and (run_dir / "model.safetensors").exists() and cfg.model.name != "custom":
+    if inference and run.model_path.exists() and cfg.model.name != "custom":
         from .data import DataError
 
         try:
@@ -299,22 +300,6 @@ def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, rep
         except DataError:  # the data is not on this machine: the column stays empty
             summary.inference_ms = summary.inference_samples = None
     return summary
-
-
-def load_run_model(run_dir: Path, cfg: object | None = None) -> torch.nn.Module:
-    """The run's final global model (as saved in model.safetensors) in eval mode."""
-    from safetensors.torch import load_file as load_torch
-
-    from .config import load_config
-    from .nn.models import build_model
-
-    cfg = cfg or load_config(Path(run_dir) / "config.toml")
-    ds = _run_dataset(cfg, 1)
-    model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, sigma_mode=cfg.dturbo.sigma_mode,  # type: ignore[attr-defined]
-                        hidden=cfg.model.hidden, width=cfg.model.width)  # type: ignore[attr-defined]
-    state = load_torch(str(Path(run_dir) / "model.safetensors"))
-    model.load_state_dict(state, strict=False)  # tied sigma (sigma_mode "client") is saved once per layer
-    return model.eval()
 
 
 def _run_dataset(cfg: object, limit_test: int) -> object:
@@ -331,8 +316,8 @@ def time_inference(run_dir: Path, cfg: object, *, samples: int = 3000, repeats: 
     """(median wall time in ms, images) of one forward pass of up to ``samples`` test images (fewer when the
     test set is smaller) through the saved model, as a masked dense network in eval mode (Table I's column;
     :mod:`dturbo.export` removes the zeros for speed)."""
-    model = load_run_model(run_dir, cfg)
-    x = torch.from_numpy(_run_dataset(cfg, samples).x_test[:samples])
+    x = torch.from_numpy(_run_dataset(cfg, samples).x_test[:samples])  # first: DataError when it is elsewhere
+    model = RunDir(run_dir).load_model(cfg)  # type: ignore[arg-type]
     model(x)  # warm-up
     times = []
     for _ in range(repeats):
@@ -445,6 +430,6 @@ def compare(run_dirs: list[Path], out: Path, *, targets: list[float] | None = No
 
 def draw_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     run_dir = Path(run_dir)
-    out = Path(out) if out else run_dir / "figures"
+    out = Path(out) if out else RunDir(run_dir).figures_dir
     out.mkdir(parents=True, exist_ok=True)
     return draw_curves(run_dir, out) + draw_heatmaps(run_dir, out) + draw_masks(run_dir, out)

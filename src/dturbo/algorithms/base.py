@@ -40,11 +40,25 @@ class ClientData:
         return int(self.y.shape[0])
 
 
+class Rejection(str):
+    """An upload the server refused, as data: ``uplink`` (its position in the list ``aggregate`` was given, which
+    the runner maps to the client that sent it) and ``reason``. It reads as the text ``"uplink i: reason"`` (a
+    ``str``), so that messages and logs built from it stay plain text."""
+
+    uplink: int
+    reason: str
+
+    def __new__(cls, uplink: int, reason: str) -> Rejection:
+        self = super().__new__(cls, f"uplink {uplink}: {reason}")
+        self.uplink, self.reason = uplink, reason
+        return self
+
+
 @dataclass
 class RoundResult:
     state: State
     metrics: dict[str, float]
-    rejected: list[str] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
 
 
 class ServerAlgorithm(Protocol):
@@ -124,16 +138,16 @@ def upload_samples(fields: dict[str, bytes], round_idx: int | None, total_sample
 Upload = TypeVar("Upload")
 
 
-def decode_uplinks(uplinks: list[bytes], decode: Callable[[bytes], Upload]) -> tuple[list[Upload], list[str]]:
-    """Every upload through ``decode``: (the valid ones in order, "uplink i: why" for each rejected one). A round
-    with no valid upload raises MessageError with every reason."""
+def decode_uplinks(uplinks: list[bytes], decode: Callable[[bytes], Upload]) -> tuple[list[Upload], list[Rejection]]:
+    """Every upload through ``decode``: (the valid ones in order, a :class:`Rejection` for each refused one). A
+    round with no valid upload raises MessageError with every reason."""
     valid: list[Upload] = []
-    rejected: list[str] = []
+    rejected: list[Rejection] = []
     for i, data in enumerate(uplinks):
         try:
             valid.append(decode(data))
         except (MessageError, CodecError) as err:
-            rejected.append(f"uplink {i}: {err}")
+            rejected.append(Rejection(i, str(err)))
     if not valid:
         raise MessageError("no valid client update this round: " + "; ".join(rejected))
     return valid, rejected

@@ -39,6 +39,19 @@ CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 MNIST_URL = "http://yann.lecun.com/exdb/mnist/"
 DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "cifar100", "npz")
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+CIFAR_SHAPE = (3, 32, 32)  # one CIFAR record: the R, G and B planes of a 32x32 image
+MNIST_SHAPE = (1, 28, 28)  # the MNIST family's IDX images: 28x28 grey
+
+
+def sample_shape(name: str) -> tuple[int, ...] | None:
+    """One sample's shape of the named dataset ``name`` as its reader returns it, known without its files (their
+    format fixes it), so that a saved run's model can be built again where the data is not (dturbo.rundir);
+    None for data whose shape only its files tell (``npz``, ``arrays``)."""
+    if name in ("fashion-mnist", "mnist"):
+        return MNIST_SHAPE
+    if name in _CIFAR:
+        return CIFAR_SHAPE
+    return None
 
 
 class DataError(ValueError):
@@ -219,12 +232,12 @@ def _cifar_layout(spec: _CifarSpec, path: Path) -> str:
 
 
 def _cifar_records(raw: bytes, spec: _CifarSpec, path: Path) -> tuple[np.ndarray, np.ndarray]:
-    rec = spec.label_bytes + 3072
+    rec = spec.label_bytes + math.prod(CIFAR_SHAPE)
     if len(raw) == 0 or len(raw) % rec:
         raise DataError(f"{path}: size {len(raw)} is not a positive multiple of the {rec}-byte {spec.title} "
                         f"record (truncated or wrong file); {_cifar_how(spec)}")
     arr = np.frombuffer(raw, np.uint8).reshape(-1, rec)
-    x = arr[:, spec.label_bytes:].reshape(-1, 3, 32, 32)  # R plane, G plane, B plane; each 32x32 row-major
+    x = arr[:, spec.label_bytes:].reshape(-1, *CIFAR_SHAPE)  # R plane, G plane, B plane; each 32x32 row-major
     return x, arr[:, spec.label_bytes - 1].astype(np.int64)
 
 
@@ -245,7 +258,7 @@ def _cifar_pickle(path: Path, spec: _CifarSpec) -> tuple[np.ndarray, np.ndarray]
         raise DataError(f"{path}: {spec.label_key!r} is not a list of integers ({err})") from None
     if y.ndim != 1 or len(y) != len(x):
         raise DataError(f"{path}: {len(x)} images but {spec.label_key!r} has shape {y.shape}")
-    return x.astype(np.uint8).reshape(-1, 3, 32, 32), y
+    return x.astype(np.uint8).reshape(-1, *CIFAR_SHAPE), y
 
 
 def _locate_cifar(path: Path, spec: _CifarSpec) -> tuple[Path, bool]:

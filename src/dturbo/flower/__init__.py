@@ -1,8 +1,8 @@
 """Run dturbo's algorithms on Flower (``pip install 'dturbo[flower]'``; flwr is pinned to 1.41.0).
 
-The Flower layer is glue only. :class:`~dturbo.flower.server_app.FlowerSimulator` is the in-process
-:class:`~dturbo.sim.Simulator` with its one transport hook, ``fit_clients``, sending the downlink bytes to
-the SuperNodes as Flower Messages and returning their upload bytes; client selection, faults, the bit ledger,
+The Flower layer is glue only. :class:`~dturbo.flower.server_app.FlowerTransport` is a transport
+(:mod:`dturbo.transport`) for the runner, :class:`~dturbo.sim.Simulator`: it sends the downlink bytes to the
+SuperNodes as Flower Messages and returns their upload bytes; client selection, faults, the bit ledger,
 aggregation, evaluation and the run directory stay in the Simulator. The ClientApp
 (:mod:`dturbo.flower.client_app`) rebuilds the same configuration, data partition and client algorithm from
 the configuration text the server sends, so the same bytes cross and ``metrics.csv`` equals the one of

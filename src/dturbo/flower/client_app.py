@@ -5,8 +5,8 @@ A SuperNode's node config names its ``partition-id`` (the client id) and optiona
 replaces ``data.path`` of the configuration); on Flower's simulation engine each virtual SuperNode gets
 ``partition-id`` and ``num-partitions`` from Flower itself. On a train message the ClientApp builds, from the
 configuration text in the message, the same :class:`~dturbo.config.Config`, the federation
-(:func:`dturbo.sim.build_federation`, seeded: every node computes the same split and keeps its own part)
-and the client algorithm (:func:`dturbo.sim.build_algorithm`), then answers
+(:func:`dturbo.federation.build_federation`, seeded: every node computes the same split and keeps its own part)
+and the client algorithm (:func:`dturbo.algorithms.registry.build_algorithm`), then answers
 ``client.fit(down, data, partition_id)``. What it builds is cached per process (Flower's deployment engine
 starts a fresh ClientApp process per message, the in-process grid reuses one). torch and the algorithms are
 imported on the first train message only, so that the discovery query of a fresh process answers fast.
@@ -41,7 +41,7 @@ from . import wire
 
 if TYPE_CHECKING:
     from ..algorithms.base import ClientAlgorithm, ClientData
-    from ..sim import Federation
+    from ..federation import Federation
 
 log = logging.getLogger("flwr")
 
@@ -73,7 +73,8 @@ def client_runtime(config_text: str, data_path: str | None = None) -> ClientRunt
         return _CACHE[key]
     import torch
 
-    from ..sim import build_algorithm, build_federation
+    from ..algorithms.registry import build_algorithm
+    from ..federation import build_federation
 
     cfg = parse_config(tomllib.loads(config_text))
     if data_path is not None:

@@ -1,4 +1,4 @@
-"""The Flower ServerApp: the dturbo Simulator with Flower as its transport (``dturbo.flower.server_app:app``).
+"""The Flower ServerApp: the dturbo runner with Flower as its transport (``dturbo.flower.server_app:app``).
 
 Run config (``[tool.flwr.app.config]`` in pyproject.toml, overridden with ``flwr run --run-config``):
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from ..algorithms.base import ClientError
 from ..config import Config, load_config
-from ..sim import ClientLost, Simulator
+from ..sim import Simulator
+from ..transport import ClientLost, Reply
 from . import wire
 
 log = logging.getLogger("flwr")
@@ -46,19 +47,18 @@ app = ServerApp()
 DEFAULTS: dict[str, Any] = {"resume": False, "round-timeout": 3600.0, "connect-timeout": 120.0}
 
 
-class FlowerSimulator(Simulator):
-    """:class:`~dturbo.sim.Simulator` whose clients are Flower SuperNodes reached through a Grid.
+class FlowerTransport:
+    """The clients are Flower SuperNodes reached through a Grid: a :class:`~dturbo.transport.Transport`.
 
-    Only :meth:`fit_clients` differs: the downlink bytes go to each selected client's SuperNode in a train
-    Message and the upload bytes come back in its reply. A Flower error reply or a missing reply becomes a
-    :class:`~dturbo.algorithms.base.ClientError` / :class:`~dturbo.sim.ClientLost`, which the Simulator
-    counts (``clients_failed`` / ``clients_dropped``) and logs (events.log) as for the in-process clients.
+    The downlink bytes go to each selected client's SuperNode in a train Message and the upload bytes come back in
+    its reply. A Flower error reply or a missing reply becomes a :class:`~dturbo.algorithms.base.ClientError` /
+    :class:`~dturbo.transport.ClientLost`, which the runner counts (``clients_failed`` / ``clients_dropped``) and
+    logs (events.log) as for the in-process clients.
     """
 
-    def __init__(self, cfg: Config, out: Path, grid: Grid, *, resume: bool = False,
-                 round_timeout: float | None = None, connect_timeout: float = 120.0, query_timeout: float = 60.0,
-                 poll_interval: float = 1.0, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
-        super().__init__(cfg, out, resume=resume, on_round=on_round)
+    def __init__(self, cfg: Config, grid: Grid, *, round_timeout: float | None = None,
+                 connect_timeout: float = 120.0, query_timeout: float = 60.0, poll_interval: float = 1.0) -> None:
+        self.cfg = cfg
         self.grid = grid
         self.round_timeout = round_timeout
         self.connect_timeout = connect_timeout
@@ -122,7 +122,7 @@ class FlowerSimulator(Simulator):
                 log.info("client %d <-> node %d", pid, node)
 
     # ------------------------------------------------------------ transport
-    def fit_clients(self, down: bytes, clients: list[int], rnd: int) -> dict[int, bytes | ClientError]:
+    def __call__(self, down: bytes, clients: list[int], rnd: int) -> dict[int, Reply]:
         """Send the downlink to the SuperNodes of ``clients``; their upload bytes, in the order of ``clients``
         (the aggregation sums in this order, as in process), or why a client has none."""
         self.discover(clients, 0.0 if self._connected else self.connect_timeout)
@@ -139,7 +139,7 @@ class FlowerSimulator(Simulator):
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
                                 group_id=str(rnd + 1), ttl=ttl))
             sent[node] = cid
-        got: dict[int, bytes | ClientError] = {}
+        got: dict[int, Reply] = {}
         if msgs:
             replies = list(self.grid.send_and_receive(msgs, timeout=self.round_timeout))
             # A reply is matched to the message it answers: when a node is gone the SuperLink answers for it
@@ -149,7 +149,7 @@ class FlowerSimulator(Simulator):
                 cid = by_message.get(reply.metadata.reply_to_message_id, sent.get(reply.metadata.src_node_id))
                 if cid is not None:
                     got[cid] = self._answer(reply, cid, rnd)
-        out: dict[int, bytes | ClientError] = {}
+        out: dict[int, Reply] = {}
         for cid in clients:
             if cid in got:
                 out[cid] = got[cid]
@@ -160,7 +160,7 @@ class FlowerSimulator(Simulator):
                 out[cid] = ClientLost(f"no SuperNode with partition-id={cid} is connected")
         return out
 
-    def _answer(self, reply: Message, cid: int, rnd: int) -> bytes | ClientError:
+    def _answer(self, reply: Message, cid: int, rnd: int) -> Reply:
         if reply.has_error():
             err = reply.error
             if err.code in wire.LOST_CODES:
@@ -212,7 +212,7 @@ def on_simulation_engine(grid: Grid) -> bool:
 def check_simulation_size(grid: Grid, cfg: Config) -> None:
     """On the simulation engine every virtual SuperNode exists from the start, one per partition: their number
     must be ``federation.clients`` (ValueError saying how to set it otherwise). Elsewhere nothing is checked
-    (SuperNodes connect over time; :meth:`FlowerSimulator.discover` waits for them)."""
+    (SuperNodes connect over time; :meth:`FlowerTransport.discover` waits for them)."""
     if not on_simulation_engine(grid):
         return
     nodes, clients = len(list(grid.get_node_ids())), cfg.federation.clients
@@ -226,7 +226,7 @@ def check_simulation_size(grid: Grid, cfg: Config) -> None:
 
 def run_server(grid: Grid, run_config: UserConfig, **kwargs: Any) -> list[dict[str, Any]]:
     """Run the experiment of ``run_config`` over ``grid`` into its run directory; the metrics rows.
-    ``kwargs`` go to :class:`FlowerSimulator` (e.g. ``poll_interval``)."""
+    ``kwargs`` go to :class:`FlowerTransport` (e.g. ``poll_interval``)."""
     s = server_settings(run_config)
     cfg = load_config(s["config"])
     check_simulation_size(grid, cfg)
@@ -239,9 +239,9 @@ def run_server(grid: Grid, run_config: UserConfig, **kwargs: Any) -> list[dict[s
                  rounds, float(row["accuracy"]), float(row["density"]), float(row["cum_bits"]),
                  row["participants"], row["seconds"])
 
-    sim = FlowerSimulator(cfg, s["out"], grid, resume=s["resume"], round_timeout=s["round-timeout"] or None,
-                          connect_timeout=s["connect-timeout"], on_round=on_round, **kwargs)
-    rows = sim.run()
+    transport = FlowerTransport(cfg, grid, round_timeout=s["round-timeout"] or None,
+                                connect_timeout=s["connect-timeout"], **kwargs)
+    rows = Simulator(cfg, s["out"], resume=s["resume"], on_round=on_round, transport=transport).run()
     log.info("dturbo: run directory %s complete", s["out"])
     return rows
 

@@ -37,23 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .export import (
-    ACTIVATIONS,
-    FORMAT,
-    GRAPH_VERSION,
-    SPEC_FILE,
-    BiasMap,
-    ExportError,
-    Op,
-    check_input_norm,
-    compact_links,
-    layer_stats,
-    masked_weights,
-    save,
-    update_shapes,
-)
-from .kernels import as_pair, dense_linear
-from .nn.bayes import BayesConv2d, BayesianLayer, BayesLinear
+from ..kernels import as_pair, dense_linear
+from ..nn.bayes import BayesConv2d, BayesianLayer, BayesLinear
+from .compaction import compact_links, layer_stats, update_shapes
+from .format import FORMAT, GRAPH_VERSION, SPEC_FILE, ExportError, check_input_norm, save
+from .ops import ACTIVATIONS, BiasMap, Op, masked_weights
 
 # Largest allowed |exported - model| on example_input, relative to max(1, max |model output|).
 CHECK_TOL = 1e-4

@@ -1,0 +1,309 @@
+"""The exported model at run time, and its autotuning: :func:`load` builds the network from the files and picks, by
+timing at the batch size in use, each linear layer's kernel (dense or sparse), each convolution's and max-pooling's,
+channels_last and ``torch.compile``; :class:`InferenceModel` holds the network and the choices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kernels import (
+    CONV_KERNELS,
+    KERNELS,
+    POOL_KERNELS,
+    choose_conv_kernel,
+    choose_linear_kernel,
+    choose_pool_kernel,
+    conv_as,
+    make_linear,
+    pool_as,
+    separable_supported,
+    time_call,
+)
+from .format import GRAPH_VERSION, ExportError, read_spec
+from .ops import build_net
+
+INPUTS = ("normalised", "raw")
+
+
+class InferenceModel(nn.Module):
+    """An exported network: ``net`` (an :class:`torch.nn.Sequential` of torch layers, or for a graph export a
+    :class:`dturbo.export.graph.GraphNet`) plus the execution
+    settings chosen at load: ``kernels`` (per linear/conv layer), ``channels_last``, ``compiled``, and
+    ``info`` (timings and reasons)."""
+
+    def __init__(self, net: nn.Module, spec: dict[str, Any]) -> None:
+        super().__init__()
+        self.net = net
+        self.spec = spec
+        self.input_shape = tuple(spec["input_shape"])
+        self.inputs = "normalised"  # what forward() takes: see set_inputs
+        self.norm_mean: torch.Tensor | None
+        self.norm_std: torch.Tensor | None
+        self.register_buffer("norm_mean", None, persistent=False)  # set by set_inputs when the export has them
+        self.register_buffer("norm_std", None, persistent=False)
+        self.kernels: dict[str, str] = {}
+        self.pools: dict[str, str] = {}  # max-pooling layer -> kernel (dturbo.kernels.POOL_KERNELS)
+        self.channels_last = False
+        self.compiled = False
+        self.info: dict[str, Any] = {}
+        self._compiled_fn: Any = None
+        self._compiled_cache: Any = None
+        self._conv_variants: dict[str, dict[str, nn.Module]] = {}
+
+    def set_inputs(self, inputs: str) -> None:
+        """``"normalised"``: the model takes inputs normalised as the dataset reader does (float32, what
+        ``dturbo.data.load_dataset`` returns); ``"raw"``: it takes the data as stored and applies the stored
+        normalisation itself (see :func:`load`)."""
+        if inputs not in INPUTS:
+            raise ValueError(f"inputs must be one of {', '.join(INPUTS)}, got {inputs!r}")
+        norm = self.spec.get("input_norm")
+        if inputs == "raw" and norm is None:
+            raise ExportError(
+                f"this export (format version {self.spec.get('version')}) does not store the input normalisation, "
+                f"so it takes normalised inputs only (load it with inputs='normalised'); export the run again with "
+                f"this dturbo, with its data readable, to store it")
+        if norm is not None:
+            # float64 as the reader computes it, so raw inputs give bit for bit the reader's float32 values
+            view = (-1, 1, 1) if len(self.input_shape) == 3 else (-1,)
+            mean = torch.tensor(norm["mean"], dtype=torch.float64).reshape(view)
+            std = torch.tensor(norm["std"], dtype=torch.float64).reshape(view)
+            device = next(iter(self.net.buffers()), next(iter(self.net.parameters()), mean)).device
+            self.register_buffer("norm_mean", mean.to(device), persistent=False)
+            self.register_buffer("norm_std", std.to(device), persistent=False)
+        self.inputs = inputs
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw inputs (``(N, *input_shape)``, or ``(N, H, W)`` for one-channel images; any numeric dtype) ->
+        the normalised float32 inputs the network was trained on: ``(x / scale - mean[c]) / std[c]``."""
+        if self.norm_mean is None:
+            raise ExportError("this export does not store the input normalisation; feed normalised inputs")
+        if x.dim() == len(self.input_shape) and len(self.input_shape) == 3 and self.input_shape[0] == 1:
+            x = x.unsqueeze(1)  # N, H, W: one-channel images as IDX files and .npz files hold them
+        self._check_shape(x)
+        scale = float(self.spec["input_norm"]["scale"])
+        return ((x.to(torch.float64) / scale - self.norm_mean) / self.norm_std).to(torch.float32)
+
+    def _check_shape(self, x: torch.Tensor) -> None:
+        if tuple(x.shape[1:]) != self.input_shape:
+            raise ValueError(f"the model takes inputs of shape (N, {', '.join(map(str, self.input_shape))}), "
+                             f"got {tuple(x.shape)}")
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """The input in the memory format the network runs in."""
+        if self.channels_last and x.dim() == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inputs == "raw":
+            x = self.normalise(x)
+        elif not x.is_floating_point():
+            raise TypeError(f"got {x.dtype} inputs, but this model was loaded with inputs='normalised' (float "
+                            f"inputs normalised as the dataset reader does); for raw data (e.g. uint8 pixels) load "
+                            f"it with dturbo.export.load(..., inputs='raw')")
+        x = self.prepare(x)
+        if self._compiled_fn is not None:
+            return self._compiled_fn(x)
+        return self.net(x)
+
+    def set_channels_last(self, on: bool) -> None:
+        """Convert the conv weights (and the inputs at each call) to channels_last, or back."""
+        fmt = torch.channels_last if on else torch.contiguous_format
+        for m in self.net.modules():
+            if isinstance(m, nn.Conv2d):
+                m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+        self.channels_last = on
+
+    def set_conv_kernels(self, kinds: dict[str, str]) -> None:
+        """Run convolution ``name`` with kernel ``kinds[name]`` (see :data:`dturbo.kernels.CONV_KERNELS`); the
+        module of each kind is kept, so switching back needs no recompilation."""
+        for name, kind in kinds.items():
+            variants = self._conv_variants.setdefault(name, {})
+            current = getattr(self.net, name)
+            variants.setdefault(self.kernels.get(name, "default"), current)
+            if kind not in variants:
+                variants[kind] = conv_as(kind, current)
+            setattr(self.net, name, variants[kind])
+            self.kernels[name] = kind
+
+    def set_compiled(self, on: bool) -> None:
+        """Run ``net`` through ``torch.compile`` (compiled lazily at the first call; kept when switched off
+        and on again), or eagerly."""
+        if on and self._compiled_cache is None:
+            # object.__setattr__: not registered as a submodule (it wraps ``net``, already one)
+            object.__setattr__(self, "_compiled_cache", torch.compile(self.net))
+        object.__setattr__(self, "_compiled_fn", self._compiled_cache if on else None)
+        self.compiled = on
+
+
+def load(
+    model_dir: str | Path, *, batch_size: int = 256, kernels: str = "auto", channels_last: bool | None = None,
+    compile: bool | None = None, conv: str = "auto", pool: str = "auto", device: str | torch.device = "cpu",
+    inputs: str = "normalised",
+) -> InferenceModel:
+    """Load an exported model as an :class:`InferenceModel` (a ``torch.nn.Module``) in eval mode.
+
+    Args:
+        model_dir: the folder written by ``dturbo export``.
+        batch_size: the batch size the model will mostly run at; the kernel and setting timings use it.
+        kernels: ``"auto"`` (time the candidate kernels per linear layer, keep the fastest: sparse only where
+            it beats dense) or one of ``dense``/``panel``/``bsr``/``csr`` for every linear layer.
+        channels_last: ``None`` (auto: for networks with convolutions, time both memory formats and keep the
+            faster), ``True`` or ``False``.
+        compile: ``None`` (auto: for networks with convolutions, compile with ``torch.compile`` and keep it if a
+            timing shows it faster; falls back to eager when compilation fails), ``True`` or ``False``.
+        conv: ``"auto"`` (per convolution, time oneDNN against PyTorch's native CPU kernels on the layer's
+            real input, keep native only where faster: it is for thin layers), ``"default"`` (oneDNN on a
+            CPU) or ``"native"``.
+        pool: ``"auto"`` (per max-pooling layer, time PyTorch's kernel against strided elementwise maxima on
+            its real input, keep the faster; the values are identical), ``"default"`` or ``"separable"``
+            (where the layer allows it: no padding, dilation or ceil mode).
+        device: where the model runs (``"cpu"`` or ``"cuda"``).
+        inputs: what the model takes. ``"normalised"``: float32 ``(N, *input_shape)`` inputs normalised as
+            ``dturbo.data.load_dataset`` returns them (per channel, with the training set's mean and std).
+            ``"raw"``: the data in its original scale, as the files hold it: pixel values 0..255 (uint8 or
+            any numeric dtype) for the IDX and CIFAR datasets and uint8 .npz arrays, the stored values for
+            float .npz arrays; shape ``(N, *input_shape)`` (channels first; ``(N, H, W)`` is taken for
+            one-channel images); the model applies the normalisation stored at export (format version 3,
+            ``input_norm`` in model.json). Older exports store none and take normalised inputs only.
+
+    The choices are in the returned model's ``kernels``, ``pools``, ``channels_last``, ``compiled`` and
+    ``info``.
+
+    Raises:
+        ExportError: the folder, its JSON or its tensors are missing, corrupt or inconsistent.
+    """
+    model_dir = Path(model_dir)
+    if kernels != "auto" and kernels not in KERNELS:
+        raise ValueError(f"kernels must be 'auto' or one of {', '.join(KERNELS)}, got {kernels!r}")
+    if conv != "auto" and conv not in CONV_KERNELS:
+        raise ValueError(f"conv must be 'auto' or one of {', '.join(CONV_KERNELS)}, got {conv!r}")
+    if pool != "auto" and pool not in POOL_KERNELS:
+        raise ValueError(f"pool must be 'auto' or one of {', '.join(POOL_KERNELS)}, got {pool!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    dev = torch.device(device)
+    spec, tensors = read_spec(model_dir)
+    if spec["version"] == GRAPH_VERSION:
+        from .graph import build_graph_net
+
+        net, linears = build_graph_net(spec, tensors)
+    else:
+        net, linears = build_net(spec, tensors)
+    model = InferenceModel(net, spec)
+    model.set_inputs(inputs)
+    layer_info: dict[str, dict[str, Any]] = {}
+    for name, w, b in linears:
+        if kernels == "auto":
+            layer, kind, times = choose_linear_kernel(w.to(dev), None if b is None else b.to(dev), batch_size,
+                                                      device=dev)
+        else:
+            layer = make_linear(kernels, w.to(dev), None if b is None else b.to(dev), batch_size)
+            kind, times = kernels, {}
+        setattr(net, name, layer)
+        model.kernels[name] = kind
+        layer_info[name] = {"kernel": kind, "times_ms": times}
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    model.info = {"batch_size": batch_size, "device": str(dev), "layers": layer_info}
+    has_conv = any(isinstance(m, nn.Conv2d) for m in net.modules())
+    x = _example_input(model, batch_size, dev)
+    if channels_last is None:
+        channels_last = _channels_last_faster(model, x) if has_conv else False
+    model.set_channels_last(bool(channels_last))
+    _choose_layer_kernels(model, x, conv, pool)
+    if compile or (compile is None and has_conv):
+        _settle_compile(model, x, auto=compile is None, conv=conv)
+    return model
+
+
+@torch.no_grad()
+def _settle_compile(model: InferenceModel, x: torch.Tensor, *, auto: bool, conv: str) -> None:
+    """Compile, or (``auto``) time eager against compiled and keep the faster. Inductor fuses oneDNN convolutions
+    with what follows while a native one breaks the graph, so where the per-layer choice picked native kernels
+    the compiled model is also timed with oneDNN everywhere."""
+    convs = {n: k for n, k in model.kernels.items() if k in CONV_KERNELS}
+    variants: list[tuple[str, dict[str, str], bool]] = [("compiled", convs, True)]
+    if conv == "auto" and "native" in convs.values():
+        variants.append(("compiled-default-convs", dict.fromkeys(convs, "default"), True))
+    if auto:
+        variants.insert(0, ("eager", convs, False))
+    timings: dict[str, float] = {}
+    for label, kinds, comp in variants:
+        model.set_conv_kernels(kinds)
+        model.set_compiled(comp)
+        try:
+            if len(variants) == 1:
+                model(x)  # compile now, not at the user's first call
+            else:
+                timings[label] = 1000 * time_call(lambda: model(x), x.device, repeats=5, warmup=1)
+        except Exception as err:  # noqa: BLE001 (inductor raises many kinds; any means: run eagerly)
+            model.info["compile_error"] = f"{type(err).__name__}: {err}"
+            model.set_compiled(False)
+            model.set_conv_kernels(convs)
+            return
+    if timings:
+        best = min(timings, key=lambda k: timings[k])
+        _, kinds, comp = next(v for v in variants if v[0] == best)
+        model.set_conv_kernels(kinds)
+        model.set_compiled(comp)
+        model.info["compile"] = {"times_ms": timings, "chosen": best}
+
+
+@torch.no_grad()
+def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, pool: str) -> None:
+    """Set each convolution's and max-pooling's kernel: ``conv`` / ``pool`` for all, or (``"auto"``) per layer
+    by timing on its real input (recorded in one pass through ``net``; any layout of children: a sequence or
+    a graph)."""
+    inputs: dict[str, torch.Tensor] = {}
+    layers = [(name, m) for name, m in model.net.named_children() if isinstance(m, nn.Conv2d | nn.MaxPool2d)]
+    hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: inputs.setdefault(name, args[0]))
+             for name, m in layers]
+    try:
+        model.net(model.prepare(x))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for name, m in layers:
+        h = inputs.get(name)
+        if h is None:  # not reached by the example input: default kernels
+            continue
+        if isinstance(m, nn.Conv2d):
+            if conv == "auto":
+                _, kind, times = choose_conv_kernel(m, h)
+                model.info["layers"][name] = {"kernel": kind, "times_ms": times}
+            else:
+                kind = conv
+            model.set_conv_kernels({name: kind})
+        else:
+            if pool == "auto":
+                m, kind, times = choose_pool_kernel(m, h)
+                model.info["layers"][name] = {"kernel": kind, "times_ms": times}
+            else:
+                kind = pool if separable_supported(m) else "default"
+                m = pool_as(kind, m)
+            setattr(model.net, name, m)
+            model.pools[name] = kind
+
+
+def _example_input(model: InferenceModel, batch_size: int, dev: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, *model.input_shape, generator=gen).to(dev)
+
+
+def _channels_last_faster(model: InferenceModel, x: torch.Tensor) -> bool:
+    """Time the model with channels_last off and on (at ``x``'s batch size); leave it on iff faster."""
+    timings: dict[str, float] = {}
+    with torch.no_grad():
+        for on in (False, True):
+            model.set_channels_last(on)
+            timings["on" if on else "off"] = 1000 * time_call(lambda: model(x), x.device, repeats=5, warmup=1)
+    chosen = timings["on"] < timings["off"]
+    model.info["channels_last"] = {"times_ms": timings, "chosen": chosen}
+    model.set_channels_last(chosen)
+    return chosen
+

@@ -1,0 +1,96 @@
+"""Injected faults (``[faults]``, docs/robustness.md): a transport wrapper that drops, delays or corrupts replies.
+
+Which client suffers which fault is a pure function of (seed, round, attempt), so a resumed run injects exactly the
+same faults as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .codec import decode_message, encode_message
+from .config import Config
+from .transport import ClientLate, ClientLost, Reply, Transport
+
+CORRUPTIONS = ("truncate", "garbage", "header_flip", "oversize", "wrong_kind")
+
+
+class Corrupted(bytes):
+    """Upload bytes the injection corrupted. Still bytes: they cross the wire and reach the server like any
+    others; the type only lets the runner count them (``clients_corrupted``)."""
+
+
+def injects(cfg: Config) -> bool:
+    """Whether ``[faults]`` injects anything (a straggler only matters with a deadline)."""
+    f = cfg.faults
+    return bool(f.drop_prob or f.corrupt_prob or (f.deadline is not None and f.straggler_sigma))
+
+
+def draw_faults(cfg: Config, rnd: int, attempt: int, participants: list[int]) -> dict[int, str]:
+    """Injected faults of one round attempt (``[faults]``), a pure function of (seed, round, attempt): client id
+    -> "drop" | "late" | "corrupt:<how>"; clients without a fault are absent."""
+    if not injects(cfg):
+        return {}
+    f = cfg.faults
+    rng = np.random.default_rng([cfg.experiment.seed, rnd, attempt, 0xFA17])
+    n = len(participants)
+    u_drop, u_corrupt, how = rng.random(n), rng.random(n), rng.integers(0, len(CORRUPTIONS), n)
+    slowdown = np.exp(f.straggler_sigma * rng.standard_normal(n))
+    out = {}
+    for i, cid in enumerate(participants):
+        if u_drop[i] < f.drop_prob:
+            out[cid] = "drop"
+        elif f.deadline is not None and slowdown[i] > f.deadline:
+            out[cid] = "late"
+        elif u_corrupt[i] < f.corrupt_prob:
+            out[cid] = f"corrupt:{CORRUPTIONS[how[i]]}"
+    return out
+
+
+def corrupt(data: bytes, how: str, rnd: int, cid: int) -> bytes:
+    """A hostile or broken client's bytes, derived from a valid upload (seeded by round and client)."""
+    rng = np.random.default_rng([rnd, cid, 0xBAD])
+    if how == "truncate":
+        return data[: int(rng.integers(0, len(data)))]
+    if how == "garbage":
+        return rng.integers(0, 256, len(data), dtype=np.uint8).tobytes()
+    if how == "header_flip":
+        buf = bytearray(data)
+        buf[int(rng.integers(0, min(4, len(buf))))] ^= 1 << int(rng.integers(0, 8))  # magic, version, kind
+        return bytes(buf)
+    if how == "oversize":
+        return data + bytes(4 * len(data))
+    if how == "wrong_kind":
+        kind, fields = decode_message(data)
+        return encode_message("evil/" + kind, fields)
+    raise ValueError(f"unknown corruption {how!r}")
+
+
+class FaultyTransport:
+    """``inner`` with the faults of ``[faults]``: a dropped client is never sent the round (ClientLost), a
+    straggler's upload arrives after the deadline (ClientLate), a corrupted one arrives as :class:`Corrupted`
+    bytes. A client whose own reply is already an error keeps it. Replies come in the order: the dropped clients,
+    then ``inner``'s replies in its order."""
+
+    def __init__(self, inner: Transport, cfg: Config) -> None:
+        self.inner = inner
+        self.cfg = cfg
+        self._attempts: dict[int, int] = {}  # round -> attempts so far: a call for the same round is a retry
+
+    def __call__(self, downlink: bytes, clients: list[int], round_idx: int) -> dict[int, Reply]:
+        attempt = self._attempts[round_idx] = self._attempts.get(round_idx, -1) + 1
+        faults = draw_faults(self.cfg, round_idx, attempt, clients)
+        replies: dict[int, Reply] = {cid: ClientLost("injected drop") for cid in clients if faults.get(cid) == "drop"}
+        for cid, reply in self.inner(downlink, [c for c in clients if c not in replies], round_idx).items():
+            fault = faults.get(cid)
+            if isinstance(reply, bytes) and fault == "late":
+                reply = ClientLate("injected straggler")
+            elif isinstance(reply, bytes) and fault is not None:  # "corrupt:<how>"
+                reply = Corrupted(corrupt(reply, fault.split(":", 1)[1], round_idx, cid))
+            replies[cid] = reply
+        return replies
+
+
+def with_faults(transport: Transport, cfg: Config) -> Transport:
+    """``transport`` wrapped in :class:`FaultyTransport` when ``[faults]`` injects anything, else itself."""
+    return FaultyTransport(transport, cfg) if injects(cfg) else transport
