@@ -21,8 +21,9 @@ from dturbo.checkpoint import STATE_FILE, CheckpointError, CheckpointWarning, lo
 from dturbo.cli import app
 from dturbo.config import ConfigError, load_config, parse_config
 from dturbo.data import DataError, DataWarning, load_dataset
+from dturbo.federation import build_federation
 from dturbo.nn.models import ModelInputError, build_model, check_input_shape
-from dturbo.sim import ScheduleWarning, Simulator, schedule_warning
+from dturbo.sim import LocalStepsWarning, ScheduleWarning, Simulator, local_steps_warning, schedule_warning
 from dturbo.sparsity import density_schedule
 
 
@@ -204,6 +205,28 @@ def test_resume_from_a_corrupted_checkpoint_names_it(tmp_path, uint8_npz):
     with pytest.raises(CheckpointError, match="is corrupted"):
         Simulator(more, tmp_path / "run", resume=True).run()
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == files
+
+
+# ------------------------------------------------------------------ 6b. pruning with few local steps a round
+def test_few_local_steps_warn_with_the_median_clients_step_count(tmp_path, uint8_npz):
+    few = parse_config(toy_config(uint8_npz, dturbo={"sparsity": {"target_density": 0.3}}))
+    fed = build_federation(few)
+    assert local_steps_warning(few, fed).startswith(
+        "the median client trains only 2 local steps a round (train.local_steps = 2)")
+    # epochs: the step count the client will take, from the median client's sample count
+    sizes = sorted(len(c) for c in fed.clients)
+    by_epochs = parse_config(toy_config(uint8_npz, dturbo={"sparsity": {"target_density": 0.3}},
+                                        train={"local_steps": 0, "local_epochs": 1, "batch_size": 32}))
+    steps = -(-sizes[len(sizes) // 2] // 32)
+    assert steps < 10
+    assert f"only {steps} local steps a round (train.local_epochs = 1 of {sizes[len(sizes) // 2]} samples in " \
+           "batches of 32)" in local_steps_warning(by_epochs, fed)
+    with pytest.warns(LocalStepsWarning, match="raise train.local_epochs or train.local_steps to >= 10"):
+        Simulator(few, tmp_path / "run")
+    # enough steps, no pruning, or another algorithm: no warning
+    for data in ({"train": {"local_steps": 10}}, {"dturbo": {"sparsity": {"target_density": 1.0}}},
+                 {"experiment": {"algorithm": "fedavg"}}):
+        assert local_steps_warning(parse_config(toy_config(uint8_npz, **data)), fed) is None
 
 
 # ---------------------------------------------------------------------------------- 6. a ramp past the run

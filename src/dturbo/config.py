@@ -204,7 +204,9 @@ class TransmissionConfig(_Section):
 class DturboConfig(_Section):
     sigma_mode: Literal["layer", "weight", "client"] = "layer"
     sigma_init_ratio: float = Field(0.1, gt=0)
-    beta: float = Field(1.0, ge=0)
+    beta: float = Field(0.01, ge=0, description=(
+        "KL weight of E6 (a tempered posterior; the paper's is 1): chosen on validation over three datasets, "
+        "benchmarks/small_data.py; docs/library.md#tuning"))
     gamma_update: Literal["exact", "paper"] = "exact"
     support_threshold: Probability = Field(0.5, gt=0, lt=1)
     prior_std_dtype: Literal["float16", "float32", "log8"] = Field(
