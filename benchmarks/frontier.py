@@ -224,14 +224,26 @@ def config_dict(cand: Candidate, seed: int, s: Settings) -> dict[str, Any]:
     return tree
 
 
+# Sections only one algorithm reads: a run is compared without the others', so that a changed default of one
+# method (dturbo.beta, 1 -> 0.01 in issue 14) does not make every other method's finished runs look stale.
+METHOD_SECTIONS = ("dturbo", "fedavg", "fedpaq", "dssm", "stc", "fedpm")
+
+
+def relevant(tree: dict[str, Any]) -> dict[str, Any]:
+    """A resolved config without the sections of the methods it does not run."""
+    algorithm = tree["experiment"]["algorithm"]
+    return {k: v for k, v in tree.items() if k not in METHOD_SECTIONS or k == algorithm}
+
+
 def resolved(tree: dict[str, Any]) -> dict[str, Any]:
-    """The config as dturbo resolves it (defaults filled in): what a run's config.toml holds."""
-    return parse_config(tree).to_dict()
+    """The config as dturbo resolves it (defaults filled in, as a run's config.toml holds it), less the sections
+    of other methods."""
+    return relevant(parse_config(tree).to_dict())
 
 
 def toml_config(path: Path) -> dict[str, Any] | None:
     try:
-        return parse_config(tomllib.loads(path.read_text())).to_dict()
+        return relevant(parse_config(tomllib.loads(path.read_text())).to_dict())
     except (OSError, tomllib.TOMLDecodeError, ConfigError):
         return None
 
