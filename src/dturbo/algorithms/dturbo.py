@@ -1,4 +1,5 @@
-"""D-Turbo-VBI's protocol adapter: the wire format of its two messages, the server's aggregation, and the client.
+"""D-Turbo-VBI's protocol adapter: the server's aggregation and the client, on the shared server skeleton
+(:mod:`dturbo.algorithms.server`); the bytes of its two messages are :mod:`dturbo.algorithms.dturbo_messages`'s.
 
 One round (docs/algorithm.md §7): the server sends mu_G on S, sigma_G and sigma_prior on S (E5); a client sets
 mu, sigma from it, trains (E6) on the support only and uploads mu on the support (canonical row-major order, no
