@@ -215,7 +215,7 @@ class DturboMessages:
                       ) -> DturboUplink:
         """One upload, validated against the sizes of S this round (``supports``: |S| per layer); MessageError /
         CodecError with the reason it is refused."""
-        fields, n_t = self.up.open_upload(data, round_idx, total_samples, 2, self.max_uplink_bytes)
+        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
         layers: dict[str, UpLayer] = {}
         for info, k, scalar, nb in zip(self.layers, supports, self.scalar_sigma, self.n_bias, strict=True):
             n = info.name

@@ -205,7 +205,7 @@ class FedPmMessages:
                       total_samples: int) -> FedPmUplink:
         """One upload, its masks decoded with theta_G ``probs``; MessageError / CodecError with a reason otherwise
         (wrong kind, stale round, bad n_t, missing layer, malformed or truncated mask)."""
-        fields, n_t = self.up.open_upload(data, round_idx, total_samples, 1, self.max_uplink_bytes)
+        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
         masks = {}
         for info in self.layers:
             try:

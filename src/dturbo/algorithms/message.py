@@ -45,8 +45,8 @@ class MessageSpec:
         exceeds ``max_bytes`` or repeats a field)."""
         return fields_dict(data, self.kind, max_bytes=max_bytes)
 
-    def open_upload(self, data: bytes, round_idx: int | None, total_samples: int, n_metrics: int,
-                    max_bytes: int) -> tuple[dict[str, bytes], int]:
+    def open_upload(self, data: bytes, round_idx: int | None, total_samples: int, max_bytes: int
+                    ) -> tuple[dict[str, bytes], int]:
         """An upload's fields and its n_t, checked from ``meta`` (:func:`~dturbo.algorithms.base.upload_samples`).
         The ``metrics`` field is read last by :func:`upload_metrics`, after the layers (the order of the reasons)."""
         fields = self.open(data, max_bytes=max_bytes)

@@ -155,7 +155,7 @@ class PointMessages:
 
     def decode_uplink(self, data: bytes, round_idx: int | None, total_samples: int) -> PointUplink:
         """Decode and validate one upload; raises MessageError / CodecError with a reason."""
-        fields, n_t = self.up.open_upload(data, round_idx, total_samples, 1, self.max_uplink_bytes)
+        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
         out = {}
         for info in self.layers:
             theta = self.decode_theta(need(fields, f"{info.name}.theta"), info)
