@@ -63,14 +63,14 @@ def test_neg_elbo_terms_match_an_independent_computation(tmp_path, tie_rows):
     new, m = result.state, result.metrics
 
     decoded = [server.decode_uplink(state, u, 0) for u in uplinks]
-    n_t = np.array([d[0] for d in decoded], dtype=np.float64)
+    n_t = np.array([d.n_t for d in decoded], dtype=np.float64)
     p = n_t / n_t.sum()
     kl_w = kl_rho = kl_s = 0.0
     for info in server.layers:
         name, g = info.name, info.prior.gamma_kwargs()
         mask = support(state[f"{name}.mu"])  # the support the clients trained this round
-        mu = sum(pt * d[1][f"{name}.mu"].astype(np.float64) for pt, d in zip(p, decoded, strict=True))
-        sigma = float(sum(pt * float(d[1][f"{name}.sigma"][0]) for pt, d in zip(p, decoded, strict=True)))
+        mu = sum(pt * d.layers[name].mu.astype(np.float64) for pt, d in zip(p, decoded, strict=True))
+        sigma = float(sum(pt * float(d.layers[name].sigma[0]) for pt, d in zip(p, decoded, strict=True)))
         a_tilde, b_tilde = new[f"{name}.a_tilde"], new[f"{name}.b_tilde"]
         # q(w): every weight on the support, by quadrature over q(rho)
         for k, j in enumerate(np.flatnonzero(mask.reshape(-1))):
@@ -94,7 +94,7 @@ def test_neg_elbo_terms_match_an_independent_computation(tmp_path, tie_rows):
     assert m["kl_w"] == pytest.approx(kl_w, rel=1e-6)
     assert m["kl_rho"] == pytest.approx(kl_rho, rel=1e-9)
     assert m["kl_s"] == pytest.approx(kl_s, rel=1e-9, abs=1e-9)
-    nll = float(sum(pt * d[2][0] for pt, d in zip(p, decoded, strict=True)))
+    nll = float(sum(pt * d.nll for pt, d in zip(p, decoded, strict=True)))
     assert m["train_nll"] == pytest.approx(nll, rel=1e-12)
     assert m["neg_elbo"] == pytest.approx(server.total_samples * nll + beta * (kl_w + kl_rho + kl_s), rel=1e-6)
     assert min(m["kl_w"], m["kl_rho"], m["kl_s"]) >= 0  # KLs; the old column went negative

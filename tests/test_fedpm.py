@@ -159,7 +159,7 @@ def upload(server: FedPmServer, state: dict, masks: dict[str, np.ndarray], round
     for info in server.layers:
         fields[f"{info.name}.mask"] = encode_mask_payload(masks[info.name], probs[info.name])
     fields["metrics"] = pack_scalars([1.0])
-    return frame(server.up_kind, fields)
+    return frame(server.messages.up.kind, fields)
 
 
 def test_beta_posterior_equals_a_hand_count(toy, fed):

@@ -17,6 +17,7 @@ from scipy.special import digamma, expit, gammaln, log_expit
 import dturbo.algorithms.dturbo as dt
 from dturbo import turbo
 from dturbo.algorithms.base import ClientData, frame, message_bits, pack_scalars
+from dturbo.algorithms.dturbo_messages import UP_KIND
 from dturbo.algorithms.local import LocalResult
 from dturbo.codec import decode_grid, decode_message, decode_values, encode_dense, encode_values
 from dturbo.config import parse_config
@@ -101,7 +102,7 @@ def _upload(server, state, round_idx: int, cid: int, n_t: int, mus: dict, sigmas
         fields[f"{n}.sigma"] = encode_values(np.array([sigmas[n]], np.float32), dtype="float32")
         fields[f"{n}.bias"] = encode_dense(biases[n], dtype="float16")
     fields["metrics"] = pack_scalars([0.7, 0.01])
-    return frame(dt.UP_KIND, fields)
+    return frame(UP_KIND, fields)
 
 
 def _brute_marginals(u: np.ndarray, p01_row, p11_row, p01_col, p11_col) -> np.ndarray:

@@ -186,7 +186,8 @@ def test_client_and_server_error_feedback_in_a_round(algo):
         for cid in range(cfg.federation.clients):
             prev = client._residuals[cid].after if rnd else np.zeros(client.size)
             up = client.fit(down, fed.clients[cid], cid)
-            _, update, kept, _, _ = server.decode_uplink(up, rnd)
+            got = server.decode_uplink(state, up, rnd)
+            update, kept = got.update, got.kept
             start = client._model.theta.astype(np.float64)
             acc = flat_model(client) - start + prev
             np.testing.assert_allclose(update + client._residuals[cid].after, acc, rtol=0, atol=1e-15)
@@ -195,7 +196,7 @@ def test_client_and_server_error_feedback_in_a_round(algo):
         result = server.aggregate(state, ups, rnd)
         new = result.state
         n_t = np.array([len(c) for c in fed.clients], float)
-        mean = (n_t / n_t.sum()) @ np.stack([server.decode_uplink(u)[1] for u in ups])
+        mean = (n_t / n_t.sum()) @ np.stack([server.decode_uplink(state, u).update for u in ups])
         for t in server.tensors:
             np.testing.assert_allclose(new[f"{t.name}.sent"] + new[f"{t.name}.residual"],
                                        mean[t.sl] + state[f"{t.name}.residual"], rtol=0, atol=1e-15)

@@ -144,12 +144,12 @@ def test_a_quantised_upload_is_an_update_added_to_the_servers_mean(tmp_path):
     down = server.downlink(state, 0)
     ups = [client.fit(down, sim.fed.clients[c], c) for c in range(3)]
     decoded = [server.decode_uplink(state, u, 0) for u in ups]
-    p = np.array([d[0] for d in decoded], float)
+    p = np.array([d.n_t for d in decoded], float)
     p /= p.sum()
     new = server.aggregate(state, ups, 0).state
     layer = server.layers[0].name
     mask = support(state[f"{layer}.mu"])
-    expect = state[f"{layer}.mu"][mask] + sum(pt * d[1][f"{layer}.mu"] for pt, d in zip(p, decoded, strict=True))
+    expect = state[f"{layer}.mu"][mask] + sum(pt * d.layers[layer].mu for pt, d in zip(p, decoded, strict=True))
     kept = support(new[f"{layer}.mu"])[mask]
     np.testing.assert_allclose(new[f"{layer}.mu"][mask][kept], expect[kept].astype(np.float32), rtol=1e-6)
 

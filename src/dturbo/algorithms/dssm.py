@@ -17,7 +17,7 @@ import numpy as np
 from ..codec import decode_sparse, encode_sparse
 from ..config import Config
 from .base import sample_uniform
-from .point import PointClient, PointLayer, PointServer
+from .point import PointClient, PointLayer, PointMessages, PointServer
 
 
 def dssm_count(round_idx: int, n: int, c0: float, decay: float, min_clients: int) -> int:
@@ -36,31 +36,39 @@ def top_k(v: np.ndarray, ratio: float) -> np.ndarray:
     return out
 
 
-class DssmServer(PointServer):
-    name = "dssm"
-    up_layout = "sparse"
+class DssmMessages(PointMessages):
+    """The dense download in ``dssm.dtype``; per layer the top-k of the update (or of the weights) as a sparse
+    tensor with positions."""
 
-    def configure(self, cfg: Config) -> None:
-        self.semantics = cfg.dssm.mode
-        self.weighting = cfg.dssm.weighting
+    up_layout = "sparse"
 
     @property
     def dtype(self) -> str:
         return self.cfg.dssm.dtype
+
+    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
+        d = self.cfg.dssm
+        v = local - start if d.mode == "update" else local
+        return encode_sparse(top_k(v, d.gamma), dtype=d.dtype)
+
+    def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
+        return decode_sparse(payload, max_elements=info.size).reshape(-1)
+
+
+class DssmServer(PointServer):
+    name = "dssm"
+    messages_type = DssmMessages
+
+    def configure(self, cfg: Config) -> None:
+        self.semantics = cfg.dssm.mode
+        self.weighting = cfg.dssm.weighting
 
     def select_clients(self, round_idx: int) -> list[int]:
         d, n = self.cfg.dssm, self.cfg.federation.clients
         k = dssm_count(round_idx, n, d.c0, d.decay, d.min_clients)
         return sample_uniform(self.cfg.experiment.seed, round_idx, n, k)
 
-    def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
-        return decode_sparse(payload, max_elements=info.size).reshape(-1)
-
 
 class DssmClient(PointClient):
     name = "dssm"
-
-    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
-        d = self.cfg.dssm
-        v = local - start if d.mode == "update" else local
-        return encode_sparse(top_k(v, d.gamma), dtype=d.dtype)
+    messages_type = DssmMessages

@@ -1,4 +1,5 @@
-"""D-Turbo-VBI's protocol adapter: the wire format of its two messages, the server's aggregation, and the client.
+"""D-Turbo-VBI's protocol adapter: the server's aggregation and the client, on the shared server skeleton
+(:mod:`dturbo.algorithms.server`); the bytes of its two messages are :mod:`dturbo.algorithms.dturbo_messages`'s.
 
 One round (docs/algorithm.md §7): the server sends mu_G on S, sigma_G and sigma_prior on S (E5); a client sets
 mu, sigma from it, trains (E6) on the support only and uploads mu on the support (canonical row-major order, no
@@ -30,79 +31,18 @@ from scipy.special import expit
 from torch import nn
 
 from .. import turbo, vbi
-from ..codec import (
-    decode_dense,
-    decode_grid,
-    decode_quantized,
-    decode_support,
-    decode_values,
-    encode_dense,
-    encode_grid,
-    encode_quantized,
-    encode_support,
-    encode_values,
-)
 from ..config import Config, PriorConfig
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale, weight_uses
 from ..prior import grid_shape, layer_kind, resolve_prior
-from ..quantize import decode_stochastic, encode_stochastic
 from ..sparsity import make_policy
 from ..turbo import LayerInfo, LayerState
-from .base import (
-    ClientData,
-    MessageError,
-    RoundResult,
-    State,
-    client_generator,
-    client_weights,
-    decode_uplinks,
-    fields_dict,
-    frame,
-    need,
-    pack_scalars,
-    sample_uniform,
-    unpack_scalars,
-    upload_samples,
-)
+from .base import ClientData, RoundResult, State, client_generator
+from .dturbo_messages import DownLayer, DturboDownlink, DturboMessages, DturboUplink, UpLayer, sigma_as_sent
 from .local import train_local
-from .plain import LAYOUT as PLAIN_LAYOUT
 from .plain import PlainState
-
-DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
-
-
-LOG8_LEVELS = 256
-
-
-def encode_prior_std(values: np.ndarray, dtype: str) -> bytes:
-    """sigma_prior on S (E5) for the downlink: float16 / float32 values, or ``log8``: 8-bit levels uniform in
-    log(sigma_prior) between the vector's min and max (two float32 parameters), a relative error of at most
-    (log max - log min) / 510 -- §9's "documented cheaper quantisation"; a prior scale needs no more."""
-    if dtype != "log8":
-        return encode_values(values.astype(np.float32), dtype=dtype)
-    logs = np.log(np.asarray(values, dtype=np.float64).reshape(-1))
-    lo, hi = (float(logs.min()), float(logs.max())) if logs.size else (0.0, 0.0)
-    lo, hi = float(np.float32(lo)), float(np.float32(hi))  # the receiver sees the float32 parameters
-    span = hi - lo
-    sym = np.zeros(logs.size, np.int64) if span <= 0 else np.rint((logs - lo) / span * (LOG8_LEVELS - 1))
-    return encode_quantized(np.clip(sym, 0, LOG8_LEVELS - 1).astype(np.int64), LOG8_LEVELS, [lo, hi])
-
-
-def decode_prior_std(payload: bytes, dtype: str, count: int) -> np.ndarray:
-    """Inverse of :func:`encode_prior_std`; ``count`` values are expected."""
-    if dtype != "log8":
-        out = decode_values(payload, max_elements=count)
-    else:
-        sym, levels, params = decode_quantized(payload, max_elements=count)
-        if levels != LOG8_LEVELS or params.shape != (2,) or not np.all(np.isfinite(params)):
-            raise MessageError("prior_std: expected 256 log levels and a finite range")
-        lo, hi = (float(v) for v in params)
-        out = np.exp(lo + sym.astype(np.float64) / (LOG8_LEVELS - 1) * (hi - lo))
-    if out.shape != (count,):
-        raise MessageError(f"prior_std has {out.size} values, the support has {count}")
-    return out
+from .server import ServerBase
 
 
 def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
@@ -137,7 +77,7 @@ def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: n
             layer.prior_std.copy_(torch.from_numpy(prior_std.reshape(shape).astype(np.float32)))
 
 
-class DturboServer:
+class DturboServer(ServerBase[DturboUplink]):
     """Server half of D-Turbo-VBI. ``model_factory`` builds the (seeded) initial model."""
 
     def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module], total_samples: int) -> None:
@@ -148,18 +88,8 @@ class DturboServer:
         self.layers = _layer_infos(model, cfg)
         self.plain = PlainState(model)  # the state outside the Bayesian layers (BatchNorm, ...): sent dense
         self.sparsity = make_policy(self.layers, cfg.dturbo)  # docs/algorithm.md §11: checks layer_targets now
-        tr = cfg.dturbo.transmission
-        down = {"meta": "header", "sigma": "values", "bias": "dense"}
-        down |= {"mu": "grid"} if tr.down_bits == 16 else {"support": "support", "mu": "quantized"}
-        if tr.prior_std == "sent":
-            down["prior_std"] = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
-        up = {"meta": "header", "mu": "values" if tr.up_bits == 16 else "quantized", "sigma": "values",
-              "bias": "dense", "metrics": "header"}
-        self.layouts = {DOWN_KIND: down | PLAIN_LAYOUT, UP_KIND: up | PLAIN_LAYOUT}
-
-    def select_clients(self, round_idx: int) -> list[int]:
-        f = self.cfg.federation
-        return sample_uniform(self.cfg.experiment.seed, round_idx, f.clients, f.clients_per_round)
+        self.messages = DturboMessages(cfg, model, self.layers, self.plain)
+        self.layouts = self.messages.layouts
 
     # ----------------------------------------------------------------- state
     def init(self) -> State:
@@ -208,112 +138,57 @@ class DturboServer:
         """Cluster-coded mu_G (its nonzeros are S), sigma_G, sigma_prior on S (E5), biases (§7.1, 9).
         With ``transmission.down_bits`` < 16: S's cluster-coded positions, then mu_G on S quantised (unbiased
         stochastic rounding, seeded by the round); with ``prior_std = "rebuilt"`` no sigma_prior."""
-        tr = self.cfg.dturbo.transmission
-        rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, 0xD0])
-        fields = {"meta": pack_scalars([round_idx, self.total_samples])}
+        sent = self.cfg.dturbo.transmission.prior_std == "sent"
+        layers = []
         for info in self.layers:
             n = info.name
             mask = self.support(state, info)
-            if tr.down_bits == 16:
-                fields[f"{n}.mu"] = encode_grid(state[f"{n}.mu"] * mask)
-            else:
-                fields[f"{n}.support"] = encode_support(mask, value_bits=tr.down_bits)
-                fields[f"{n}.mu"] = encode_stochastic(state[f"{n}.mu"][mask], tr.down_bits, rng)
-            fields[f"{n}.sigma"] = self._encode_sigma(state[f"{n}.sigma"], mask)
-            if tr.prior_std == "sent":
-                fields[f"{n}.prior_std"] = encode_prior_std(
-                    self.prior_std(state, info)[mask], self.cfg.dturbo.prior_std_dtype
-                )
-            fields[f"{n}.bias"] = encode_dense(state[f"{n}.bias"], dtype="float16")
-        return frame(DOWN_KIND, fields | self.plain.encode_state(state))
-
-    @staticmethod
-    def _sigma_grid_on(sigma: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """sigma as a grid from a layer's scalar or its values on the support ``mask`` (1 elsewhere)."""
-        if sigma.size == 1:
-            return np.full(mask.shape, float(sigma.reshape(-1)[0]))
-        out = np.ones(mask.shape)
-        out[mask] = sigma.reshape(-1)
-        return out
-
-    @staticmethod
-    def _encode_sigma(sigma: np.ndarray, mask: np.ndarray) -> bytes:
-        if sigma.size == 1:  # one sigma per layer: a float32 scalar costs nothing
-            return encode_values(sigma.reshape(1).astype(np.float32), dtype="float32")
-        return encode_values(sigma.reshape(mask.shape)[mask].astype(np.float32), dtype="float16")
+            layers.append(DownLayer(mu=state[f"{n}.mu"] * mask, support=mask,
+                                    sigma=sigma_as_sent(state[f"{n}.sigma"], mask),
+                                    prior_std=self.prior_std(state, info)[mask] if sent else None,
+                                    bias=state[f"{n}.bias"]))
+        msg = DturboDownlink(round_idx, self.total_samples, layers, {})
+        return self.messages.encode_downlink(msg, self.plain.encode_state(state))
 
     # ------------------------------------------------------------- aggregate
-    def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None
-                      ) -> tuple[int, dict[str, np.ndarray], np.ndarray]:
-        """Decode and validate one client's upload; raises MessageError / CodecError with a reason."""
-        fields = fields_dict(data, UP_KIND, max_bytes=self._max_uplink_bytes(state))
-        n_t = upload_samples(fields, round_idx, self.total_samples)
-        out: dict[str, np.ndarray] = {}
-        for info in self.layers:
-            n = info.name
-            k = int(self.support(state, info).sum())
-            if self.cfg.dturbo.transmission.up_bits == 16:
-                mu = decode_values(need(fields, f"{n}.mu"), max_elements=k)
-            else:  # the update on S, quantised
-                mu = decode_stochastic(need(fields, f"{n}.mu"), self.cfg.dturbo.transmission.up_bits, k)
-            if mu.shape != (k,):
-                raise MessageError(f"{n}.mu has {mu.size} values, the support has {k}")
-            sig_len = 1 if state[f"{n}.sigma"].size == 1 else k
-            sigma = decode_values(need(fields, f"{n}.sigma"), max_elements=sig_len)
-            if sigma.shape != (sig_len,):
-                raise MessageError(f"{n}.sigma has {sigma.size} values, expected {sig_len}")
-            nb = state[f"{n}.bias"].size
-            bias = decode_dense(need(fields, f"{n}.bias"), max_elements=max(nb, 1)).reshape(-1)
-            if bias.size != nb:
-                raise MessageError(f"{n}.bias has {bias.size} values, expected {nb}")
-            for key, arr in (("mu", mu), ("sigma", sigma), ("bias", bias)):
-                if not np.all(np.isfinite(arr)):
-                    raise MessageError(f"{n}.{key} contains NaN or Inf")
-            if np.any(sigma <= 0):
-                raise MessageError(f"{n}.sigma must be > 0")
-            out[f"{n}.mu"], out[f"{n}.sigma"], out[f"{n}.bias"] = mu, sigma, bias
-        out |= self.plain.decode(fields)
-        metrics = unpack_scalars(need(fields, "metrics"), 2)
-        return int(n_t), out, metrics
-
-    def _max_uplink_bytes(self, state: State) -> int:
-        total = sum(state[f"{i.name}.mu"].size * 2 + state[f"{i.name}.bias"].size * 4 for i in self.layers)
-        return 4 * total + 64 * len(self.layers) + self.plain.max_bytes() + 4096
+    def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> DturboUplink:
+        """Decode and validate one client's upload against this round's supports; raises MessageError /
+        CodecError with a reason."""
+        supports = [int(self.support(state, info).sum()) for info in self.layers]
+        return self.messages.decode_uplink(data, supports, round_idx, self.total_samples)
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         """Server step of docs/algorithm.md §7.3-7.5 on the uploads that decode and validate."""
-        valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(state, data, round_idx))
-        p = client_weights([v[0] for v in valid], "samples")
+        got = self.receive(state, uplinks, round_idx)
+        p, ups = got.p, got.uploads
         trained = [self.support(state, info) for info in self.layers]  # the S this round's clients trained on
-        new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[1] for v in valid])
+        new = self.aggregate_plain(state, got)
         for info, mask in zip(self.layers, trained, strict=True):
             n = info.name
             mu = np.zeros(info.grid, dtype=np.float64)
-            mu[mask] = sum(pt * v[1][f"{n}.mu"].astype(np.float64) for pt, v in zip(p, valid, strict=True))
+            mu[mask] = sum(pt * u.layers[n].mu.astype(np.float64) for pt, u in zip(p, ups, strict=True))
             if self.cfg.dturbo.transmission.up_bits < 16:
                 # Updates: added to the server's own mu_G, so the download's quantisation noise never enters it.
                 mu[mask] += state[f"{n}.mu"][mask]
-            sig = sum(pt * v[1][f"{n}.sigma"].astype(np.float64) for pt, v in zip(p, valid, strict=True))
+            sig = sum(pt * u.layers[n].sigma.astype(np.float64) for pt, u in zip(p, ups, strict=True))
             if state[f"{n}.sigma"].size > 1:
                 full = state[f"{n}.sigma"].astype(np.float64).reshape(info.grid).copy()
                 full[mask] = sig
                 sig = full.reshape(-1)
             new[f"{n}.mu"] = mu
             new[f"{n}.sigma"] = np.asarray(sig, dtype=np.float32).reshape(state[f"{n}.sigma"].shape)
-            new[f"{n}.bias"] = sum(pt * v[1][f"{n}.bias"] for pt, v in zip(p, valid, strict=True)).astype(np.float32)
+            new[f"{n}.bias"] = sum(pt * u.layers[n].bias for pt, u in zip(p, ups, strict=True)).astype(np.float32)
         t0 = time.perf_counter()
         metrics = self._server_step(new, trained, round_idx)
         metrics["server_seconds"] = round(time.perf_counter() - t0, 3)
-        client_metrics = np.stack([v[2] for v in valid])
-        nll = turbo.exact_sum(p * client_metrics[:, 0])
+        nll = turbo.exact_sum(p * np.array([u.nll for u in ups], dtype=np.float64))
         metrics["train_nll"] = nll
         # The (tempered, beta != 1) negative ELBO of E6 summed over the clients: n * E[-ln p(y|x,w)] + beta * KL,
         # the NLL estimated by the clients' mean training loss. E3/E4 minimise the KL whatever beta is.
         kl = metrics["kl_w"] + metrics["kl_rho"] + metrics["kl_s"]
         metrics["neg_elbo"] = self.total_samples * nll + self.cfg.dturbo.beta * kl
-        metrics["clients_ok"] = float(len(valid))
-        metrics["clients_rejected"] = float(len(rejected))
-        return RoundResult(state=new, metrics=metrics, rejected=rejected)
+        metrics |= got.counts()
+        return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
 
     def _server_step(self, state: State, trained: list[np.ndarray], round_idx: int) -> dict[str, float]:
         """The turbo step E3 -> E4 -> E1 -> SPMP -> E2 -> support (docs/algorithm.md §7.3-7.5) of every layer on the
@@ -388,14 +263,21 @@ class DturboServer:
         return out
 
 
+def sigma_grid_on(sigma: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """sigma as a grid from a layer's scalar or its values on the support ``mask`` (1 elsewhere)."""
+    if sigma.size == 1:
+        return np.full(mask.shape, float(sigma.reshape(-1)[0]))
+    out = np.ones(mask.shape)
+    out[mask] = sigma.reshape(-1)
+    return out
+
+
 def rebuilt_prior_std(info: LayerInfo, mu: np.ndarray, sigma: np.ndarray, form: str) -> np.ndarray:
     """sigma_prior as a client rebuilds it (``transmission.prior_std = "rebuilt"``): E4 then E5 with pi~ = 1, i.e.
     q(rho) = Gamma(a + 1/2, b + (mu^2 + sigma^2) / 2) from the downloaded mu_G and sigma_G. The server's E4 used its
     own pi~ (>= the support threshold on S) and the unrounded mu: docs/communication.md states how far they differ."""
     a_tilde, b_tilde = vbi.precision_posterior(1.0, mu, sigma, **info.prior.gamma_kwargs(), form=form)
     return vbi.prior_std(a_tilde, b_tilde)
-
-
 
 
 class DturboClient:
@@ -407,64 +289,44 @@ class DturboClient:
         self.model = model_factory()
         self.layers = _layer_infos(self.model, cfg)
         self.plain = PlainState(self.model)
+        self.messages = DturboMessages(cfg, self.model, self.layers, self.plain)
         self.device = resolve_device(cfg.experiment.device)
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        fields = fields_dict(downlink, DOWN_KIND)
-        round_idx, total = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
-        tr = self.cfg.dturbo.transmission
+        down = self.messages.decode_downlink(downlink)
+        round_idx = down.round_idx
         model = self.model
         layers = bayesian_layers(model)
-        masks, starts = [], []
-        for info, (_, layer) in zip(self.layers, layers, strict=True):
-            n = info.name
-            if tr.down_bits == 16:
-                mu = decode_grid(need(fields, f"{n}.mu"), max_elements=int(np.prod(info.grid))).astype(np.float64)
-                mask = mu != 0
-            else:
-                mask = decode_support(need(fields, f"{n}.support"), max_elements=int(np.prod(info.grid)))
-                mu = np.zeros(mask.shape)
-                mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), tr.down_bits, int(mask.sum()))
-            if mu.shape != info.grid:
-                raise MessageError(f"{n}.mu grid {mu.shape} does not match the model's {info.grid}")
-            k = int(mask.sum())
-            sigma = decode_values(need(fields, f"{n}.sigma"), max_elements=max(k, 1))
-            if sigma.size not in (1, k) or not np.all(np.isfinite(sigma)) or np.any(sigma <= 0):
-                raise MessageError(f"{n}.sigma: expected 1 or {k} finite values > 0")
+        starts = []
+        for info, (_, layer), d in zip(self.layers, layers, down.layers, strict=True):
             ps = np.ones(info.grid)
-            if tr.prior_std == "sent":
-                ps[mask] = decode_prior_std(need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
+            if d.prior_std is not None:
+                ps[d.support] = d.prior_std
             else:
-                ps[mask] = rebuilt_prior_std(info, mu, DturboServer._sigma_grid_on(sigma, mask),
-                                             self.cfg.dturbo.gamma_update)[mask]
-            bias = decode_dense(need(fields, f"{n}.bias")).reshape(-1)
-            _load_layer(layer, mu, mask, sigma, bias if layer.bias is not None else None, ps)
-            masks.append(mask)
+                ps[d.support] = rebuilt_prior_std(info, d.mu, sigma_grid_on(d.sigma, d.support),
+                                                  self.cfg.dturbo.gamma_update)[d.support]
+            _load_layer(layer, d.mu, d.support, d.sigma, d.bias if layer.bias is not None else None, ps)
             starts.append(layer.weight_mu.detach().double().numpy().reshape(info.grid))  # what training starts from
-        self.plain.load_fields(model, fields)
+        self.plain.load_values(model, down.plain)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         for _, layer in layers:
             layer.generator = gen
         beta = self.cfg.dturbo.beta
+        total = down.total_samples
 
         def penalty() -> torch.Tensor:
             # E6: beta * KL / n with n the *global* sample count.
             return beta * torch.stack([layer.kl() for _, layer in layers]).sum() / total
 
         result = train_local(model, data, self.cfg.train, gen, penalty, device=self.device)
-        up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
-        rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
-        for info, (_, layer), mask, start in zip(self.layers, layers, masks, starts, strict=True):
-            n = info.name
+        up: dict[str, UpLayer] = {}
+        for info, (_, layer), d, start in zip(self.layers, layers, down.layers, starts, strict=True):
+            mask = d.support
             mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
-            if tr.up_bits == 16:
-                up[f"{n}.mu"] = encode_values(mu[mask].astype(np.float32), dtype="float16")
-            else:  # the update from the weights received, quantised (the server adds it to its own mu_G)
-                up[f"{n}.mu"] = encode_stochastic(mu[mask] - start[mask], tr.up_bits, rng)
-            sigma = layer.sigma.detach().numpy()
-            up[f"{n}.sigma"] = DturboServer._encode_sigma(sigma, mask)
+            # up_bits < 16: the update from the weights received (the server adds it to its own mu_G)
+            sent = mu[mask] if self.cfg.dturbo.transmission.up_bits == 16 else mu[mask] - start[mask]
             bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)
-            up[f"{n}.bias"] = encode_dense(bias, dtype="float16")
-        up |= self.plain.encode_model(model)
-        up["metrics"] = pack_scalars([result.nll, result.penalty])
-        return frame(UP_KIND, up)
+            up[info.name] = UpLayer(sent, sigma_as_sent(layer.sigma.detach().numpy(), mask), bias)
+        msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)
+        rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
+        return self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng)

@@ -8,22 +8,29 @@ from __future__ import annotations
 import numpy as np
 
 from ..codec import encode_dense
-from .point import PointClient, PointServer
+from .point import PointClient, PointMessages, PointServer
 
 
-class FedAvgServer(PointServer):
-    name = "fedavg"
-    semantics = "weights"
-    weighting = "samples"
+class FedAvgMessages(PointMessages):
+    """Dense weights both ways in ``fedavg.dtype``."""
+
     up_layout = "dense"
 
     @property
     def dtype(self) -> str:
         return self.cfg.fedavg.dtype
 
+    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
+        return encode_dense(local, dtype=self.dtype)
+
+
+class FedAvgServer(PointServer):
+    name = "fedavg"
+    semantics = "weights"
+    weighting = "samples"
+    messages_type = FedAvgMessages
+
 
 class FedAvgClient(PointClient):
     name = "fedavg"
-
-    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
-        return encode_dense(local, dtype=self.cfg.fedavg.dtype)
+    messages_type = FedAvgMessages

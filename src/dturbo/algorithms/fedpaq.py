@@ -15,7 +15,7 @@ import numpy as np
 from ..codec import decode_dense, decode_quantized, encode_dense, encode_quantized
 from ..config import Config
 from .base import MessageError
-from .point import PointClient, PointLayer, PointServer
+from .point import PointClient, PointLayer, PointMessages, PointServer
 
 
 def qsgd_encode(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, float]:
@@ -33,17 +33,25 @@ def qsgd_decode(symbols: np.ndarray, s: int, norm: float) -> np.ndarray:
     return norm * (symbols.astype(np.float64) - s) / s
 
 
-class FedPaqServer(PointServer):
-    name = "fedpaq"
-    semantics = "update"
+class FedPaqMessages(PointMessages):
+    """The dense download in ``fedpaq.dtype``; per layer the QSGD-quantised update (``levels`` > 0) or the dense
+    update."""
 
-    def configure(self, cfg: Config) -> None:
-        self.up_layout = "quantized" if cfg.fedpaq.levels > 0 else "dense"
-        self.weighting = cfg.fedpaq.weighting
+    @property
+    def up_layout(self) -> str:  # type: ignore[override]
+        return "quantized" if self.cfg.fedpaq.levels > 0 else "dense"
 
     @property
     def dtype(self) -> str:
         return self.cfg.fedpaq.dtype
+
+    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
+        s = self.cfg.fedpaq.levels
+        update = local - start
+        if s == 0:
+            return encode_dense(update, dtype=self.cfg.fedpaq.dtype)
+        symbols, norm = qsgd_encode(update, s, rng)
+        return encode_quantized(symbols, 2 * s + 1, [norm])
 
     def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
         s = self.cfg.fedpaq.levels
@@ -58,13 +66,15 @@ class FedPaqServer(PointServer):
         return qsgd_decode(symbols, s, norm)
 
 
+class FedPaqServer(PointServer):
+    name = "fedpaq"
+    semantics = "update"
+    messages_type = FedPaqMessages
+
+    def configure(self, cfg: Config) -> None:
+        self.weighting = cfg.fedpaq.weighting
+
+
 class FedPaqClient(PointClient):
     name = "fedpaq"
-
-    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
-        s = self.cfg.fedpaq.levels
-        update = local - start
-        if s == 0:
-            return encode_dense(update, dtype=self.cfg.fedpaq.dtype)
-        symbols, norm = qsgd_encode(update, s, rng)
-        return encode_quantized(symbols, 2 * s + 1, [norm])
+    messages_type = FedPaqMessages

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,25 +44,12 @@ from ..coding.masks import decode_mask_payload, encode_mask_payload
 from ..config import Config
 from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
-from .base import (
-    ClientData,
-    MessageError,
-    RoundResult,
-    State,
-    client_generator,
-    decode_uplinks,
-    fields_dict,
-    frame,
-    need,
-    pack_scalars,
-    sample_uniform,
-    unpack_scalars,
-    upload_samples,
-)
+from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
 from .local import train_local
-from .plain import LAYOUT as PLAIN_LAYOUT
+from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
 from .point import PointLayer, _theta, make_deterministic, point_layers
+from .server import ServerBase, Upload
 
 # Seed-sequence tags: every random draw is a pure function of (seed, round, client, tag), so resume is exact.
 _TAG_SCORES, _TAG_GATES, _TAG_UPLOAD, _TAG_EVAL = 0x5C0, 0x6A7, 0x0B1, 0xE7A
@@ -161,8 +149,79 @@ def _decode_down_theta(payload: bytes, info: PointLayer, bits: int) -> np.ndarra
     return dequantize_probs(levels, bits)
 
 
+# --------------------------------------------------------------------------------------------- messages
+@dataclass
+class FedPmDownlink:
+    round_idx: int
+    probs: list[np.ndarray]  # theta_G per layer, as the wire levels decode
+    fields: dict[str, bytes]  # for the plain state (PlainState.load_fields)
+
+
+@dataclass
+class FedPmUplink(Upload):
+    masks: dict[str, np.ndarray]  # the sampled mask per layer name, uint8
+    nll: float  # the client's mean training loss
+    size: int  # bytes of the whole upload (bits_per_param_up)
+
+
+class FedPmMessages:
+    """FedPM's two messages, defined once: theta_G down on 2**down_bits levels, one sampled mask per layer up,
+    range-coded with theta_G (``upload_model``); specs, encoders, decoders and the uplink bound."""
+
+    def __init__(self, name: str, cfg: Config, layers: list[PointLayer], plain: PlainState) -> None:
+        self.cfg, self.layers, self.plain = cfg, layers, plain
+        self.bits = cfg.fedpm.down_bits
+        self.down = MessageSpec(f"{name}/down", {"meta": "header", "theta": "quantized"})
+        self.up = MessageSpec(f"{name}/up", {"meta": "header", "metrics": "header", "mask": "mask"})
+        # at most 24 bits per coded bit plus headers: a bound on what an honest client can send
+        self.max_uplink_bytes = sum(3 * info.size + 64 for info in layers) + plain.max_bytes() + 4096
+
+    @property
+    def layouts(self) -> Layouts:
+        return ledger(self.down, self.up)
+
+    def encode_downlink(self, state: State, round_idx: int, total_samples: int) -> bytes:
+        fields = {"meta": pack_scalars([round_idx, total_samples])}
+        for info in self.layers:
+            fields[f"{info.name}.theta"] = encode_quantized(state[f"{info.name}.level"], 1 << self.bits)
+        return self.down.frame(fields | self.plain.encode_state(state))
+
+    def decode_downlink(self, data: bytes) -> FedPmDownlink:
+        fields = self.down.open(data)
+        round_idx, _ = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
+        probs = [_decode_down_theta(need(fields, f"{info.name}.theta"), info, self.bits) for info in self.layers]
+        return FedPmDownlink(round_idx, probs, fields)
+
+    def encode_uplink(self, round_idx: int, client_id: int, n_t: int, masks: list[np.ndarray],
+                      probs: list[np.ndarray], plain_fields: dict[str, bytes], nll: float) -> bytes:
+        up = {"meta": pack_scalars([round_idx, client_id, n_t])}
+        for info, mask, theta_g in zip(self.layers, masks, probs, strict=True):
+            up[f"{info.name}.mask"] = encode_mask_payload(mask, theta_g, self.cfg.fedpm.upload_model)
+        up |= plain_fields
+        up["metrics"] = pack_scalars([nll])
+        return self.up.frame(up)
+
+    def decode_uplink(self, data: bytes, probs: dict[str, np.ndarray], round_idx: int | None,
+                      total_samples: int) -> FedPmUplink:
+        """One upload, its masks decoded with theta_G ``probs``; MessageError / CodecError with a reason otherwise
+        (wrong kind, stale round, bad n_t, missing layer, malformed or truncated mask)."""
+        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
+        masks = {}
+        for info in self.layers:
+            try:
+                masks[info.name] = decode_mask_payload(need(fields, f"{info.name}.mask"), probs[info.name],
+                                                       info.size)
+            except CodecError as err:
+                raise CodecError(f"{info.name}.mask: {err}") from None
+        plain = self.plain.decode(fields)
+        nll = float(upload_metrics(fields, 1)[0])
+        if not math.isfinite(nll):
+            raise MessageError(f"non-finite local loss {nll}")
+        return FedPmUplink(n_t, plain, masks, nll, len(data))
+
+
 # ----------------------------------------------------------------------------------------------- server
-class FedPmServer:
+class FedPmServer(ServerBase[FedPmUplink]):
     """Server half: Beta-Bernoulli aggregation of the clients' masks, quantised theta_G down (module docstring)."""
 
     name = "fedpm"
@@ -178,11 +237,8 @@ class FedPmServer:
         self.frozen = {info.name: _theta(layer) for info, (_, layer) in zip(self.layers, bayesian_layers(model),
                                                                              strict=True)}
         self.n_params = sum(info.size for info in self.layers)
-        self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
-        self.layouts = {
-            self.down_kind: {"meta": "header", "theta": "quantized", **PLAIN_LAYOUT},
-            self.up_kind: {"meta": "header", "metrics": "header", "mask": "mask", **PLAIN_LAYOUT},
-        }
+        self.messages = FedPmMessages(self.name, cfg, self.layers, self.plain)
+        self.layouts = self.messages.layouts
 
     @property
     def bits(self) -> int:
@@ -217,52 +273,26 @@ class FedPmServer:
         """theta_G per layer exactly as the clients decode it (the range coder's shared model)."""
         return {info.name: dequantize_probs(state[f"{info.name}.level"], self.bits) for info in self.layers}
 
-    def select_clients(self, round_idx: int) -> list[int]:
-        f = self.cfg.federation
-        return sample_uniform(self.cfg.experiment.seed, round_idx, f.clients, f.clients_per_round)
-
     def downlink(self, state: State, round_idx: int) -> bytes:
-        fields = {"meta": pack_scalars([round_idx, self.total_samples])}
-        for info in self.layers:
-            fields[f"{info.name}.theta"] = encode_quantized(state[f"{info.name}.level"], 1 << self.bits)
-        return frame(self.down_kind, fields | self.plain.encode_state(state))
+        return self.messages.encode_downlink(state, round_idx, self.total_samples)
 
-    def decode_uplink(self, data: bytes, probs: dict[str, np.ndarray],
-                      round_idx: int | None = None) -> tuple[int, dict[str, np.ndarray], float]:
-        """Decode and validate one upload: (n_t, mask per layer name and the other state per field name, local nll);
-        MessageError / CodecError with a reason otherwise (wrong kind, stale round, bad n_t, missing layer,
-        malformed or truncated mask)."""
-        # at most 24 bits per coded bit plus headers: a bound on what an honest client can send
-        bound = sum(3 * info.size + 64 for info in self.layers) + self.plain.max_bytes() + 4096
-        fields = fields_dict(data, self.up_kind, max_bytes=bound)
-        n_t = upload_samples(fields, round_idx, self.total_samples)
-        masks = {}
-        for info in self.layers:
-            try:
-                masks[info.name] = decode_mask_payload(need(fields, f"{info.name}.mask"), probs[info.name],
-                                                       info.size)
-            except CodecError as err:
-                raise CodecError(f"{info.name}.mask: {err}") from None
-        masks |= self.plain.decode(fields)
-        nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
-        if not math.isfinite(nll):
-            raise MessageError(f"non-finite local loss {nll}")
-        return int(n_t), masks, nll
+    def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> FedPmUplink:
+        """One upload, its masks decoded with this round's theta_G (the range coder's shared model)."""
+        return self.messages.decode_uplink(data, self.probs(state), round_idx, self.total_samples)
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         t0 = time.perf_counter()
         f = self.cfg.fedpm
-        probs = self.probs(state)
-        sized, rejected = decode_uplinks(uplinks, lambda data: (self.decode_uplink(data, probs, round_idx), len(data)))
-        valid, sizes = [v for v, _ in sized], [size for _, size in sized]
+        got = self.receive(state, uplinks, round_idx)
+        ups = got.uploads
         reset = round_idx % f.reset_every == 0
-        new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[1] for v in valid])
+        new = self.aggregate_plain(state, got)
         new_probs = {}
         for info in self.layers:
             n = info.name
             a0 = np.full(info.size, f.lambda0) if reset else state[f"{n}.alpha"]
             b0 = np.full(info.size, f.lambda0) if reset else state[f"{n}.beta"]
-            alpha, beta = beta_update(a0, b0, np.stack([v[1][n] for v in valid]))
+            alpha, beta = beta_update(a0, b0, np.stack([u.masks[n] for u in ups]))
             level = quantize_probs(posterior_probs(alpha, beta, f.estimate, f.epsilon), self.bits)
             new[f"{n}.alpha"], new[f"{n}.beta"], new[f"{n}.level"] = alpha, beta, level
             new_probs[n] = dequantize_probs(level, self.bits)
@@ -272,18 +302,17 @@ class FedPmServer:
             w = self.frozen[n][: info.size - info.n_bias] * keep[: info.size - info.n_bias]
             nonzero += int(np.count_nonzero(w))
             total += w.size
-        n_t = np.array([v[0] for v in valid], dtype=np.float64)
         all_p = np.concatenate(list(new_probs.values()))
         metrics = {
             "density": nonzero / total,
-            "train_nll": math.fsum(float(w) * v[2] for w, v in zip(n_t / n_t.sum(), valid, strict=True)),
-            "clients_ok": float(len(valid)),
-            "clients_rejected": float(len(rejected)),
-            "bits_per_param_up": 8.0 * float(np.mean(sizes)) / self.n_params,  # whole upload, framing included
+            "train_nll": math.fsum(float(w) * u.nll for w, u in zip(got.p, ups, strict=True)),
+            **got.counts(),
+            # the whole upload, framing included
+            "bits_per_param_up": 8.0 * float(np.mean([u.size for u in ups])) / self.n_params,
             "theta_entropy": _entropy_bits(all_p),  # mean H(theta_G): what a mask that follows theta_G costs
             "server_seconds": round(time.perf_counter() - t0, 3),
         }
-        return RoundResult(state=new, metrics=metrics, rejected=rejected)
+        return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
 
     def global_model(self, state: State) -> nn.Module:
         """The ordinary network with weights w_init * mask and biases b_init * mask, in eval mode."""
@@ -314,7 +343,7 @@ class FedPmClient:
         self.device = resolve_device(cfg.experiment.device)
         self.layers = point_layers(self.model)
         self.plain = PlainState(self.model)
-        self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
+        self.messages = FedPmMessages(self.name, cfg, self.layers, self.plain)
         self.gates: list[tuple[_Gate, _Gate | None]] = []
         for _, layer in bayesian_layers(self.model):
             pair: list[_Gate | None] = []
@@ -350,15 +379,12 @@ class FedPmClient:
                 gates[1].score.copy_(score[nw:])
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        fields = fields_dict(downlink, self.down_kind)
-        round_idx, _ = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
-        bits, seed = self.cfg.fedpm.down_bits, self.cfg.experiment.seed
-        probs = []
-        for info, gates in zip(self.layers, self.gates, strict=True):
-            theta = _decode_down_theta(need(fields, f"{info.name}.theta"), info, bits)
+        down = self.messages.decode_downlink(downlink)
+        round_idx, probs = down.round_idx, down.probs
+        seed = self.cfg.experiment.seed
+        for info, gates, theta in zip(self.layers, self.gates, probs, strict=True):
             self._set_scores(info, gates, theta)
-            probs.append(theta)
-        self.plain.load_fields(self.model, fields)
+        self.plain.load_fields(self.model, down.fields)
         mask_gen = _gen(seed, round_idx, client_id, _TAG_GATES)
         for gates in self.gates:
             for gate in gates:
@@ -367,13 +393,11 @@ class FedPmClient:
         result = train_local(self.model, data, self.cfg.train, client_generator(seed, round_idx, client_id),
                              device=self.device)
         rng = np.random.default_rng([seed, round_idx, client_id, _TAG_UPLOAD])
-        up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
-        for info, gates, theta_g in zip(self.layers, self.gates, probs, strict=True):
+        masks = []
+        for info, gates in zip(self.layers, self.gates, strict=True):
             scores = [g.score.detach().double().reshape(-1) for g in gates if g is not None]
             theta_local = torch.sigmoid(torch.cat(scores)).numpy()
             # the one sample sent (the authors' code: n_samples = 1)
-            mask = (rng.random(info.size) < theta_local).astype(np.uint8)
-            up[f"{info.name}.mask"] = encode_mask_payload(mask, theta_g, self.cfg.fedpm.upload_model)
-        up |= self.plain.encode_model(self.model)
-        up["metrics"] = pack_scalars([result.nll])
-        return frame(self.up_kind, up)
+            masks.append((rng.random(info.size) < theta_local).astype(np.uint8))
+        return self.messages.encode_uplink(round_idx, client_id, len(data), masks, probs,
+                                           self.plain.encode_model(self.model), result.nll)

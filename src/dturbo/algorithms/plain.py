@@ -123,7 +123,12 @@ class PlainState:
     # ------------------------------------------------------------------ client
     def load_fields(self, model: nn.Module, fields: dict[str, bytes]) -> None:
         """Put a downlink's values into the client's ``model`` and the fixed tensors back to the factory's."""
-        self._load(model, self.decode(fields))
+        self.load_values(model, self.decode(fields))
+
+    def load_values(self, model: nn.Module, values: dict[str, np.ndarray]) -> None:
+        """Put decoded values (:meth:`decode`) into the client's ``model`` and the fixed tensors back to the
+        factory's."""
+        self._load(model, values)
 
     def encode_model(self, model: nn.Module) -> dict[str, bytes]:
         """Upload fields: the client's values after training, dense float16."""

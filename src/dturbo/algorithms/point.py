@@ -5,10 +5,10 @@ deterministically (``stochastic = False``), every weight is trainable, there is 
 parameters travel as one vector ``theta = [weight (row-major), bias]``; state outside the Bayesian layers travels
 dense in float16, averaged by n_t (:mod:`dturbo.algorithms.plain`).
 
-A subclass decides three things: which clients take part (:meth:`PointServer.select_clients`), how a client
-encodes its local result (:meth:`PointClient.encode_theta`, the server's :meth:`PointServer.decode_theta`),
-and whether that result is new weights or an update (``semantics``) and how results are weighted.
-Download is the dense model in the configured dtype for every baseline.
+A baseline decides three things: which clients take part (:meth:`PointServer.select_clients`), how a client's
+local result travels (its :class:`PointMessages`: ``encode_theta`` / ``decode_theta`` and the layout, in one
+class that both halves use), and whether that result is new weights or an update (``semantics``) and how results
+are weighted. Download is the dense model in the configured dtype for every baseline.
 """
 
 from __future__ import annotations
@@ -27,25 +27,11 @@ from ..config import Config
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
 from ..prior import grid_shape
-from .base import (
-    ClientData,
-    MessageError,
-    RoundResult,
-    State,
-    client_generator,
-    client_weights,
-    decode_uplinks,
-    fields_dict,
-    frame,
-    need,
-    pack_scalars,
-    sample_uniform,
-    unpack_scalars,
-    upload_samples,
-)
+from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
 from .local import train_local
-from .plain import LAYOUT as PLAIN_LAYOUT
+from .message import Layouts, MessageSpec, finite, ledger, upload_metrics
 from .plain import PlainState
+from .server import ServerBase, Upload
 
 
 @dataclass(frozen=True)
@@ -97,13 +83,96 @@ def _theta(layer: BayesianLayer) -> np.ndarray:
     return np.concatenate([w, b])
 
 
-class PointServer:
+@dataclass
+class PointDownlink:
+    round_idx: int
+    weights: list[tuple[np.ndarray, np.ndarray]]  # (w on the grid, bias) per layer
+    plain: dict[str, np.ndarray]
+
+
+@dataclass
+class PointUplink(Upload):
+    theta: dict[str, np.ndarray]  # per layer name: [weight (row-major), bias], float64; weights or an update
+    nll: float  # the client's mean training loss
+
+
+class PointMessages:
+    """A baseline's two messages, defined once: the dense download in ``dtype``, the upload of one theta per layer
+    in ``up_layout`` (a baseline overrides :meth:`encode_theta` / :meth:`decode_theta` and these two)."""
+
+    up_layout = "dense"
+
+    def __init__(self, name: str, cfg: Config, layers: list[PointLayer], plain: PlainState) -> None:
+        self.cfg, self.layers, self.plain = cfg, layers, plain
+        self.down = MessageSpec(f"{name}/down", {"meta": "header", "w": "dense", "bias": "dense"})
+        self.up = MessageSpec(f"{name}/up", {"meta": "header", "metrics": "header", "theta": self.up_layout})
+        self.max_uplink_bytes = sum(8 * i.size + 256 for i in layers) + plain.max_bytes() + 4096
+
+    @property
+    def layouts(self) -> Layouts:
+        return ledger(self.down, self.up)
+
+    @property
+    def dtype(self) -> str:
+        raise NotImplementedError
+
+    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
+        """One layer's upload from its trained theta ``local`` and the ``start`` it was trained from."""
+        raise NotImplementedError
+
+    def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
+        """One layer's theta from its payload; the layout of ``up_layout``."""
+        return decode_dense(payload, max_elements=info.size).reshape(-1)
+
+    def encode_downlink(self, state: State, round_idx: int, total_samples: int) -> bytes:
+        fields = {"meta": pack_scalars([round_idx, total_samples])}
+        for info in self.layers:
+            fields[f"{info.name}.w"] = encode_dense(state[f"{info.name}.w"], dtype=self.dtype)
+            fields[f"{info.name}.bias"] = encode_dense(state[f"{info.name}.bias"], dtype=self.dtype)
+        return self.down.frame(fields | self.plain.encode_state(state))
+
+    def decode_downlink(self, data: bytes) -> PointDownlink:
+        fields = self.down.open(data)
+        round_idx, _ = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
+        weights = []
+        for info in self.layers:
+            w = decode_dense(need(fields, f"{info.name}.w"), max_elements=info.size)
+            b = decode_dense(need(fields, f"{info.name}.bias"), max_elements=info.size).reshape(-1)
+            if w.shape != info.grid or b.size != info.n_bias:
+                raise MessageError(f"{info.name}: downlink shapes {w.shape}, {b.shape} do not fit the model")
+            weights.append((w, b))
+        return PointDownlink(round_idx, weights, self.plain.decode(fields))
+
+    def encode_uplink(self, round_idx: int, client_id: int, n_t: int, thetas: list[tuple[np.ndarray, np.ndarray]],
+                      plain_fields: dict[str, bytes], nll: float, rng: np.random.Generator) -> bytes:
+        """An upload from each layer's (trained theta, start) and the plain state already encoded."""
+        up = {"meta": pack_scalars([round_idx, client_id, n_t])}
+        for info, (local, start) in zip(self.layers, thetas, strict=True):
+            up[f"{info.name}.theta"] = self.encode_theta(local, start, rng)
+        up |= plain_fields
+        up["metrics"] = pack_scalars([nll])
+        return self.up.frame(up)
+
+    def decode_uplink(self, data: bytes, round_idx: int | None, total_samples: int) -> PointUplink:
+        """Decode and validate one upload; raises MessageError / CodecError with a reason."""
+        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
+        out = {}
+        for info in self.layers:
+            theta = self.decode_theta(need(fields, f"{info.name}.theta"), info)
+            if theta.shape != (info.size,):
+                raise MessageError(f"{info.name}.theta has {theta.size} values, expected {info.size}")
+            out[info.name] = finite(f"{info.name}.theta", theta).astype(np.float64)
+        plain = self.plain.decode(fields)
+        nll = float(upload_metrics(fields, 1)[0])
+        return PointUplink(n_t, plain, out, nll)
+
+
+class PointServer(ServerBase[PointUplink]):
     """Server half shared by the baselines: dense download, validated uploads, weighted combination."""
 
     name = "point"
     semantics = "weights"  # the uploads are new weights ("weights") or updates to add ("update")
-    weighting = "samples"  # by n_t ("samples") or a plain mean ("uniform")
-    up_layout = "dense"
+    messages_type: type[PointMessages] = PointMessages
 
     def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module], total_samples: int) -> None:
         self.cfg = cfg
@@ -113,18 +182,11 @@ class PointServer:
         model = model_factory()
         self.layers = point_layers(model)
         self.plain = PlainState(model)
-        self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
-        self.layouts = {
-            self.down_kind: {"meta": "header", "w": "dense", "bias": "dense", **PLAIN_LAYOUT},
-            self.up_kind: {"meta": "header", "metrics": "header", "theta": self.up_layout, **PLAIN_LAYOUT},
-        }
+        self.messages = self.messages_type(self.name, cfg, self.layers, self.plain)
+        self.layouts = self.messages.layouts
 
     def configure(self, cfg: Config) -> None:
-        """Set ``semantics`` / ``weighting`` / ``up_layout`` from the config (before the layouts are built)."""
-
-    @property
-    def dtype(self) -> str:
-        raise NotImplementedError
+        """Set ``semantics`` / ``weighting`` from the config."""
 
     def init(self) -> State:
         model = self.model_factory()
@@ -135,51 +197,23 @@ class PointServer:
             state[f"{info.name}.bias"] = theta[theta.size - info.n_bias :].astype(np.float32)
         return state | self.plain.init(model)
 
-    def select_clients(self, round_idx: int) -> list[int]:
-        f = self.cfg.federation
-        return sample_uniform(self.cfg.experiment.seed, round_idx, f.clients, f.clients_per_round)
-
     def downlink(self, state: State, round_idx: int) -> bytes:
-        fields = {"meta": pack_scalars([round_idx, self.total_samples])}
-        for info in self.layers:
-            fields[f"{info.name}.w"] = encode_dense(state[f"{info.name}.w"], dtype=self.dtype)
-            fields[f"{info.name}.bias"] = encode_dense(state[f"{info.name}.bias"], dtype=self.dtype)
-        return frame(self.down_kind, fields | self.plain.encode_state(state))
+        return self.messages.encode_downlink(state, round_idx, self.total_samples)
 
-    # ---------------------------------------------------------------- uplink
-    def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
-        """One layer's theta from its payload; the layout of ``up_layout``."""
-        return decode_dense(payload, max_elements=info.size).reshape(-1)
-
-    def decode_uplink(self, data: bytes, round_idx: int | None = None) -> tuple[int, dict[str, np.ndarray], float]:
-        """Decode and validate one upload: (n_t, theta per layer name and the other state per field name, nll);
-        raises MessageError / CodecError with a reason."""
-        bound = sum(8 * i.size + 256 for i in self.layers) + self.plain.max_bytes() + 4096
-        fields = fields_dict(data, self.up_kind, max_bytes=bound)
-        n_t = upload_samples(fields, round_idx, self.total_samples)
-        out = {}
-        for info in self.layers:
-            theta = self.decode_theta(need(fields, f"{info.name}.theta"), info)
-            if theta.shape != (info.size,):
-                raise MessageError(f"{info.name}.theta has {theta.size} values, expected {info.size}")
-            if not np.all(np.isfinite(theta)):
-                raise MessageError(f"{info.name}.theta contains NaN or Inf")
-            out[info.name] = theta.astype(np.float64)
-        out |= self.plain.decode(fields)
-        nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
-        return int(n_t), out, nll
+    def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> PointUplink:
+        return self.messages.decode_uplink(data, round_idx, self.total_samples)
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         t0 = time.perf_counter()
-        valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(data, round_idx))
-        p = client_weights([v[0] for v in valid], self.weighting)
-        new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[1] for v in valid])
+        got = self.receive(state, uplinks, round_idx)
+        p, ups = got.p, got.uploads
+        new = self.aggregate_plain(state, got)
         nonzero = total = 0
         for info in self.layers:
             n = info.name
             combined = np.zeros(info.size)
-            for pt, v in zip(p, valid, strict=True):
-                combined += pt * v[1][n]
+            for pt, u in zip(p, ups, strict=True):
+                combined += pt * u.theta[n]
             if self.semantics == "update":
                 combined += np.concatenate([state[f"{n}.w"].reshape(-1), state[f"{n}.bias"]]).astype(np.float64)
             w = combined[: info.size - info.n_bias].reshape(info.grid).astype(np.float32)
@@ -188,12 +222,11 @@ class PointServer:
             total += w.size
         metrics = {
             "density": nonzero / total,
-            "train_nll": math.fsum(pt * v[2] for pt, v in zip(p, valid, strict=True)),
-            "clients_ok": float(len(valid)),
-            "clients_rejected": float(len(rejected)),
+            "train_nll": math.fsum(pt * u.nll for pt, u in zip(p, ups, strict=True)),
+            **got.counts(),
             "server_seconds": round(time.perf_counter() - t0, 3),
         }
-        return RoundResult(state=new, metrics=metrics, rejected=rejected)
+        return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
 
     def global_model(self, state: State) -> nn.Module:
         return point_model(self.model_factory, self.layers, state, self.plain)
@@ -203,38 +236,27 @@ class PointClient:
     """Client half shared by the baselines: load the dense model, train, encode theta per layer."""
 
     name = "point"
+    messages_type: type[PointMessages] = PointMessages
 
     def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
         self.cfg = cfg
         self.model = make_deterministic(model_factory())
         self.layers = point_layers(self.model)
         self.plain = PlainState(self.model)
+        self.messages = self.messages_type(self.name, cfg, self.layers, self.plain)
         self.device = resolve_device(cfg.experiment.device)
-        self.down_kind, self.up_kind = f"{self.name}/down", f"{self.name}/up"
-
-    def encode_theta(self, local: np.ndarray, start: np.ndarray, rng: np.random.Generator) -> bytes:
-        raise NotImplementedError
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        fields = fields_dict(downlink, self.down_kind)
-        round_idx, _ = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
+        down = self.messages.decode_downlink(downlink)
+        round_idx = down.round_idx
         starts = []
-        for info, (_, layer) in zip(self.layers, bayesian_layers(self.model), strict=True):
-            w = decode_dense(need(fields, f"{info.name}.w"), max_elements=info.size)
-            b = decode_dense(need(fields, f"{info.name}.bias"), max_elements=info.size).reshape(-1)
-            if w.shape != info.grid or b.size != info.n_bias:
-                raise MessageError(f"{info.name}: downlink shapes {w.shape}, {b.shape} do not fit the model")
+        for (w, b), (_, layer) in zip(down.weights, bayesian_layers(self.model), strict=True):
             _load(layer, w, b)
             starts.append(_theta(layer))
-        self.plain.load_fields(self.model, fields)
+        self.plain.load_values(self.model, down.plain)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         result = train_local(self.model, data, self.cfg.train, gen, device=self.device)
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x51])
-        up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
-        for info, (_, layer), start in zip(self.layers, bayesian_layers(self.model), starts, strict=True):
-            up[f"{info.name}.theta"] = self.encode_theta(_theta(layer), start, rng)
-        up |= self.plain.encode_model(self.model)
-        up["metrics"] = pack_scalars([result.nll])
-        return frame(self.up_kind, up)
-
-
+        thetas = [(_theta(layer), start) for (_, layer), start in zip(bayesian_layers(self.model), starts, strict=True)]
+        return self.messages.encode_uplink(round_idx, client_id, len(data), thetas, self.plain.encode_model(self.model),
+                                           result.nll, rng)

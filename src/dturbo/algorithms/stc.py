@@ -78,20 +78,16 @@ from .base import (
     RoundResult,
     State,
     client_generator,
-    client_weights,
-    decode_uplinks,
-    fields_dict,
-    frame,
     need,
     pack_scalars,
-    sample_uniform,
     unpack_scalars,
     upload_samples,
 )
 from .local import train_local
-from .plain import LAYOUT as PLAIN_LAYOUT
+from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
 from .point import PointLayer, _load, _theta, make_deterministic, point_layers, point_model
+from .server import ServerBase, Upload
 
 DOWN_KIND, UP_KIND = "stc/down", "stc/up"
 DIGEST_BYTES = 8
@@ -201,10 +197,109 @@ def _decode_update(fields: dict[str, bytes], tensors: list[StcTensor], total: in
     return out, kept
 
 
+# ======================================================================= messages
+@dataclass
+class StcDownlink:
+    """A broadcast: its round, mode (round 0: W dense, later: the ternary update S), the digest of the model it
+    yields, and its fields, read lazily (:meth:`StcMessages.dense_model`, :meth:`StcMessages.update`): a client
+    first checks that it holds the model the update applies to."""
+
+    round_idx: int
+    mode: int
+    digest: bytes
+    fields: dict[str, bytes]
+
+
+@dataclass
+class StcUplink(Upload):
+    update: np.ndarray  # the dense float64 update sum of the client's ternary tensors
+    kept: int  # entries it sends
+    nll: float  # the client's mean training loss
+
+
+class StcMessages:
+    """STC's two messages, defined once (module docstring, Wire): specs, encoders, decoders, the uplink bound."""
+
+    def __init__(self, cfg: Config, layers: list[PointLayer], plain: PlainState) -> None:
+        self.cfg, self.layers, self.plain = cfg, layers, plain
+        self.tensors = stc_tensors(layers)
+        self.size = sum(t.size for t in self.tensors)
+        self.k_up = {t.name: stc_k(t.size, cfg.stc.p_up) for t in self.tensors}
+        self.down = MessageSpec(DOWN_KIND, {"meta": "header", "digest": "header", "w": "dense", "bias": "dense",
+                                            "delta": "ternary"})
+        self.up = MessageSpec(UP_KIND, {"meta": "header", "metrics": "header", "delta": "ternary"})
+        # a bitmap and the sign bits of every tensor, plus headers
+        self.max_uplink_bytes = sum(2 * t.size // 8 + 64 for t in self.tensors) + plain.max_bytes() + 4096
+
+    @property
+    def layouts(self) -> Layouts:
+        return ledger(self.down, self.up)
+
+    def encode_downlink(self, state: State, round_idx: int, total_samples: int) -> bytes:
+        theta = _flat_state(state, self.layers)
+        mode = _MODE_DENSE if round_idx == 0 else _MODE_UPDATE
+        fields = {"meta": pack_scalars([round_idx, total_samples, mode])}
+        for t in self.tensors:
+            if mode == _MODE_DENSE:
+                fields[t.name] = encode_dense(theta[t.sl], dtype="float32")
+            else:
+                sent = state[f"{t.name}.sent"]
+                idx = np.flatnonzero(sent)
+                mu = float(abs(sent[idx[0]])) if idx.size else 0.0
+                fields[f"{t.name}.delta"] = encode_ternary(idx, sent[idx] < 0, mu, t.size, dtype=self.cfg.stc.dtype)
+        fields["digest"] = model_digest(theta)
+        return self.down.frame(fields | self.plain.encode_state(state))
+
+    def decode_downlink(self, data: bytes) -> StcDownlink:
+        fields = self.down.open(data)
+        round_idx, _, mode = (int(v) for v in unpack_scalars(need(fields, "meta"), 3))
+        return StcDownlink(round_idx, mode, need(fields, "digest"), fields)
+
+    def dense_model(self, msg: StcDownlink) -> np.ndarray:
+        """W of a round-0 broadcast as a float32 flat vector."""
+        theta = np.zeros(self.size, dtype=np.float32)
+        for t in self.tensors:
+            v = decode_dense(need(msg.fields, t.name), max_elements=t.size).reshape(-1)
+            if v.size != t.size:
+                raise MessageError(f"{t.name}: {v.size} values in the downlink, the model has {t.size}")
+            theta[t.sl] = v
+        return theta
+
+    def update(self, msg: StcDownlink) -> np.ndarray:
+        """S of a later broadcast, dense float64."""
+        return _decode_update(msg.fields, self.tensors, self.size)[0]
+
+    def encode_uplink(self, round_idx: int, client_id: int, n_t: int, acc: np.ndarray, after: np.ndarray,
+                      plain_fields: dict[str, bytes], nll: float) -> bytes:
+        """The upload STC_{p_up}(acc) per tensor; writes the residual acc - sent into ``after``."""
+        up = {"meta": pack_scalars([round_idx, client_id, n_t])}
+        s = self.cfg.stc
+        for t in self.tensors:
+            idx, negative, mu, after[t.sl] = stc_compress(acc[t.sl], s.p_up, s.dtype)
+            up[f"{t.name}.delta"] = encode_ternary(idx, negative, mu, t.size, dtype=s.dtype)
+        up |= plain_fields
+        up["metrics"] = pack_scalars([nll])
+        return self.up.frame(up)
+
+    def decode_uplink(self, data: bytes, round_idx: int | None, total_samples: int) -> StcUplink:
+        """One upload; MessageError / CodecError with a reason when it is malformed, stale, too long, or does not
+        fit the model."""
+        fields = self.up.open(data, max_bytes=self.max_uplink_bytes)
+        extra = set(fields) - {"meta", "metrics", *(f"{t.name}.delta" for t in self.tensors),
+                               *(t.field for t in self.plain.tensors)}
+        if extra:
+            raise MessageError(f"unexpected fields {sorted(extra)}")
+        n_t = upload_samples(fields, round_idx, total_samples)
+        update, kept = _decode_update(fields, self.tensors, self.size, self.k_up)
+        nll = float(upload_metrics(fields, 1)[0])
+        return StcUplink(n_t, self.plain.decode(fields), update, kept, nll)
+
+
 # ========================================================================= server
-class StcServer:
+class StcServer(ServerBase[StcUplink]):
     """Server half (Algorithm 2): weighted mean of the ternary updates, its own STC with error feedback on the
-    global update, W <- W + S; broadcasts S (round 0: W dense)."""
+    global update, W <- W + S; broadcasts S (round 0: W dense). Every client every round: the config check below
+    makes :meth:`ServerBase.select_clients` select them all."""
 
     name = "stc"
 
@@ -222,14 +317,13 @@ class StcServer:
         model = model_factory()
         self.layers = point_layers(model)
         self.plain = PlainState(model)  # the state outside the Bayesian layers: dense both ways, every round
-        self.tensors = stc_tensors(self.layers)
-        self.size = sum(t.size for t in self.tensors)
-        self.k_up = {t.name: stc_k(t.size, cfg.stc.p_up) for t in self.tensors}
-        self.layouts = {
-            DOWN_KIND: {"meta": "header", "digest": "header", "w": "dense", "bias": "dense", "delta": "ternary",
-                        **PLAIN_LAYOUT},
-            UP_KIND: {"meta": "header", "metrics": "header", "delta": "ternary", **PLAIN_LAYOUT},
-        }
+        self.messages = StcMessages(cfg, self.layers, self.plain)
+        self.tensors, self.size, self.k_up = self.messages.tensors, self.messages.size, self.messages.k_up
+        self.layouts = self.messages.layouts
+
+    @property
+    def weighting(self) -> str:  # type: ignore[override]
+        return self.cfg.stc.weighting
 
     def init(self) -> State:
         model = self.model_factory()
@@ -243,46 +337,19 @@ class StcServer:
             state[f"{t.name}.sent"] = np.zeros(t.size, dtype=np.float32)  # S of the last round, broadcast next
         return state | self.plain.init(model)
 
-    def select_clients(self, round_idx: int) -> list[int]:
-        return sample_uniform(self.cfg.experiment.seed, round_idx, self.cfg.federation.clients, None)
-
     def downlink(self, state: State, round_idx: int) -> bytes:
-        theta = _flat_state(state, self.layers)
-        mode = _MODE_DENSE if round_idx == 0 else _MODE_UPDATE
-        fields = {"meta": pack_scalars([round_idx, self.total_samples, mode])}
-        for t in self.tensors:
-            if mode == _MODE_DENSE:
-                fields[t.name] = encode_dense(theta[t.sl], dtype="float32")
-            else:
-                sent = state[f"{t.name}.sent"]
-                idx = np.flatnonzero(sent)
-                mu = float(abs(sent[idx[0]])) if idx.size else 0.0
-                fields[f"{t.name}.delta"] = encode_ternary(idx, sent[idx] < 0, mu, t.size, dtype=self.cfg.stc.dtype)
-        fields["digest"] = model_digest(theta)
-        return frame(DOWN_KIND, fields | self.plain.encode_state(state))
+        return self.messages.encode_downlink(state, round_idx, self.total_samples)
 
-    def decode_uplink(self, data: bytes, round_idx: int | None = None
-                      ) -> tuple[int, np.ndarray, int, float, dict[str, np.ndarray]]:
-        """(n_t, dense float64 update, entries kept, train nll, the other state per field) of one upload;
-        MessageError / CodecError with a reason when it is malformed, stale, too long, or does not fit the model."""
-        bound = sum(2 * t.size // 8 + 64 for t in self.tensors) + self.plain.max_bytes() + 4096  # bitmap + signs
-        fields = fields_dict(data, UP_KIND, max_bytes=bound)
-        extra = set(fields) - {"meta", "metrics", *(f"{t.name}.delta" for t in self.tensors),
-                               *(t.field for t in self.plain.tensors)}
-        if extra:
-            raise MessageError(f"unexpected fields {sorted(extra)}")
-        n_t = upload_samples(fields, round_idx, self.total_samples)
-        update, kept = _decode_update(fields, self.tensors, self.size, self.k_up)
-        nll = float(unpack_scalars(need(fields, "metrics"), 1)[0])
-        return int(n_t), update, kept, nll, self.plain.decode(fields)
+    def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> StcUplink:
+        return self.messages.decode_uplink(data, round_idx, self.total_samples)
 
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
         t0 = time.perf_counter()
-        valid, rejected = decode_uplinks(uplinks, lambda data: self.decode_uplink(data, round_idx))
-        w = client_weights([v[0] for v in valid], self.cfg.stc.weighting)
-        mean = w @ np.stack([v[1] for v in valid])  # sum_i w_i S_i, float64
+        got = self.receive(state, uplinks, round_idx)
+        w, ups = got.p, got.uploads
+        mean = w @ np.stack([u.update for u in ups])  # sum_i w_i S_i, float64
         theta = _flat_state(state, self.layers)
-        new: State = dict(state) | self.plain.aggregate([v[0] for v in valid], [v[4] for v in valid])
+        new = self.aggregate_plain(state, got)
         step = np.zeros(self.size, dtype=np.float32)
         kept_down = 0
         for t in self.tensors:
@@ -302,14 +369,13 @@ class StcServer:
         weights = [new[f"{i.name}.w"] for i in self.layers]
         metrics = {
             "density": sum(int(np.count_nonzero(x)) for x in weights) / sum(x.size for x in weights),
-            "up_density": float(np.mean([v[2] for v in valid])) / self.size,  # entries a client sends / all
+            "up_density": float(np.mean([u.kept for u in ups])) / self.size,  # entries a client sends / all
             "down_density": kept_down / self.size,
-            "train_nll": math.fsum(wi * v[3] for wi, v in zip(w, valid, strict=True)),
-            "clients_ok": float(len(valid)),
-            "clients_rejected": float(len(rejected)),
+            "train_nll": math.fsum(wi * u.nll for wi, u in zip(w, ups, strict=True)),
+            **got.counts(),
             "server_seconds": round(time.perf_counter() - t0, 3),
         }
-        return RoundResult(state=new, metrics=metrics, rejected=rejected)
+        return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
 
     def global_model(self, state: State) -> nn.Module:
         return point_model(self.model_factory, self.layers, state, self.plain)
@@ -342,8 +408,8 @@ class StcClient:
         self.device = resolve_device(cfg.experiment.device)
         self.layers = point_layers(self.model)
         self.plain = PlainState(self.model)
-        self.tensors = stc_tensors(self.layers)
-        self.size = sum(t.size for t in self.tensors)
+        self.messages = StcMessages(cfg, self.layers, self.plain)
+        self.tensors, self.size = self.messages.tensors, self.messages.size
         self._model: _ModelCopy | None = None
         self._residuals: dict[int, _Residual] = {}
 
@@ -351,17 +417,11 @@ class StcClient:
     def global_weights(self, downlink: bytes, client_id: int) -> tuple[int, np.ndarray]:
         """(round, the global model as a float32 flat vector) from a downlink and the model copy; ClientError when
         the copy is missing or does not match (never trains from wrong weights)."""
-        fields = fields_dict(downlink, DOWN_KIND)
-        round_idx, _, mode = (int(v) for v in unpack_scalars(need(fields, "meta"), 3))
-        digest = need(fields, "digest")
+        msg = self.messages.decode_downlink(downlink)
+        round_idx, mode, digest = msg.round_idx, msg.mode, msg.digest
         have = self._model
         if mode == _MODE_DENSE:
-            theta = np.zeros(self.size, dtype=np.float32)
-            for t in self.tensors:
-                v = decode_dense(need(fields, t.name), max_elements=t.size).reshape(-1)
-                if v.size != t.size:
-                    raise MessageError(f"{t.name}: {v.size} values in the downlink, the model has {t.size}")
-                theta[t.sl] = v
+            theta = self.messages.dense_model(msg)
         elif mode == _MODE_UPDATE:
             if have is not None and have.round == round_idx and have.digest == digest:
                 return round_idx, have.theta  # this round's broadcast was applied already (a retried round)
@@ -371,8 +431,7 @@ class StcClient:
                     f"client {client_id}: the downlink of round {round_idx} is an update of the model of round "
                     f"{round_idx - 1}, and this client holds {held} (its state was lost, e.g. a restarted process; "
                     f"STC needs clients that keep their state)")
-            update, _ = _decode_update(fields, self.tensors, self.size)
-            theta = have.theta + update.astype(np.float32)  # float32, as the server computes it
+            theta = have.theta + self.messages.update(msg).astype(np.float32)  # float32, as the server computes it
         else:
             raise MessageError(f"unknown downlink mode {mode}")
         if model_digest(theta) != digest:
@@ -402,7 +461,7 @@ class StcClient:
             _load(layer, start[pos : pos + n_w], start[pos + n_w : pos + info.size])
             pos += info.size
         if self.plain or self.plain.fixed:  # the other state comes dense in every downlink
-            self.plain.load_fields(self.model, fields_dict(downlink, DOWN_KIND))
+            self.plain.load_fields(self.model, self.messages.down.open(downlink))
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         result = train_local(self.model, data, self.cfg.train, gen, device=self.device)
         local = np.concatenate([_theta(layer) for _, layer in bayesian_layers(self.model)])
@@ -411,15 +470,10 @@ class StcClient:
         if not np.all(np.isfinite(acc)):
             raise ClientError(f"client {client_id}: the local update is not finite")
         after = np.empty_like(acc)
-        up = {"meta": pack_scalars([round_idx, client_id, len(data)])}
-        s = self.cfg.stc
-        for t in self.tensors:
-            idx, negative, mu, after[t.sl] = stc_compress(acc[t.sl], s.p_up, s.dtype)
-            up[f"{t.name}.delta"] = encode_ternary(idx, negative, mu, t.size, dtype=s.dtype)
-        up |= self.plain.encode_model(self.model)
-        up["metrics"] = pack_scalars([result.nll])
+        up = self.messages.encode_uplink(round_idx, client_id, len(data), acc, after,
+                                         self.plain.encode_model(self.model), result.nll)
         self._residuals[client_id] = _Residual(round_idx, before, after)
-        return frame(UP_KIND, up)
+        return up
 
     # ------------------------------------------------------------ resume
     def export_state(self) -> dict[str, np.ndarray]:

@@ -1,0 +1,248 @@
+"""D-Turbo-VBI's two messages, each defined once (docs/algorithm.md §7.1, §9; docs/communication.md).
+
+:class:`DturboMessages` holds the :class:`~dturbo.algorithms.message.MessageSpec` of the downlink and the uplink
+(which fields, booked by the ledger how) for the configured ``[dturbo.transmission]``, and is the only code that
+writes or reads their bytes: the server and the client hand it typed records (:class:`DturboDownlink`,
+:class:`DturboUplink`) and get records back. The uplink's size bound lives here too.
+
+* down: per layer, mu_G cluster-coded on its grid (its nonzeros are S), or with ``down_bits`` < 16 S's positions
+  then mu_G on S on 2**bits levels (stochastic rounding); sigma_G; sigma_prior on S (E5) unless ``prior_std =
+  "rebuilt"``; the biases in float16.
+* up: per layer, mu on S in float16 (canonical row-major order, no positions), or with ``up_bits`` < 16 the update
+  from the weights received on 2**bits levels; sigma on S; the biases; then n_t and the training figures.
+
+sigma travels as one float32 for a layer with one sigma (it costs nothing), else as its values on S in float16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from torch import nn
+
+from ..codec import (
+    decode_dense,
+    decode_grid,
+    decode_quantized,
+    decode_support,
+    decode_values,
+    encode_dense,
+    encode_grid,
+    encode_quantized,
+    encode_support,
+    encode_values,
+)
+from ..config import Config
+from ..nn.bayes import bayesian_layers
+from ..quantize import decode_stochastic, encode_stochastic
+from ..turbo import LayerInfo
+from .base import MessageError, need, pack_scalars, unpack_scalars
+from .message import Layouts, MessageSpec, finite, ledger, upload_metrics
+from .plain import PlainState
+from .server import Upload
+
+DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
+LOG8_LEVELS = 256
+
+
+def encode_prior_std(values: np.ndarray, dtype: str) -> bytes:
+    """sigma_prior on S (E5) for the downlink: float16 / float32 values, or ``log8``: 8-bit levels uniform in
+    log(sigma_prior) between the vector's min and max (two float32 parameters), a relative error of at most
+    (log max - log min) / 510 -- §9's "documented cheaper quantisation"; a prior scale needs no more."""
+    if dtype != "log8":
+        return encode_values(values.astype(np.float32), dtype=dtype)
+    logs = np.log(np.asarray(values, dtype=np.float64).reshape(-1))
+    lo, hi = (float(logs.min()), float(logs.max())) if logs.size else (0.0, 0.0)
+    lo, hi = float(np.float32(lo)), float(np.float32(hi))  # the receiver sees the float32 parameters
+    span = hi - lo
+    sym = np.zeros(logs.size, np.int64) if span <= 0 else np.rint((logs - lo) / span * (LOG8_LEVELS - 1))
+    return encode_quantized(np.clip(sym, 0, LOG8_LEVELS - 1).astype(np.int64), LOG8_LEVELS, [lo, hi])
+
+
+def decode_prior_std(payload: bytes, dtype: str, count: int) -> np.ndarray:
+    """Inverse of :func:`encode_prior_std`; ``count`` values are expected."""
+    if dtype != "log8":
+        out = decode_values(payload, max_elements=count)
+    else:
+        sym, levels, params = decode_quantized(payload, max_elements=count)
+        if levels != LOG8_LEVELS or params.shape != (2,) or not np.all(np.isfinite(params)):
+            raise MessageError("prior_std: expected 256 log levels and a finite range")
+        lo, hi = (float(v) for v in params)
+        out = np.exp(lo + sym.astype(np.float64) / (LOG8_LEVELS - 1) * (hi - lo))
+    if out.shape != (count,):
+        raise MessageError(f"prior_std has {out.size} values, the support has {count}")
+    return out
+
+
+def sigma_as_sent(sigma: np.ndarray, support: np.ndarray) -> np.ndarray:
+    """A layer's sigma as it travels: its one value, or its values on the support (row-major)."""
+    if sigma.size == 1:
+        return sigma.reshape(1)
+    return sigma.reshape(support.shape)[support]
+
+
+# ------------------------------------------------------------------------------------------------ records
+@dataclass
+class DownLayer:
+    """One layer of the downlink. ``mu``: mu_G on the grid, 0 off S; ``support``: S (the client reads it from mu's
+    nonzeros, or from the positions when ``down_bits`` < 16); ``sigma``: sigma_G as sent (:func:`sigma_as_sent`);
+    ``prior_std``: sigma_prior on S (E5), None when the client rebuilds it; ``bias``."""
+
+    mu: np.ndarray
+    support: np.ndarray
+    sigma: np.ndarray
+    prior_std: np.ndarray | None
+    bias: np.ndarray
+
+
+@dataclass
+class DturboDownlink:
+    round_idx: int
+    total_samples: int  # n, the global sample count of E6's KL weight
+    layers: list[DownLayer]
+    plain: dict[str, np.ndarray]
+
+
+@dataclass
+class UpLayer:
+    """One layer of an upload: ``mu`` on S (or, with ``up_bits`` < 16, the update from the weights received),
+    ``sigma`` as sent (:func:`sigma_as_sent`), ``bias``."""
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    bias: np.ndarray
+
+
+@dataclass
+class DturboUplink(Upload):
+    layers: dict[str, UpLayer]
+    nll: float  # the client's mean training loss
+    penalty: float  # its last KL penalty of E6
+
+
+# ------------------------------------------------------------------------------------------------ the spec
+class DturboMessages:
+    """D-Turbo-VBI's downlink and uplink for one model and ``[dturbo.transmission]`` (module docstring)."""
+
+    def __init__(self, cfg: Config, model: nn.Module, layers: list[LayerInfo], plain: PlainState) -> None:
+        self.cfg = cfg
+        self.tr = cfg.dturbo.transmission
+        self.layers = layers
+        self.plain = plain
+        bayes = [layer for _, layer in bayesian_layers(model)]
+        self.scalar_sigma = [layer.sigma.numel() == 1 for layer in bayes]
+        self.n_bias = [0 if layer.bias is None else int(layer.bias.numel()) for layer in bayes]
+        down = {"meta": "header", "sigma": "values", "bias": "dense"}
+        down |= {"mu": "grid"} if self.tr.down_bits == 16 else {"support": "support", "mu": "quantized"}
+        if self.tr.prior_std == "sent":
+            down["prior_std"] = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
+        up = {"meta": "header", "mu": "values" if self.tr.up_bits == 16 else "quantized", "sigma": "values",
+              "bias": "dense", "metrics": "header"}
+        self.down, self.up = MessageSpec(DOWN_KIND, down), MessageSpec(UP_KIND, up)
+        # The uplink's size bound: 4x the float16 bytes of every grid and the float32 bytes of every bias.
+        grids = sum(int(np.prod(i.grid)) * 2 + nb * 4 for i, nb in zip(layers, self.n_bias, strict=True))
+        self.max_uplink_bytes = 4 * grids + 64 * len(layers) + plain.max_bytes() + 4096
+
+    @property
+    def layouts(self) -> Layouts:
+        return ledger(self.down, self.up)
+
+    # ------------------------------------------------------------- downlink
+    def encode_downlink(self, msg: DturboDownlink, plain_fields: dict[str, bytes]) -> bytes:
+        """The server's downlink; mu_G on S is quantised with a generator seeded by the round (down_bits < 16)."""
+        rng = np.random.default_rng([self.cfg.experiment.seed, msg.round_idx, 0xD0])
+        fields = {"meta": pack_scalars([msg.round_idx, msg.total_samples])}
+        for info, scalar, layer in zip(self.layers, self.scalar_sigma, msg.layers, strict=True):
+            n = info.name
+            if self.tr.down_bits == 16:
+                fields[f"{n}.mu"] = encode_grid(layer.mu)
+            else:
+                fields[f"{n}.support"] = encode_support(layer.support, value_bits=self.tr.down_bits)
+                fields[f"{n}.mu"] = encode_stochastic(layer.mu[layer.support], self.tr.down_bits, rng)
+            fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
+            if layer.prior_std is not None:
+                fields[f"{n}.prior_std"] = encode_prior_std(layer.prior_std, self.cfg.dturbo.prior_std_dtype)
+            fields[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
+        return self.down.frame(fields | plain_fields)
+
+    def decode_downlink(self, data: bytes) -> DturboDownlink:
+        """The client's reading of a downlink; MessageError / CodecError when it does not fit the model."""
+        fields = self.down.open(data)
+        round_idx, total = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
+        layers = []
+        for info in self.layers:
+            n, size = info.name, int(np.prod(info.grid))
+            if self.tr.down_bits == 16:
+                mu = decode_grid(need(fields, f"{n}.mu"), max_elements=size).astype(np.float64)
+                mask = mu != 0
+            else:
+                mask = decode_support(need(fields, f"{n}.support"), max_elements=size)
+                mu = np.zeros(mask.shape)
+                mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, int(mask.sum()))
+            if mu.shape != info.grid:
+                raise MessageError(f"{n}.mu grid {mu.shape} does not match the model's {info.grid}")
+            k = int(mask.sum())
+            sigma = decode_values(need(fields, f"{n}.sigma"), max_elements=max(k, 1))
+            if sigma.size not in (1, k) or not np.all(np.isfinite(sigma)) or np.any(sigma <= 0):
+                raise MessageError(f"{n}.sigma: expected 1 or {k} finite values > 0")
+            prior_std = None
+            if self.tr.prior_std == "sent":
+                prior_std = decode_prior_std(need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
+            bias = decode_dense(need(fields, f"{n}.bias")).reshape(-1)
+            layers.append(DownLayer(mu, mask, sigma, prior_std, bias))
+        return DturboDownlink(round_idx, total, layers, self.plain.decode(fields))
+
+    # --------------------------------------------------------------- uplink
+    def encode_uplink(self, round_idx: int, client_id: int, msg: DturboUplink, plain_fields: dict[str, bytes],
+                      rng: np.random.Generator) -> bytes:
+        """A client's upload (its plain state already encoded, :meth:`PlainState.encode_model`, so ``msg.plain`` is
+        not read); the update is quantised with the client's ``rng`` (up_bits < 16)."""
+        fields = {"meta": pack_scalars([round_idx, client_id, msg.n_t])}
+        for info, scalar in zip(self.layers, self.scalar_sigma, strict=True):
+            n, layer = info.name, msg.layers[info.name]
+            if self.tr.up_bits == 16:
+                fields[f"{n}.mu"] = encode_values(layer.mu.astype(np.float32), dtype="float16")
+            else:
+                fields[f"{n}.mu"] = encode_stochastic(layer.mu, self.tr.up_bits, rng)
+            fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
+            fields[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
+        fields |= plain_fields
+        fields["metrics"] = pack_scalars([msg.nll, msg.penalty])
+        return self.up.frame(fields)
+
+    def decode_uplink(self, data: bytes, supports: list[int], round_idx: int | None, total_samples: int
+                      ) -> DturboUplink:
+        """One upload, validated against the sizes of S this round (``supports``: |S| per layer); MessageError /
+        CodecError with the reason it is refused."""
+        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
+        layers: dict[str, UpLayer] = {}
+        for info, k, scalar, nb in zip(self.layers, supports, self.scalar_sigma, self.n_bias, strict=True):
+            n = info.name
+            if self.tr.up_bits == 16:
+                mu = decode_values(need(fields, f"{n}.mu"), max_elements=k)
+            else:  # the update on S, quantised
+                mu = decode_stochastic(need(fields, f"{n}.mu"), self.tr.up_bits, k)
+            if mu.shape != (k,):
+                raise MessageError(f"{n}.mu has {mu.size} values, the support has {k}")
+            sig_len = 1 if scalar else k
+            sigma = decode_values(need(fields, f"{n}.sigma"), max_elements=sig_len)
+            if sigma.shape != (sig_len,):
+                raise MessageError(f"{n}.sigma has {sigma.size} values, expected {sig_len}")
+            bias = decode_dense(need(fields, f"{n}.bias"), max_elements=max(nb, 1)).reshape(-1)
+            if bias.size != nb:
+                raise MessageError(f"{n}.bias has {bias.size} values, expected {nb}")
+            for key, arr in (("mu", mu), ("sigma", sigma), ("bias", bias)):
+                finite(f"{n}.{key}", arr)
+            if np.any(sigma <= 0):
+                raise MessageError(f"{n}.sigma must be > 0")
+            layers[n] = UpLayer(mu, sigma, bias)
+        plain = self.plain.decode(fields)
+        metrics = upload_metrics(fields, 2)
+        return DturboUplink(n_t, plain, layers, float(metrics[0]), float(metrics[1]))
+
+
+def _encode_sigma(sigma: np.ndarray, scalar: bool) -> bytes:
+    if scalar:  # one sigma per layer: a float32 scalar costs nothing
+        return encode_values(sigma.reshape(1).astype(np.float32), dtype="float32")
+    return encode_values(sigma.astype(np.float32), dtype="float16")
