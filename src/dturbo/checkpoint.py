@@ -11,11 +11,14 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load, save
+
+if TYPE_CHECKING:
+    import torch
 
 STATE_FILE = "state.safetensors"
 
@@ -40,6 +43,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def read_safetensors(path: Path, *, what: str, error: type[Exception]
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file; a missing, unreadable or corrupt one raises ``error`` naming
+    ``what`` it is and its path (a run's model file, an export's weights)."""
+    if not path.is_file():
+        raise error(f"{what} {path} is missing")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise error(f"{what} {path} is corrupt or not a safetensors file: {err}") from None
+    return tensors, meta
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:

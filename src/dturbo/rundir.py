@@ -17,7 +17,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import STATE_FILE, CheckpointError, atomic_write_bytes, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    atomic_write_bytes,
+    load_checkpoint,
+    read_safetensors,
+    save_checkpoint,
+)
 from .config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
@@ -193,18 +200,7 @@ class RunDir:
     def read_model(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """(tensors, metadata) of model.safetensors (read once)."""
         if self._model_file is None:
-            from safetensors import SafetensorError, safe_open
-
-            path = self.model_path
-            if not path.is_file():
-                raise RunDirError(f"the run's model file {path} is missing")
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = dict(f.metadata() or {})
-                    tensors = {k: f.get_tensor(k) for k in f.keys()}
-            except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-                raise RunDirError(f"the run's model file {path} is corrupt or not a safetensors file: {err}") from None
-            self._model_file = tensors, meta
+            self._model_file = read_safetensors(self.model_path, what="the run's model file", error=RunDirError)
         return self._model_file
 
     def architecture(self, cfg: Config | None = None) -> tuple[tuple[int, ...], int]:

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_tensors
 
-from ..checkpoint import atomic_write_bytes
+from ..checkpoint import atomic_write_bytes, read_safetensors
 
 FORMAT = "dturbo-export"
 # 2: conv2d ops may carry a ``bias_map``; 3: ``input_norm`` (the dataset's input normalisation, or null).
@@ -27,20 +26,6 @@ SPEC_FILE = "model.json"
 
 class ExportError(ValueError):
     """A run directory or an exported model cannot be read or has a layout export does not know."""
-
-
-
-def read_safetensors(path: Path, *, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    if not path.is_file():
-        raise ExportError(f"{what} {path} is missing")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            state = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise ExportError(f"{what} {path} is corrupt or not a safetensors file: {err}") from None
-    return state, meta
-
 
 
 def check_input_norm(norm: Any, input_shape: tuple[int, ...], where: str) -> dict[str, Any]:
@@ -102,7 +87,7 @@ def read_spec(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         if not isinstance(spec["input_shape"], list) or not spec["input_shape"]:
             raise ExportError(f"{spec_path}: input_shape must be a non-empty list")
         spec["input_norm"] = check_input_norm(spec["input_norm"], tuple(spec["input_shape"]), str(spec_path))
-    tensors, _ = read_safetensors(model_dir / WEIGHTS_FILE, what="the exported weights file")
+    tensors, _ = read_safetensors(model_dir / WEIGHTS_FILE, what="the exported weights file", error=ExportError)
     return spec, tensors
 
 
