@@ -53,6 +53,12 @@ class SparsityPolicy(Protocol):
         ...
 
 
+# Once the schedule holds still (TargetDensity.calibrate_field, settled): the shortfall below the target accepted,
+# as a fraction of it, and the most the field rises in one round to add weights (log-odds; e^4 ~ 55x prior odds).
+SETTLED_SHORTFALL = 0.01
+SETTLED_RISE = 4.0
+
+
 def density_schedule(round_idx: int, *, target: float, warmup: int, ramp: int) -> float:
     """Scheduled support density of round ``round_idx`` in target mode: dense for ``warmup`` rounds, then a
     cubic ramp to ``target`` over ``ramp`` rounds (the gradual-pruning schedule of Zhu & Gupta, 2017)."""
@@ -153,11 +159,14 @@ class TargetDensity:
         sp = self.sp
         targets = np.array([np.nan if np.isnan(t) else density_schedule(
             next_round, target=t, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds) for t in self.targets])
-        return self.calibrate_field(eta, eta_next, self.scheduled_density(next_round), targets, previous)
+        # Round warmup + ramp - 1 is the first at the target; from the next one on the schedule holds still.
+        settled = next_round >= sp.warmup_rounds + sp.ramp_rounds
+        return self.calibrate_field(eta, eta_next, self.scheduled_density(next_round), targets, previous,
+                                    settled=settled)
 
     def calibrate_field(
         self, eta: list[np.ndarray], eta_next: list[np.ndarray], density: float, targets: np.ndarray,
-        previous: np.ndarray,
+        previous: np.ndarray, *, settled: bool = False,
     ) -> np.ndarray:
         """Field h of the MRF prior such that the support of the next round,
         {eta_next + lo_h(h) >= logit(threshold)}, has the scheduled density. SPMP runs on this round's
@@ -166,7 +175,13 @@ class TargetDensity:
         predicted density is monotone in h). ``targets`` holds this round's density of layers calibrated alone
         (scope 'layer', or ``layer_targets``), NaN for layers that share one h (scope 'global': they keep
         different densities and together take what the others leave of ``density``). A layer never goes below
-        min_layer_density."""
+        min_layer_density.
+
+        ``settled``: the schedule already held this target last round. Then a support up to SETTLED_SHORTFALL
+        (relative) below the target is accepted, and the field rises by at most SETTLED_RISE to add weights: when
+        even that adds too few, the evidence refuses them and the field stays (docs/sparsity.md §2). Without this
+        the bracket widened until pi was ~1 on every weight to add a few dozen (issue 13: the field went from -0.4
+        to +15.6 in the comparison run's last round)."""
         sp = self.sp
         L = len(self.layers)
         thr_lo = self.threshold_logodds
@@ -191,8 +206,10 @@ class TargetDensity:
             return sum(layer_density(i, h) * sizes[i] for i in idx) / sizes[idx].sum()
 
         def solve(target: float, idx: list[int], start: float, at_least: bool = False) -> float:
+            tol = max(5e-4, SETTLED_SHORTFALL * target) if settled and not at_least else 5e-4
+
             def met(dens: float) -> bool:
-                return 0.0 <= (dens - target if at_least else target - dens) < 5e-4
+                return 0.0 <= (dens - target if at_least else target - dens) < tol
 
             # A field that already gives the scheduled support is kept. Once the support has settled, a whole range
             # of fields gives the same support (its evidences are far apart); taking any other point of that range
@@ -204,10 +221,16 @@ class TargetDensity:
             lo, hi = start - 4.0, start + 4.0
             while dens_at(lo, idx) > target and lo > -200:
                 lo -= 16.0
-            while dens_at(hi, idx) < target and hi < 200:
-                hi += 16.0
+            if settled and not at_least:
+                # Settled: a rise of at most SETTLED_RISE, or none when that cannot reach the target.
+                hi = start + SETTLED_RISE
+                if dens_at(hi, idx) < target - tol:
+                    return start
+            else:
+                while dens_at(hi, idx) < target and hi < 200:
+                    hi += 16.0
             # Density rises with h; lo stays at or under the target, so the schedule is never exceeded
-            # ("at most 25% nonzero" means at most). It is approached from below within 5e-4 unless the density
+            # ("at most 25% nonzero" means at most). It is approached from below within tol unless the density
             # jumps by more inside the last 1e-3 step of h (a tied row, equal evidences): then by that jump.
             # A floor is the other way round: at least the target (else a tied layer whose one row is more than
             # the floor would be emptied).
