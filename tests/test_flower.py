@@ -126,9 +126,9 @@ class Scripted:
         self.inner = inner
         self.outcomes = outcomes
 
-    def __call__(self, down, clients, rnd):
-        answers = self.inner(down, [c for c in clients if (rnd, c) not in self.outcomes], rnd)
-        return {c: self.outcomes[(rnd, c)] if (rnd, c) in self.outcomes else answers[c] for c in clients}
+    def __call__(self, downlinks, rnd):
+        answers = self.inner({c: d for c, d in downlinks.items() if (rnd, c) not in self.outcomes}, rnd)
+        return {c: self.outcomes[(rnd, c)] if (rnd, c) in self.outcomes else answers[c] for c in downlinks}
 
 
 def scripted(cfg, out: Path, outcomes: dict[tuple[int, int], ClientError]) -> Simulator:

@@ -27,6 +27,10 @@ floats. dtype codes: 1 = float16, 2 = float32, 3 = float64.
     ``index[i] - index[i-1] - 1``) its low k bits, then all quotients ``v >> k`` in unary (q one-bits and a
     zero). Both halves are separate sub-streams so that decoding is vectorised.
 
+* **support delta** (``[dturbo.transmission] positions = "delta"``, docs/communication.md) ``flag(1) rest``: flag 0,
+  ``rest`` = a **support** payload (the full positions); flag ``1 | scheme << 2``, ``rest`` = ``varint(C)`` and the
+  C flat row-major positions where the support differs from the one the receiver holds (the flips, schemes as
+  below), no shape (the receiver's own support gives it). The encoder sends whichever is smaller.
 * **quantized** ``varint(levels) varint(n) varint(P) params(float32 * P) bits`` with n symbols of
   ``ceil(log2 levels)`` bits each (FedPAQ's QSGD levels, log-scale prior stds).
 * **ternary** ``flags(1) varint(n) varint(C) mu bits`` (STC's {-mu, 0, +mu} updates): ``bits`` = the C positions
@@ -74,6 +78,7 @@ __all__ = [
     "decode_message",
     "decode_quantized",
     "decode_sparse",
+    "decode_support_delta",
     "decode_ternary",
     "decode_values",
     "encode_dense",
@@ -81,6 +86,7 @@ __all__ = [
     "encode_message",
     "encode_quantized",
     "encode_sparse",
+    "encode_support_delta",
     "encode_ternary",
     "encode_values",
     "payload_bits",
@@ -890,6 +896,63 @@ def decode_support(data: bytes, *, max_elements: int | None = None) -> np.ndarra
     return out.reshape(k, m)
 
 
+_DELTA_FULL, _DELTA_FLIPS = 0, 1
+
+
+def encode_support_delta(support: np.ndarray, base: np.ndarray | None, *, min_cluster: int = 3,
+                         value_bits: int = 16, full: bytes | None = None) -> bytes:
+    """A support for a receiver that holds ``base`` (None: nothing): flag 0 + :func:`encode_support`'s full
+    positions, or flag ``1 | scheme << 2`` + the positions that flipped (``support != base``, cheapest of index
+    list / bitmap / Rice-coded gaps), whichever is fewer bytes (ties: the full positions, which need no base). So
+    it is never longer than the full positions plus the flag byte (docs/communication.md, "Positions").
+    ``full``: the support's :func:`encode_support` payload when the caller has it already (one per round, however
+    many bases its receivers hold)."""
+    s = np.asarray(support, dtype=bool)
+    if full is None:
+        full = encode_support(s, min_cluster=min_cluster, value_bits=value_bits)
+    full = bytes([_DELTA_FULL]) + full
+    if base is None:
+        return full
+    b = np.asarray(base, dtype=bool)
+    if b.shape != s.shape:
+        raise ValueError(f"base support {b.shape} and support {s.shape} differ in shape")
+    flips = np.flatnonzero(s.reshape(-1) != b.reshape(-1))
+    scheme, _, k = _position_plan(flips, s.size)
+    bw = _BitWriter()
+    _write_positions(bw, flips, s.size, scheme, k)
+    delta = bytes([_DELTA_FLIPS | scheme << 2]) + _varint(flips.size) + bw.getvalue()
+    return delta if len(delta) < len(full) else full
+
+
+def support_delta_needs_base(data: bytes) -> bool:
+    """Whether a support delta payload is coded against the receiver's support (flag 1) rather than whole."""
+    r = _Reader(data)
+    return r.byte() & 3 == _DELTA_FLIPS
+
+
+def decode_support_delta(data: bytes, base: np.ndarray | None, *, max_elements: int | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_support_delta`: the (K, M) bool support. A delta payload needs ``base`` (the
+    support the receiver holds; ValueError without it); malformed bytes raise CodecError."""
+    r = _Reader(data)
+    flag = r.byte()
+    kind, scheme = flag & 3, flag >> 2
+    if kind == _DELTA_FULL and scheme == 0:
+        return decode_support(r.take(r.left), max_elements=max_elements)
+    if kind != _DELTA_FLIPS or scheme > _SCHEME_RICE:
+        raise CodecError(f"unknown support delta flag {flag:#04x}")
+    if base is None:
+        raise ValueError("a support delta needs the support the receiver holds")
+    b = np.asarray(base, dtype=bool)
+    _check_limit(b.size, max_elements, f"support {b.shape}")
+    count = r.varint(limit=b.size, what="flip count")
+    br = _BitReader(r.take(r.left))
+    flips = _read_positions(br, count, b.size, scheme)
+    br.finish()
+    out = b.reshape(-1).copy()
+    out[flips] ^= True
+    return out.reshape(b.shape)
+
+
 def encode_grid(matrix: np.ndarray, *, min_cluster: int = 3, dtype: str = "float16") -> bytes:
     """Cluster coding of one sparse 2-D grid (§9): disjoint rectangles of at least min_cluster x min_cluster
     as (row, col, height-1, width-1) + their values row-major; the leftover nonzeros with their positions
@@ -1004,7 +1067,7 @@ def decode_quantized(data: bytes, *, max_elements: int | None = None) -> tuple[n
 
 
 # ================================================================== accounting
-PAYLOAD_LAYOUTS = ("header", "values", "dense", "sparse", "grid", "quantized", "support", "mask")
+PAYLOAD_LAYOUTS = ("header", "values", "dense", "sparse", "grid", "quantized", "support", "support_delta", "mask")
 
 
 def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
@@ -1036,8 +1099,12 @@ def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
         head = 8 * r.pos
         values = 8 * (n_rv + count) * dt.itemsize
         return {"headers": head, "positions": total - head - values, "values": values}
-    elif layout == "support":
-        _support_head(r, _MAX_DIM)
+    elif layout in ("support", "support_delta"):
+        # a delta's flag byte and flip count are headers, its flips positions (as the full positions are)
+        if layout == "support" or r.byte() & 3 == _DELTA_FULL:
+            _support_head(r, _MAX_DIM)
+        else:
+            r.varint(limit=_MAX_DIM)
         head = 8 * r.pos
         return {"headers": head, "positions": total - head, "values": 0}
     elif layout == "ternary":  # values: mu and the sign bits; positions: the rest of the bit stream

@@ -192,6 +192,10 @@ class TransmissionConfig(_Section):
     prior_std: Literal["sent", "rebuilt"] = Field("sent", description=(
         "sent: sigma_prior on S travels (prior_std_dtype); rebuilt: clients compute it by E4-E5 with pi~ = 1 on S "
         "from mu_G and sigma_G, and nothing is sent"))
+    positions: Literal["full", "delta"] = Field("full", description=(
+        "full: every downlink carries each layer's support whole (implicit in the cluster-coded mu_G with down_bits "
+        "= 16); delta: a client's downlink carries it as the positions that flipped since the support that client "
+        "last received, or whole when that is smaller or the client holds none (docs/communication.md)"))
 
     @model_validator(mode="after")
     def _bits(self) -> TransmissionConfig:

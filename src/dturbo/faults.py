@@ -10,7 +10,7 @@ import numpy as np
 
 from .codec import decode_message, encode_message
 from .config import Config
-from .transport import ClientLate, ClientLost, Reply, Transport
+from .transport import ClientLate, ClientLost, Downlinks, Reply, Transport
 
 CORRUPTIONS = ("truncate", "garbage", "header_flip", "oversize", "wrong_kind")
 
@@ -77,11 +77,12 @@ class FaultyTransport:
         self.cfg = cfg
         self._attempts: dict[int, int] = {}  # round -> attempts so far: a call for the same round is a retry
 
-    def __call__(self, downlink: bytes, clients: list[int], round_idx: int) -> dict[int, Reply]:
+    def __call__(self, downlinks: Downlinks, round_idx: int) -> dict[int, Reply]:
         attempt = self._attempts[round_idx] = self._attempts.get(round_idx, -1) + 1
-        faults = draw_faults(self.cfg, round_idx, attempt, clients)
-        replies: dict[int, Reply] = {cid: ClientLost("injected drop") for cid in clients if faults.get(cid) == "drop"}
-        for cid, reply in self.inner(downlink, [c for c in clients if c not in replies], round_idx).items():
+        faults = draw_faults(self.cfg, round_idx, attempt, list(downlinks))
+        replies: dict[int, Reply] = {cid: ClientLost("injected drop") for cid in downlinks if faults.get(cid) == "drop"}
+        sent = {cid: down for cid, down in downlinks.items() if cid not in replies}
+        for cid, reply in self.inner(sent, round_idx).items():
             fault = faults.get(cid)
             if isinstance(reply, bytes) and fault == "late":
                 reply = ClientLate("injected straggler")

@@ -1,5 +1,5 @@
-"""The bit ledger of a round (docs/algorithm.md §9): 8 x the bytes of the messages really exchanged, the downlink
-once per receiving client and every uplink once, by direction and part (headers, positions, values)."""
+"""The bit ledger of a round (docs/algorithm.md §9): 8 x the bytes of the messages really exchanged, each selected
+client's own downlink and every uplink once, by direction and part (headers, positions, values)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,16 @@ class Traffic:
     down_bits: int = 0
     parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEDGER_COLUMNS, 0))
 
-    def add(self, downlink: bytes, receivers: int, uplinks: list[bytes]) -> None:
-        """One attempt: ``downlink`` sent to ``receivers`` clients, ``uplinks`` received. An uplink that does not
-        even frame counts as headers: the server rejects it, its bytes still crossed the wire."""
-        for part, bits in message_bits(downlink, self.layouts).items():
-            self.parts[f"down_{part}_bits"] += bits * receivers
+    def add(self, downlinks: list[bytes], uplinks: list[bytes]) -> None:
+        """One attempt: ``downlinks`` sent (one per selected client: a broadcast is the same bytes object for each),
+        ``uplinks`` received. An uplink that does not even frame counts as headers: the server rejects it, its
+        bytes still crossed the wire."""
+        split: dict[int, dict[str, int]] = {}  # a broadcast is split into parts once, not once per client
+        for data in downlinks:
+            if id(data) not in split:
+                split[id(data)] = message_bits(data, self.layouts)
+            for part, bits in split[id(data)].items():
+                self.parts[f"down_{part}_bits"] += bits
         for data in uplinks:
             try:
                 parts = message_bits(data, self.layouts)
@@ -33,4 +38,4 @@ class Traffic:
             for part, bits in parts.items():
                 self.parts[f"up_{part}_bits"] += bits
         self.up_bits += 8 * sum(len(u) for u in uplinks)
-        self.down_bits += 8 * len(downlink) * receivers
+        self.down_bits += 8 * sum(len(d) for d in downlinks)

@@ -263,12 +263,12 @@ class Simulator:
         events: list[str] = []
         for retries in range(fed.max_retries + 1):
             participants = self.server.select_clients(rnd)
-            down = self.server.downlink(state, rnd)
+            downlinks = self.server.downlinks(state, rnd, participants)
             attempt = Attempt(len(participants))
-            for cid, reply in self.transport(down, participants, rnd).items():
+            for cid, reply in self.transport(downlinks, rnd).items():
                 attempt.take(cid, reply)
             events += attempt.events
-            traffic.add(down, len(participants), attempt.uplinks)
+            traffic.add(list(downlinks.values()), attempt.uplinks)
             try:
                 result = self.server.aggregate(state, attempt.uplinks, rnd)
             except MessageError as err:  # not a single valid update

@@ -1,7 +1,9 @@
 """How a round's messages reach the clients: the :class:`Transport` seam of the runner, and the in-process one.
 
-A transport takes the downlink bytes, the ids of the clients selected for the round and the round, and returns,
-per client, its upload bytes or why it has none (a :class:`~dturbo.algorithms.base.ClientError`). The runner
+A transport takes each selected client's downlink bytes (client id -> bytes, in the order the clients are served:
+the same bytes object for all of them when the method broadcasts, its own for each with D-Turbo-VBI's
+``positions = "delta"``) and the round, and returns, per client, its upload bytes or why it has none (a
+:class:`~dturbo.algorithms.base.ClientError`). The runner
 (:class:`dturbo.sim.Simulator`) drives every transport the same way, so every transport makes the same run
 directory: :class:`InProcessClients` here, Flower's SuperNodes (:class:`dturbo.flower.server_app.FlowerTransport`),
 and wrappers such as injected faults (:class:`dturbo.faults.FaultyTransport`).
@@ -9,6 +11,7 @@ and wrappers such as injected faults (:class:`dturbo.faults.FaultyTransport`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 from .algorithms.base import ClientAlgorithm, ClientData, ClientError
@@ -25,24 +28,28 @@ class ClientLate(ClientError):
     """A client answered after the round's deadline: its upload is ignored."""
 
 
+# What a transport is given: each selected client's downlink, in the order of the clients.
+Downlinks = Mapping[int, bytes]
+
+
 class Transport(Protocol):
-    def __call__(self, downlink: bytes, clients: list[int], round_idx: int) -> dict[int, Reply]:
-        """Send ``downlink`` to ``clients`` and return each one's reply. A call with the same ``round_idx`` again
-        is a retry of that round (``federation.on_too_few = "retry"``)."""
+    def __call__(self, downlinks: Downlinks, round_idx: int) -> dict[int, Reply]:
+        """Send each client its downlink and return each one's reply. A call with the same ``round_idx`` again is
+        a retry of that round (``federation.on_too_few = "retry"``)."""
         ...
 
 
 class InProcessClients:
     """The clients as objects in this process: one client algorithm fitted on each client's data in turn (in the
-    order of ``clients``: the aggregation sums in this order)."""
+    order of ``downlinks``: the aggregation sums in this order)."""
 
     def __init__(self, client: ClientAlgorithm, data: list[ClientData]) -> None:
         self.client = client
         self.data = data
 
-    def __call__(self, downlink: bytes, clients: list[int], round_idx: int) -> dict[int, Reply]:
+    def __call__(self, downlinks: Downlinks, round_idx: int) -> dict[int, Reply]:
         replies: dict[int, Reply] = {}
-        for cid in clients:
+        for cid, downlink in downlinks.items():
             try:
                 replies[cid] = self.client.fit(downlink, self.data[cid], cid)
             except ClientError as err:  # its own failure (e.g. diverged): a reason, not a crash

@@ -17,7 +17,9 @@ practical purpose).
 The server state (checkpointed) holds, per Bayesian layer ``name``: the fields of :class:`dturbo.turbo.LayerState`
 (``name.mu``, ``name.sigma``, ``name.pi_logodds``, ``name.a_tilde``, ``name.b_tilde``) and ``name.bias``; ``field``:
 the field of every layer's Module B in its last SPMP (the sparsity policy starts its next search there); and the
-plain state.
+plain state. With ``transmission.positions = "delta"`` also what each client holds (docs/communication.md,
+"Positions"): ``held_round`` (per client, the round of the downlink whose S it holds, -1: none known) and
+``held.name`` (per client, that S as packed bits), so that a resumed run codes the same differences.
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ from ..prior import grid_shape, layer_kind, resolve_prior
 from ..sparsity import make_policy
 from ..turbo import LayerInfo, LayerState
 from .base import ClientData, RoundResult, State, client_generator
-from .dturbo_messages import DownLayer, DturboDownlink, DturboMessages, DturboUplink, UpLayer, sigma_as_sent
+from .dturbo_messages import (
+    NO_BASE,
+    DownLayer,
+    DturboDownlink,
+    DturboMessages,
+    DturboUplink,
+    HeldSupports,
+    UpLayer,
+    sigma_as_sent,
+)
 from .local import train_local
 from .plain import PlainState
 from .server import ServerBase
@@ -114,6 +125,11 @@ class DturboServer(ServerBase[DturboUplink]):
             bias = layer.bias.detach().numpy().copy() if layer.bias is not None else np.zeros(0, np.float32)
             state[f"{info.name}.bias"] = bias
         state |= self.plain.init(model)
+        if self.messages.delta:  # no client holds a support yet
+            clients = self.cfg.federation.clients
+            state["held_round"] = np.full(clients, NO_BASE, dtype=np.int64)
+            for info in self.layers:
+                state[f"held.{info.name}"] = np.zeros((clients, -(-int(np.prod(info.grid)) // 8)), dtype=np.uint8)
         if self.sparsity.steers(0):
             # The first support decision must follow the schedule too. Module B has no A->B message yet (unary 0),
             # and the first E3's evidence is already fixed by the initial q(rho), so the field is calibrated for
@@ -137,7 +153,29 @@ class DturboServer(ServerBase[DturboUplink]):
     def downlink(self, state: State, round_idx: int) -> bytes:
         """Cluster-coded mu_G (its nonzeros are S), sigma_G, sigma_prior on S (E5), biases (§7.1, 9).
         With ``transmission.down_bits`` < 16: S's cluster-coded positions, then mu_G on S quantised (unbiased
-        stochastic rounding, seeded by the round); with ``prior_std = "rebuilt"`` no sigma_prior."""
+        stochastic rounding, seeded by the round); with ``prior_std = "rebuilt"`` no sigma_prior. With ``positions
+        = "delta"``: the downlink of a client that holds no support."""
+        return self.messages.encode_downlink(self._downlink_record(state, round_idx), self.plain.encode_state(state))
+
+    def downlinks(self, state: State, round_idx: int, clients: list[int]) -> dict[int, bytes]:
+        """Each selected client's downlink. With ``positions = "delta"`` each client's S is coded against the
+        support it holds (``held_round``; none known: whole); else one broadcast."""
+        if not self.messages.delta:
+            return super().downlinks(state, round_idx, clients)
+        bases = {cid: int(state["held_round"][cid]) for cid in clients}
+        return self.messages.encode_downlinks(self._downlink_record(state, round_idx), self.plain.encode_state(state),
+                                              bases, self.held_supports(state, set(bases.values())))
+
+    def held_supports(self, state: State, rounds: set[int]) -> HeldSupports:
+        """The supports of ``rounds`` some client holds (every client that holds round b's holds the same: S_b)."""
+        out = {}
+        for b in rounds - {NO_BASE}:
+            cid = int(np.flatnonzero(state["held_round"] == b)[0])
+            out[b] = [np.unpackbits(state[f"held.{i.name}"][cid], count=int(np.prod(i.grid))).astype(bool)
+                      .reshape(i.grid) for i in self.layers]
+        return out
+
+    def _downlink_record(self, state: State, round_idx: int) -> DturboDownlink:
         sent = self.cfg.dturbo.transmission.prior_std == "sent"
         layers = []
         for info in self.layers:
@@ -147,8 +185,7 @@ class DturboServer(ServerBase[DturboUplink]):
                                     sigma=sigma_as_sent(state[f"{n}.sigma"], mask),
                                     prior_std=self.prior_std(state, info)[mask] if sent else None,
                                     bias=state[f"{n}.bias"]))
-        msg = DturboDownlink(round_idx, self.total_samples, layers, {})
-        return self.messages.encode_downlink(msg, self.plain.encode_state(state))
+        return DturboDownlink(round_idx, self.total_samples, layers, {})
 
     # ------------------------------------------------------------- aggregate
     def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> DturboUplink:
@@ -163,6 +200,8 @@ class DturboServer(ServerBase[DturboUplink]):
         p, ups = got.p, got.uploads
         trained = [self.support(state, info) for info in self.layers]  # the S this round's clients trained on
         new = self.aggregate_plain(state, got)
+        if self.messages.delta:
+            new |= self._held_after(state, round_idx, trained, [u.client_id for u in ups])
         for info, mask in zip(self.layers, trained, strict=True):
             n = info.name
             mu = np.zeros(info.grid, dtype=np.float64)
@@ -189,6 +228,28 @@ class DturboServer(ServerBase[DturboUplink]):
         metrics["neg_elbo"] = self.total_samples * nll + self.cfg.dturbo.beta * kl
         metrics |= got.counts()
         return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
+
+    def _held_after(self, state: State, round_idx: int, trained: list[np.ndarray], senders: list[int]) -> State:
+        """``positions = "delta"``: what each client holds after this round. A client selected this round whose
+        upload is valid decoded the downlink, so it holds this round's S (``trained``); one selected without a
+        valid upload (dropped, late, failed, rejected) may or may not have decoded it, so the server assumes
+        nothing and sends it S whole next time; the others keep theirs."""
+        clients = self.cfg.federation.clients
+        selected = np.zeros(clients, dtype=bool)
+        selected[self.select_clients(round_idx)] = True
+        confirmed = np.zeros(clients, dtype=bool)
+        confirmed[[c for c in senders if 0 <= c < clients]] = True
+        confirmed &= selected
+        rounds = state["held_round"].copy()
+        rounds[selected] = NO_BASE
+        rounds[confirmed] = round_idx
+        out: State = {"held_round": rounds}
+        for info, mask in zip(self.layers, trained, strict=True):
+            held = state[f"held.{info.name}"].copy()
+            held[selected] = 0
+            held[confirmed] = np.packbits(mask.reshape(-1))
+            out[f"held.{info.name}"] = held
+        return out
 
     def _server_step(self, state: State, trained: list[np.ndarray], round_idx: int) -> dict[str, float]:
         """The turbo step E3 -> E4 -> E1 -> SPMP -> E2 -> support (docs/algorithm.md §7.3-7.5) of every layer on the
@@ -281,7 +342,14 @@ def rebuilt_prior_std(info: LayerInfo, mu: np.ndarray, sigma: np.ndarray, form: 
 
 
 class DturboClient:
-    """Client half: decode the downlink, train (E6) on the support, upload mu on the support."""
+    """Client half: decode the downlink, train (E6) on the support, upload mu on the support.
+
+    With ``transmission.positions = "delta"`` the client keeps, per client id (one object serves every client in
+    process), the supports of the last two downlinks it decoded, by round: the server codes a downlink against the
+    support of the last round it knows the client decoded (its upload was valid), and a round run again (a retry,
+    or a resumed run whose client had decoded the round before the stop) must still find that one after the client
+    decoded the round's own. :meth:`export_state` / :meth:`import_state` carry them through a checkpoint, and the
+    Flower ClientApp keeps them in the node's state."""
 
     def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
         self.cfg = cfg
@@ -291,9 +359,12 @@ class DturboClient:
         self.plain = PlainState(self.model)
         self.messages = DturboMessages(cfg, self.model, self.layers, self.plain)
         self.device = resolve_device(cfg.experiment.device)
+        self._held: dict[int, dict[int, list[np.ndarray]]] = {}  # client id -> round -> S of every layer
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        down = self.messages.decode_downlink(downlink)
+        down = self.messages.decode_downlink(downlink, self._held.get(client_id))
+        if self.messages.delta:
+            self._keep(client_id, down.round_idx, [d.support for d in down.layers])
         round_idx = down.round_idx
         model = self.model
         layers = bayesian_layers(model)
@@ -330,3 +401,45 @@ class DturboClient:
         msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
         return self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng)
+
+    # -------------------------------------------------- the supports held (positions = "delta")
+    def _keep(self, client_id: int, round_idx: int, supports: list[np.ndarray]) -> None:
+        """Hold the supports just decoded, and of the others only the newest (class docstring: why two)."""
+        mine = self._held.get(client_id, {})
+        older = [r for r in mine if r != round_idx]
+        self._held[client_id] = ({max(older): mine[max(older)]} if older else {}) | {round_idx: supports}
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """The supports every client holds (packed bits), for the checkpoint; empty with ``positions = "full"``."""
+        out: dict[str, np.ndarray] = {}
+        for cid, mine in sorted(self._held.items()):
+            rounds = sorted(mine)
+            out[f"support_rounds/{cid}"] = np.array(rounds, dtype=np.int64)
+            for slot, r in enumerate(rounds):
+                for info, support in zip(self.layers, mine[r], strict=True):
+                    out[f"{info.name}.support{slot}/{cid}"] = np.packbits(support.reshape(-1))
+        return out
+
+    def import_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Inverse of :meth:`export_state` (on resume, or a Flower node's saved state); ValueError when the arrays
+        do not fit this model."""
+        self._held = {}
+        try:
+            for key, rounds in arrays.items():
+                if not key.startswith("support_rounds/"):
+                    continue
+                cid = int(key.split("/", 1)[1])
+                mine = {}
+                for slot, r in enumerate(np.asarray(rounds, dtype=np.int64).reshape(-1).tolist()):
+                    supports = []
+                    for info in self.layers:
+                        size = int(np.prod(info.grid))
+                        packed = np.asarray(arrays[f"{info.name}.support{slot}/{cid}"], dtype=np.uint8)
+                        if packed.shape != (-(-size // 8),):
+                            raise ValueError(f"the support of {info.name} held by client {cid} has {packed.size} "
+                                             f"bytes, the model's grid needs {-(-size // 8)}")
+                        supports.append(np.unpackbits(packed, count=size).astype(bool).reshape(info.grid))
+                    mine[r] = supports
+                self._held[cid] = mine
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"checkpointed D-Turbo-VBI client state is incomplete ({err})") from None

@@ -7,7 +7,10 @@ writes or reads their bytes: the server and the client hand it typed records (:c
 
 * down: per layer, mu_G cluster-coded on its grid (its nonzeros are S), or with ``down_bits`` < 16 S's positions
   then mu_G on S on 2**bits levels (stochastic rounding); sigma_G; sigma_prior on S (E5) unless ``prior_std =
-  "rebuilt"``; the biases in float16.
+  "rebuilt"``; the biases in float16. With ``positions = "delta"`` S always travels apart (then mu_G on S,
+  quantised or float16) and each client's downlink codes it against the support that client holds, named by the
+  round of the downlink it came in (``meta``'s third scalar, -1: none): the positions that flipped, or S whole
+  where that is smaller (:func:`dturbo.codec.encode_support_delta`; docs/communication.md, "Positions").
 * up: per layer, mu on S in float16 (canonical row-major order, no positions), or with ``up_bits`` < 16 the update
   from the weights received on 2**bits levels; sigma on S; the biases; then n_t and the training figures.
 
@@ -16,6 +19,7 @@ sigma travels as one float32 for a layer with one sigma (it costs nothing), else
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,12 +30,15 @@ from ..codec import (
     decode_grid,
     decode_quantized,
     decode_support,
+    decode_support_delta,
     decode_values,
     encode_dense,
     encode_grid,
     encode_quantized,
     encode_support,
+    encode_support_delta,
     encode_values,
+    support_delta_needs_base,
 )
 from ..config import Config
 from ..nn.bayes import bayesian_layers
@@ -44,6 +51,10 @@ from .server import Upload
 
 DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
 LOG8_LEVELS = 256
+NO_BASE = -1  # positions = "delta": the base round of a downlink whose supports all travel whole
+
+# positions = "delta": the supports a client holds, by the round of the downlink they came in (one grid per layer)
+HeldSupports = Mapping[int, list[np.ndarray]]
 
 
 def encode_prior_std(values: np.ndarray, dtype: str) -> bytes:
@@ -102,6 +113,7 @@ class DturboDownlink:
     total_samples: int  # n, the global sample count of E6's KL weight
     layers: list[DownLayer]
     plain: dict[str, np.ndarray]
+    base_round: int = NO_BASE  # positions = "delta": the round whose support the flips are against
 
 
 @dataclass
@@ -119,6 +131,7 @@ class DturboUplink(Upload):
     layers: dict[str, UpLayer]
     nll: float  # the client's mean training loss
     penalty: float  # its last KL penalty of E6
+    client_id: int = -1  # the sender's id as its meta says (positions = "delta": who now holds this round's S)
 
 
 # ------------------------------------------------------------------------------------------------ the spec
@@ -133,8 +146,13 @@ class DturboMessages:
         bayes = [layer for _, layer in bayesian_layers(model)]
         self.scalar_sigma = [layer.sigma.numel() == 1 for layer in bayes]
         self.n_bias = [0 if layer.bias is None else int(layer.bias.numel()) for layer in bayes]
+        self.delta = self.tr.positions == "delta"
         down = {"meta": "header", "sigma": "values", "bias": "dense"}
-        down |= {"mu": "grid"} if self.tr.down_bits == 16 else {"support": "support", "mu": "quantized"}
+        if self.tr.down_bits == 16 and not self.delta:
+            down["mu"] = "grid"
+        else:  # S travels apart, then mu_G on S quantised (or float16 with positions = "delta")
+            down["support"] = "support_delta" if self.delta else "support"
+            down["mu"] = "quantized" if self.tr.down_bits < 16 else "values"
         if self.tr.prior_std == "sent":
             down["prior_std"] = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
         up = {"meta": "header", "mu": "values" if self.tr.up_bits == 16 else "quantized", "sigma": "values",
@@ -150,7 +168,10 @@ class DturboMessages:
 
     # ------------------------------------------------------------- downlink
     def encode_downlink(self, msg: DturboDownlink, plain_fields: dict[str, bytes]) -> bytes:
-        """The server's downlink; mu_G on S is quantised with a generator seeded by the round (down_bits < 16)."""
+        """The server's downlink; mu_G on S is quantised with a generator seeded by the round (down_bits < 16).
+        With ``positions = "delta"``: the downlink of a client that holds no support (every S whole)."""
+        if self.delta:
+            return self.encode_downlinks(msg, plain_fields, {0: NO_BASE}, {})[0]
         rng = np.random.default_rng([self.cfg.experiment.seed, msg.round_idx, 0xD0])
         fields = {"meta": pack_scalars([msg.round_idx, msg.total_samples])}
         for info, scalar, layer in zip(self.layers, self.scalar_sigma, msg.layers, strict=True):
@@ -166,20 +187,67 @@ class DturboMessages:
             fields[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
         return self.down.frame(fields | plain_fields)
 
-    def decode_downlink(self, data: bytes) -> DturboDownlink:
-        """The client's reading of a downlink; MessageError / CodecError when it does not fit the model."""
+    def encode_downlinks(self, msg: DturboDownlink, plain_fields: dict[str, bytes], bases: Mapping[int, int],
+                         held: HeldSupports) -> dict[int, bytes]:
+        """``positions = "delta"``: client id -> its downlink, each layer's S coded against the support of round
+        ``bases[cid]`` (``held[round]``; ``NO_BASE``: whole). Everything else is the same for every client (mu_G on
+        S drawn once, seeded by the round as in :meth:`encode_downlink`), and clients with the same base get the
+        same bytes."""
+        rng = np.random.default_rng([self.cfg.experiment.seed, msg.round_idx, 0xD0])
+        rest: list[dict[str, bytes]] = []  # per layer, the fields after the support, in the order they are framed
+        whole: list[bytes] = []  # per layer, S's full positions (found once: the rectangle search is the slow part)
+        for info, scalar, layer in zip(self.layers, self.scalar_sigma, msg.layers, strict=True):
+            n = info.name
+            whole.append(encode_support(layer.support, value_bits=self.tr.down_bits))
+            mu = layer.mu[layer.support]
+            f = {f"{n}.mu": encode_stochastic(mu, self.tr.down_bits, rng) if self.tr.down_bits < 16 else
+                 encode_values(mu.astype(np.float32), dtype="float16")}
+            f[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
+            if layer.prior_std is not None:
+                f[f"{n}.prior_std"] = encode_prior_std(layer.prior_std, self.cfg.dturbo.prior_std_dtype)
+            f[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
+            rest.append(f)
+        framed: dict[int, bytes] = {}
+        out: dict[int, bytes] = {}
+        for cid, base in bases.items():
+            if base not in framed:
+                fields = {"meta": pack_scalars([msg.round_idx, msg.total_samples, base])}
+                for i, (info, layer) in enumerate(zip(self.layers, msg.layers, strict=True)):
+                    held_s = None if base == NO_BASE else held[base][i]
+                    fields[f"{info.name}.support"] = encode_support_delta(
+                        layer.support, held_s, value_bits=self.tr.down_bits, full=whole[i])
+                    fields |= rest[i]
+                framed[base] = self.down.frame(fields | plain_fields)
+            out[cid] = framed[base]
+        return out
+
+    def decode_downlink(self, data: bytes, held: HeldSupports | None = None) -> DturboDownlink:
+        """The client's reading of a downlink; MessageError / CodecError when it does not fit the model.
+        ``positions = "delta"``: ``held`` are the supports this client holds (by round); a downlink coded against
+        one it does not hold is a MessageError naming both."""
         fields = self.down.open(data)
-        round_idx, total = (int(v) for v in unpack_scalars(need(fields, "meta"), 2))
+        meta = unpack_scalars(need(fields, "meta"), 3 if self.delta else 2)
+        round_idx, total = int(meta[0]), int(meta[1])
+        base = int(meta[2]) if self.delta else NO_BASE
+        base_supports = None if held is None else held.get(base)
         layers = []
-        for info in self.layers:
+        for i, info in enumerate(self.layers):
             n, size = info.name, int(np.prod(info.grid))
-            if self.tr.down_bits == 16:
+            if self.tr.down_bits == 16 and not self.delta:
                 mu = decode_grid(need(fields, f"{n}.mu"), max_elements=size).astype(np.float64)
                 mask = mu != 0
             else:
-                mask = decode_support(need(fields, f"{n}.support"), max_elements=size)
+                mask = self._decode_support(need(fields, f"{n}.support"), info, i, round_idx, base, base_supports,
+                                            held)
                 mu = np.zeros(mask.shape)
-                mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, int(mask.sum()))
+                k = int(mask.sum())
+                if self.tr.down_bits < 16:
+                    mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k)
+                else:
+                    on_s = decode_values(need(fields, f"{n}.mu"), max_elements=k)
+                    if on_s.shape != (k,):
+                        raise MessageError(f"{n}.mu has {on_s.size} values, the support has {k}")
+                    mu[mask] = on_s
             if mu.shape != info.grid:
                 raise MessageError(f"{n}.mu grid {mu.shape} does not match the model's {info.grid}")
             k = int(mask.sum())
@@ -191,7 +259,27 @@ class DturboMessages:
                 prior_std = decode_prior_std(need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
             bias = decode_dense(need(fields, f"{n}.bias")).reshape(-1)
             layers.append(DownLayer(mu, mask, sigma, prior_std, bias))
-        return DturboDownlink(round_idx, total, layers, self.plain.decode(fields))
+        return DturboDownlink(round_idx, total, layers, self.plain.decode(fields), base)
+
+    def _decode_support(self, payload: bytes, info: LayerInfo, i: int, round_idx: int, base: int,
+                        base_supports: list[np.ndarray] | None, held: HeldSupports | None) -> np.ndarray:
+        """One layer's S from its ``support`` field: whole, or (``positions = "delta"``) the flips applied to the
+        support of round ``base`` this client holds."""
+        size = int(np.prod(info.grid))
+        if not self.delta:
+            return decode_support(payload, max_elements=size)
+        if support_delta_needs_base(payload):
+            if base_supports is None:
+                holds = sorted(held) if held else []
+                raise MessageError(
+                    f"{info.name}.support: the downlink of round {round_idx} sends it as a difference from the "
+                    f"support of round {base}, and this client holds "
+                    f"{'the supports of rounds ' + str(holds) if holds else 'no support'}")
+            if base_supports[i].shape != info.grid:
+                raise MessageError(f"{info.name}: the support held has shape {base_supports[i].shape}, the model's "
+                                   f"grid is {info.grid}")
+            return decode_support_delta(payload, base_supports[i], max_elements=size)
+        return decode_support_delta(payload, None, max_elements=size)
 
     # --------------------------------------------------------------- uplink
     def encode_uplink(self, round_idx: int, client_id: int, msg: DturboUplink, plain_fields: dict[str, bytes],
@@ -216,6 +304,9 @@ class DturboMessages:
         """One upload, validated against the sizes of S this round (``supports``: |S| per layer); MessageError /
         CodecError with the reason it is refused."""
         fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
+        sender = float(unpack_scalars(fields["meta"], 3)[1])
+        # not a reason to refuse (it never was): an id that is no client's only means "nobody" for the positions
+        client_id = int(sender) if np.isfinite(sender) and sender == int(sender) and 0 <= sender < 2**31 else -1
         layers: dict[str, UpLayer] = {}
         for info, k, scalar, nb in zip(self.layers, supports, self.scalar_sigma, self.n_bias, strict=True):
             n = info.name
@@ -239,7 +330,7 @@ class DturboMessages:
             layers[n] = UpLayer(mu, sigma, bias)
         plain = self.plain.decode(fields)
         metrics = upload_metrics(fields, 2)
-        return DturboUplink(n_t, plain, layers, float(metrics[0]), float(metrics[1]))
+        return DturboUplink(n_t, plain, layers, float(metrics[0]), float(metrics[1]), client_id)
 
 
 def _encode_sigma(sigma: np.ndarray, scalar: bool) -> bytes:

@@ -54,6 +54,14 @@ class ServerBase(Generic[U]):
         f = self.cfg.federation
         return sample_uniform(self.cfg.experiment.seed, round_idx, f.clients, f.clients_per_round)
 
+    def downlink(self, state: State, round_idx: int) -> bytes:
+        """The round's broadcast: the message every client is sent."""
+        raise NotImplementedError
+
+    def downlinks(self, state: State, round_idx: int, clients: list[int]) -> dict[int, bytes]:
+        """Each selected client's downlink: by default the broadcast, one bytes object for all of them."""
+        return dict.fromkeys(clients, self.downlink(state, round_idx))
+
     def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> U:
         """One upload as its record; raises MessageError / CodecError with the reason it is refused."""
         raise NotImplementedError

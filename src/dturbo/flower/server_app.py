@@ -37,7 +37,7 @@ from flwr.serverapp import Grid, ServerApp
 from ..algorithms.base import ClientError
 from ..config import Config, load_config
 from ..sim import Simulator
-from ..transport import ClientLost, Reply
+from ..transport import ClientLost, Downlinks, Reply
 from . import wire
 
 log = logging.getLogger("flwr")
@@ -50,9 +50,10 @@ DEFAULTS: dict[str, Any] = {"resume": False, "round-timeout": 3600.0, "connect-t
 class FlowerTransport:
     """The clients are Flower SuperNodes reached through a Grid: a :class:`~dturbo.transport.Transport`.
 
-    The downlink bytes go to each selected client's SuperNode in a train Message and the upload bytes come back in
-    its reply. A Flower error reply or a missing reply becomes a :class:`~dturbo.algorithms.base.ClientError` /
-    :class:`~dturbo.transport.ClientLost`, which the runner counts (``clients_failed`` / ``clients_dropped``) and
+    Each selected client's downlink bytes go to its SuperNode in a train Message (one Message per client, so a
+    per-client downlink costs nothing more) and the upload bytes come back in its reply. A Flower error reply or a
+    missing reply becomes a :class:`~dturbo.algorithms.base.ClientError` / :class:`~dturbo.transport.ClientLost`,
+    which the runner counts (``clients_failed`` / ``clients_dropped``) and
     logs (events.log) as for the in-process clients.
     """
 
@@ -122,9 +123,10 @@ class FlowerTransport:
                 log.info("client %d <-> node %d", pid, node)
 
     # ------------------------------------------------------------ transport
-    def __call__(self, down: bytes, clients: list[int], rnd: int) -> dict[int, Reply]:
-        """Send the downlink to the SuperNodes of ``clients``; their upload bytes, in the order of ``clients``
+    def __call__(self, downlinks: Downlinks, rnd: int) -> dict[int, Reply]:
+        """Send each client its downlink through its SuperNode; their upload bytes, in the order of ``downlinks``
         (the aggregation sums in this order, as in process), or why a client has none."""
+        clients = list(downlinks)
         self.discover(clients, 0.0 if self._connected else self.connect_timeout)
         self._connected = True
         ttl = self.round_timeout or DEFAULT_TTL
@@ -135,7 +137,7 @@ class FlowerTransport:
             if node is None:
                 continue
             task = ConfigRecord({"round": rnd, "client": cid, "config": self.config_text})
-            content = RecordDict({wire.DOWN: wire.bytes_record(down), wire.TASK: task})
+            content = RecordDict({wire.DOWN: wire.bytes_record(downlinks[cid]), wire.TASK: task})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
                                 group_id=str(rnd + 1), ttl=ttl))
             sent[node] = cid
