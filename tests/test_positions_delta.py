@@ -224,3 +224,20 @@ def test_a_client_keeps_the_two_newest_supports(halves):
     with pytest.raises(ValueError, match="bytes"):
         client.import_state({"support_rounds/0": np.array([1]), **{
             f"{i.name}.support0/0": np.zeros(1, np.uint8) for i in client.layers}})
+
+
+def test_on_flower_each_client_gets_its_own_message_and_the_run_is_the_simulators(tmp_path, toy):
+    """The ServerApp sends each SuperNode its own downlink (client sampling: some are stale and get the whole
+    support); the ClientApp keeps the supports in the node's state; the run directory equals the Simulator's."""
+    pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flower]')")
+    import tomli_w
+
+    from dturbo.flower.inprocess import run_inprocess
+
+    cfg = config(toy, "delta", 5, federation={"clients_per_round": 3})
+    path = tmp_path / "delta.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    Simulator(parse_config(cfg), tmp_path / "sim").run()
+    run_inprocess(path, tmp_path / "flower")
+    assert rows_of(tmp_path / "flower") == rows_of(tmp_path / "sim")
+    assert_same_model(tmp_path / "flower", tmp_path / "sim")
