@@ -107,12 +107,14 @@ def local_steps_warning(cfg: Config, fed: Federation) -> str | None:
     if steps >= FEW_LOCAL_STEPS:
         return None
     tr = cfg.train
+    warmup = (f"dturbo.sparsity.warmup_rounds = {sp.warmup_rounds}: leave it unset to pace it by local steps"
+              if sp.warmup_rounds is not None else "dturbo.sparsity.warmup_steps")
     how = (f"train.local_steps = {tr.local_steps}" if tr.local_steps > 0 else
            f"train.local_epochs = {tr.local_epochs:g} of {samples} samples in batches of {tr.batch_size}")
     return (f"the median client trains only {steps} local steps a round ({how}): D-Turbo-VBI prunes between rounds, "
             f"and so few steps leave the pruned model little training to recover, which costs accuracy; raise "
             f"train.local_epochs or train.local_steps to >= {FEW_LOCAL_STEPS} steps a round, or warm up longer "
-            f"(dturbo.sparsity.warmup_rounds); docs/library.md#tuning")
+            f"({warmup}); docs/library.md#tuning")
 
 
 @torch.no_grad()
