@@ -75,9 +75,10 @@ KNOBS: dict[str, dict[str, Any]] = {
     "fedavg_flat": {"experiment.algorithm": "fedavg"},
 }
 SEEDS = [0, 1, 2]
-# Explicit schedules (warm-up rounds, ramp rounds) of the schedule stage, all but the first ending by round 11 of 12;
+# Explicit schedules (warm-up rounds, ramp rounds) of the schedule stage: (0, 1) fixes the support at initialisation,
+# the last five end by round 11 of 12;
 # PACED unsets both (the library's default: paced by local steps, dturbo.sparsity.pruning_schedule).
-SCHEDULES = [(1, 7), (3, 8), (4, 7), (5, 6), (6, 5), (8, 3)]
+SCHEDULES = [(0, 1), (0, 7), (1, 7), (3, 8), (4, 7), (5, 6), (6, 5), (8, 3)]
 PACED = {"dturbo.sparsity.warmup_rounds": None, "dturbo.sparsity.ramp_rounds": None}
 
 
@@ -151,6 +152,9 @@ def schedules(datasets: list[str], seeds: list[int]) -> list[dict[str, Any]]:
                                                     "dturbo.sparsity.ramp_rounds": r}, seed) for w, r in SCHEDULES]
             rows.append(run(dataset, "paced", PACED, seed))
             rows.append(run(dataset, "fedavg", {"experiment.algorithm": "fedavg"}, seed))
+            if dataset != "fmnist":  # 5 local epochs: 16 steps a round, the paced warm-up is then 4 rounds
+                rows.append(run(dataset, "paced_epochs5", {**PACED, "train.local_epochs": 5}, seed))
+                rows.append(run(dataset, "fedavg_epochs5", KNOBS["fedavg_epochs5"], seed))
     return rows
 
 
@@ -220,14 +224,16 @@ def knob_table(rows: list[dict[str, Any]]) -> str:
     for label in (f"beta{beta:g}", *KNOBS, "fedavg"):
         cells = [f"{100 * by[label]['val_accuracy']:.1f} / {100 * by[label]['accuracy']:.1f}"
                  if label in (by := _seed0(rows, dataset)) else "-" for dataset in small]
-        name = {f"beta{beta:g}": "D-Turbo-VBI, defaults", "fedavg": "FedAvg, defaults"}.get(label, f"`{label}`")
+        name = {f"beta{beta:g}": "D-Turbo-VBI, default beta, 1 / 7 rounds", "fedavg": "FedAvg, defaults"}.get(
+            label, f"`{label}`")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def confirm_table(rows: list[dict[str, Any]]) -> str:
     beta = default_beta()
-    lines = ["| dataset | D-Turbo-VBI, default beta, 25% nonzero | FedAvg 16-bit, dense | FedAvg's lead (points) |",
+    lines = ["| dataset | D-Turbo-VBI, default beta, 1 / 7 rounds, 25% nonzero | FedAvg 16-bit, dense | FedAvg's lead "
+             "(points) |",
              "|---|---|---|---|"]
     for dataset in DATASETS:
         for mine, theirs, what in ((f"beta{beta:g}", "fedavg", ""), ("epochs5", "fedavg_epochs5", ", 5 local epochs")):
@@ -248,7 +254,8 @@ def schedule_table(rows: list[dict[str, Any]]) -> str:
     """Mean validation accuracy (seeds 0-2) of each explicit schedule and of the paced default, with FedAvg's."""
     small = [d for d in DATASETS if any(r["dataset"] == d and r["label"] == "w5r6" for r in rows)]
     lines = ["| warm-up / ramp rounds | " + " | ".join(small) + " |", "|---|" + "---|" * len(small)]
-    labels = [(f"w{w}r{r}", f"{w} / {r}" + (" (fmnist_quick's)" if (w, r) == (1, 7) else "")) for w, r in SCHEDULES]
+    notes = {(0, 1): " (support chosen at initialisation)", (1, 7): " (fmnist_quick's)"}
+    labels = [(f"w{w}r{r}", f"{w} / {r}{notes.get((w, r), '')}") for w, r in SCHEDULES]
     for label, name in [*labels, ("paced", "paced by local steps (the default)"), ("fedavg", "FedAvg, dense")]:
         cells = []
         for dataset in small:
@@ -259,17 +266,24 @@ def schedule_table(rows: list[dict[str, Any]]) -> str:
 
 
 def paced_table(rows: list[dict[str, Any]]) -> str:
-    """Test accuracy of the paced default against fmnist_quick's explicit schedule and FedAvg."""
+    """Test accuracy of the paced default against fmnist_quick's explicit schedule and FedAvg, with each one's mean
+    total bits (Mbit, up and down)."""
     beta = default_beta()
     lines = ["| dataset | D-Turbo-VBI, paced schedule (default), 25% nonzero | D-Turbo-VBI, 1 / 7 rounds "
-             "(fmnist_quick's), 25% nonzero | FedAvg 16-bit, dense | FedAvg's lead over paced (points) |",
-             "|---|---|---|---|---|"]
+             "(fmnist_quick's), 25% nonzero | FedAvg 16-bit, dense | FedAvg's lead over paced (points) | Mbit: "
+             "paced / 1 / 7 / FedAvg |", "|---|---|---|---|---|---|"]
     for dataset in DATASETS:
-        cols = [[r["accuracy"] for r in rows if r["dataset"] == dataset and r["label"] == label]
-                for label in ("paced", f"beta{beta:g}", "fedavg")]
-        if cols[0] and cols[2]:
+        for what, labels in (("", ("paced", f"beta{beta:g}", "fedavg")),
+                             (", 5 local epochs", ("paced_epochs5", "epochs5", "fedavg_epochs5"))):
+            sel = [[r for r in rows if r["dataset"] == dataset and r["label"] == label] for label in labels]
+            if not sel[0] or not sel[2]:
+                continue
+            cols = [[r["accuracy"] for r in runs] for runs in sel]
+            bits = " / ".join(f"{statistics.mean(r['cum_bits'] for r in runs) / 1e6:.0f}" if runs else "-"
+                              for runs in sel)
             lead = 100 * (statistics.mean(cols[2]) - statistics.mean(cols[0]))
-            lines.append(f"| {dataset} | " + " | ".join(_mean_std(c) if c else "-" for c in cols) + f" | {lead:.1f} |")
+            lines.append(f"| {dataset}{what} | " + " | ".join(_mean_std(c) if c else "-" for c in cols)
+                         + f" | {lead:.1f} | {bits} |")
     return "\n".join(lines) + "\n"
 
 
