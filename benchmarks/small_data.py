@@ -3,6 +3,7 @@
     python benchmarks/small_data.py --stage select   # the beta grid, seed 0, chosen on validation accuracy
     python benchmarks/small_data.py --stage confirm  # the library default and FedAvg, seeds 0-2, test accuracy
     python benchmarks/small_data.py --stage knobs    # the other knobs one at a time (the two small datasets)
+    python benchmarks/small_data.py --stage schedule # warm-up / ramp in rounds, seeds 0-2, and the paced default
     python benchmarks/small_data.py --stage report   # results file and docs table from the runs on disk
     python benchmarks/small_data.py --datasets digits fmnist-3k --stage all
 
@@ -16,6 +17,10 @@ target density 25%, 1 warm-up + 7 ramp rounds) with 20% of the training set held
 - ``fmnist-3k``: Fashion-MNIST, 3,000 training samples (2,400 after validation), the 2,000 first test samples,
   alexnet-small, 10 clients.
 - ``fmnist``: the whole of Fashion-MNIST (48,000 after validation), alexnet-small, 10 clients (the main job).
+
+The ``paced`` runs leave ``warmup_rounds`` and ``ramp_rounds`` unset, so the library paces them by local steps
+(dturbo.sparsity.pruning_schedule); the ``w<W>r<R>`` runs set them explicitly, and the cap of the paced warm-up was
+chosen on their validation accuracy (seeds 0-2, the small datasets).
 
 beta is chosen on validation accuracy (seed 0; the library default is the beta whose worst shortfall from each
 dataset's best is smallest) and reported on test accuracy. Runs land in
@@ -31,6 +36,7 @@ import json
 import os
 import statistics
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +75,11 @@ KNOBS: dict[str, dict[str, Any]] = {
     "fedavg_flat": {"experiment.algorithm": "fedavg"},
 }
 SEEDS = [0, 1, 2]
+# Explicit schedules (warm-up rounds, ramp rounds) of the schedule stage: (0, 1) fixes the support at initialisation,
+# the last five end by round 11 of 12;
+# PACED unsets both (the library's default: paced by local steps, dturbo.sparsity.pruning_schedule).
+SCHEDULES = [(0, 1), (0, 7), (1, 7), (3, 8), (4, 7), (5, 6), (6, 5), (8, 3)]
+PACED = {"dturbo.sparsity.warmup_rounds": None, "dturbo.sparsity.ramp_rounds": None}
 
 
 def digits_arrays(seed: int = 0, flat: bool = False) -> tuple[np.ndarray, ...]:
@@ -90,7 +101,15 @@ def run(dataset: str, label: str, overrides: dict[str, Any], seed: int) -> dict[
     out = RUNS / dataset / f"{label}_s{seed}"
     settings = {"data.validation": 0.2, "experiment.seed": seed, "experiment.threads": 1,
                 "experiment.name": f"small_data_{dataset}_{label}", **DATASETS[dataset], **overrides}
-    cfg = dturbo.load_config(BASE, settings)
+    base = tomllib.loads(BASE.read_text())
+    for key in [k for k, v in settings.items() if v is None]:  # None: the key unset (the library's default)
+        *sections, name = key.split(".")
+        node = base
+        for section in sections:
+            node = node.get(section, {})
+        node.pop(name, None)
+        del settings[key]
+    cfg = dturbo.load_config(base, settings)
     finished = (out / "model.safetensors").exists()
     if not finished:
         print(f"[{dataset} {label} seed {seed}] training into {out}", flush=True)
@@ -120,6 +139,23 @@ def select(datasets: list[str], betas: list[float], dense: bool) -> list[dict[st
 def knobs(datasets: list[str]) -> list[dict[str, Any]]:
     return [run(dataset, label, overrides, 0) for dataset in datasets for label, overrides in KNOBS.items()
             if dataset == "digits" or not label.endswith("flat")]
+
+
+def schedules(datasets: list[str], seeds: list[int]) -> list[dict[str, Any]]:
+    """Explicit warm-up / ramp rounds on the small datasets (the paced warm-up's cap is chosen on their validation
+    accuracy), and the paced default with FedAvg on every dataset; seeds 0-2."""
+    rows = []
+    for dataset in datasets:
+        for seed in seeds:
+            if dataset != "fmnist":
+                rows += [run(dataset, f"w{w}r{r}", {"dturbo.sparsity.warmup_rounds": w,
+                                                    "dturbo.sparsity.ramp_rounds": r}, seed) for w, r in SCHEDULES]
+            rows.append(run(dataset, "paced", PACED, seed))
+            rows.append(run(dataset, "fedavg", {"experiment.algorithm": "fedavg"}, seed))
+            if dataset != "fmnist":  # 5 local epochs: 16 steps a round, the paced warm-up is then 4 rounds
+                rows.append(run(dataset, "paced_epochs5", {**PACED, "train.local_epochs": 5}, seed))
+                rows.append(run(dataset, "fedavg_epochs5", KNOBS["fedavg_epochs5"], seed))
+    return rows
 
 
 def default_beta() -> float:
@@ -188,14 +224,16 @@ def knob_table(rows: list[dict[str, Any]]) -> str:
     for label in (f"beta{beta:g}", *KNOBS, "fedavg"):
         cells = [f"{100 * by[label]['val_accuracy']:.1f} / {100 * by[label]['accuracy']:.1f}"
                  if label in (by := _seed0(rows, dataset)) else "-" for dataset in small]
-        name = {f"beta{beta:g}": "D-Turbo-VBI, defaults", "fedavg": "FedAvg, defaults"}.get(label, f"`{label}`")
+        name = {f"beta{beta:g}": "D-Turbo-VBI, default beta, 1 / 7 rounds", "fedavg": "FedAvg, defaults"}.get(
+            label, f"`{label}`")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def confirm_table(rows: list[dict[str, Any]]) -> str:
     beta = default_beta()
-    lines = ["| dataset | D-Turbo-VBI, default beta, 25% nonzero | FedAvg 16-bit, dense | FedAvg's lead (points) |",
+    lines = ["| dataset | D-Turbo-VBI, default beta, 1 / 7 rounds, 25% nonzero | FedAvg 16-bit, dense | FedAvg's lead "
+             "(points) |",
              "|---|---|---|---|"]
     for dataset in DATASETS:
         for mine, theirs, what in ((f"beta{beta:g}", "fedavg", ""), ("epochs5", "fedavg_epochs5", ", 5 local epochs")):
@@ -207,9 +245,53 @@ def confirm_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mean(rows: list[dict[str, Any]], dataset: str, label: str, key: str) -> tuple[float, int]:
+    values = [r[key] for r in rows if r["dataset"] == dataset and r["label"] == label]
+    return (100 * statistics.mean(values) if values else float("nan")), len(values)
+
+
+def schedule_table(rows: list[dict[str, Any]]) -> str:
+    """Mean validation accuracy (seeds 0-2) of each explicit schedule and of the paced default, with FedAvg's."""
+    small = [d for d in DATASETS if any(r["dataset"] == d and r["label"] == "w5r6" for r in rows)]
+    lines = ["| warm-up / ramp rounds | " + " | ".join(small) + " |", "|---|" + "---|" * len(small)]
+    notes = {(0, 1): " (support chosen at initialisation)", (1, 7): " (fmnist_quick's)"}
+    labels = [(f"w{w}r{r}", f"{w} / {r}{notes.get((w, r), '')}") for w, r in SCHEDULES]
+    for label, name in [*labels, ("paced", "paced by local steps (the default)"), ("fedavg", "FedAvg, dense")]:
+        cells = []
+        for dataset in small:
+            mean, n = _mean(rows, dataset, label, "val_accuracy")
+            cells.append(f"{mean:.1f} ({n} seeds)" if n else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paced_table(rows: list[dict[str, Any]]) -> str:
+    """Test accuracy of the paced default against fmnist_quick's explicit schedule and FedAvg, with each one's mean
+    total bits (Mbit, up and down)."""
+    beta = default_beta()
+    lines = ["| dataset | D-Turbo-VBI, paced schedule (default), 25% nonzero | D-Turbo-VBI, 1 / 7 rounds "
+             "(fmnist_quick's), 25% nonzero | FedAvg 16-bit, dense | FedAvg's lead over paced (points) | Mbit: "
+             "paced / 1 / 7 / FedAvg |", "|---|---|---|---|---|---|"]
+    for dataset in DATASETS:
+        for what, labels in (("", ("paced", f"beta{beta:g}", "fedavg")),
+                             (", 5 local epochs", ("paced_epochs5", "epochs5", "fedavg_epochs5"))):
+            sel = [[r for r in rows if r["dataset"] == dataset and r["label"] == label] for label in labels]
+            if not sel[0] or not sel[2]:
+                continue
+            cols = [[r["accuracy"] for r in runs] for runs in sel]
+            bits = " / ".join(f"{statistics.mean(r['cum_bits'] for r in runs) / 1e6:.0f}" if runs else "-"
+                              for runs in sel)
+            lead = 100 * (statistics.mean(cols[2]) - statistics.mean(cols[0]))
+            lines.append(f"| {dataset}{what} | " + " | ".join(_mean_std(c) if c else "-" for c in cols)
+                         + f" | {lead:.1f} | {bits} |")
+    return "\n".join(lines) + "\n"
+
+
 TABLES = {"beta": ("beta on validation (seed 0; validation accuracy, %)", beta_table),
           "confirm": ("The default against FedAvg (test accuracy, %, same protocol)", confirm_table),
-          "knobs": ("Other knobs (seed 0, default beta; validation / test accuracy, %)", knob_table)}
+          "knobs": ("Other knobs (seed 0, default beta; validation / test accuracy, %)", knob_table),
+          "schedule": ("Warm-up / ramp on validation (mean of seeds 0-2; validation accuracy, %)", schedule_table),
+          "paced": ("The paced schedule against FedAvg (test accuracy, %)", paced_table)}
 
 
 def fill_doc(doc: Path, tables: dict[str, str]) -> None:
@@ -225,7 +307,8 @@ def fill_doc(doc: Path, tables: dict[str, str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", choices=["select", "confirm", "knobs", "report", "all"], default="all")
+    parser.add_argument("--stage", choices=["select", "confirm", "knobs", "schedule", "report", "all"],
+                        default="all")
     parser.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
     parser.add_argument("--seeds", nargs="+", type=int, default=SEEDS, help="seeds of the confirm stage")
     parser.add_argument("--betas", nargs="+", type=float, default=BETAS, help="betas of the select stage")
@@ -239,6 +322,8 @@ def main() -> None:
         confirm(args.datasets, args.seeds)
     if args.stage in ("knobs", "all"):
         knobs([d for d in args.datasets if d != "fmnist"])  # the small datasets: seconds to minutes a run
+    if args.stage in ("schedule", "all"):
+        schedules(args.datasets, args.seeds)
     rows = collect()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -160,13 +160,24 @@ class SparsityConfig(_Section):
     mode = "prior": the literal algorithm; pi_tilde >= threshold decides, r is the only knob.
     mode = "target": the MRF prior gets an external field (a prior log-odds of activity, part of
     Module B) calibrated each round so that the support size follows a schedule from dense to
-    ``target_density`` (cubic ramp over ``ramp_rounds`` after ``warmup_rounds``).
+    ``target_density`` (cubic ramp over ``ramp_rounds`` after ``warmup_rounds``). Unset, the two are paced by
+    local training (``warmup_steps``, ``ramp_steps``; :func:`dturbo.sparsity.pruning_schedule`,
+    docs/sparsity.md §2, docs/library.md#tuning).
     """
 
     mode: Literal["prior", "target"] = "target"
     target_density: Probability = Field(0.25, gt=0, le=1)
-    warmup_rounds: int = Field(1, ge=0)
-    ramp_rounds: int = Field(6, ge=1)
+    warmup_rounds: int | None = Field(None, ge=0, description=(
+        "dense rounds before the ramp; unset (the default): enough rounds for the mean client to train "
+        "warmup_steps local steps, at most (rounds - 1) // 2"))
+    ramp_rounds: int | None = Field(None, ge=1, description=(
+        "rounds of the cubic ramp to target_density; unset (the default): enough rounds for ramp_steps local steps, "
+        "ending at the latest one round before the last"))
+    warmup_steps: int = Field(64, ge=0, description=(
+        "local steps of the mean client before the first pruning, when warmup_rounds is unset: the support is "
+        "chosen on a model that has trained, not on its initial magnitudes"))
+    ramp_steps: int = Field(500, ge=1, description="local steps of the mean client over the ramp, when ramp_rounds "
+                                                   "is unset")
     scope: Literal["global", "layer"] = "global"
     budget: Literal["weights", "flops"] = Field("weights", description=(
         "what target_density counts: the fraction of weights kept, or of multiply-adds for one sample (the "

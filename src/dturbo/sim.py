@@ -35,7 +35,7 @@ from .faults import CORRUPTIONS, Corrupted, corrupt, draw_faults, with_faults
 from .federation import Federation, build_federation
 from .ledger import LEDGER_COLUMNS, Traffic
 from .rundir import RunDir
-from .sparsity import density_schedule
+from .sparsity import local_steps_a_round, pruning_schedule
 from .transport import ClientLate, ClientLost, InProcessClients, Reply, Transport
 
 # Importable from here as before the runner was split (tests, users' scripts).
@@ -59,28 +59,36 @@ class ScheduleWarning(UserWarning):
     on purpose)."""
 
 
-def schedule_warning(cfg: Config) -> str | None:
+def schedule_warning(cfg: Config, steps: int | None = None) -> str | None:
     """For D-Turbo-VBI in target mode whose ramp ends after the last round: the density the schedule reaches
-    at the last round and how to reach the target; None when the target is reached."""
+    at the last round and how to reach the target; None when the target is reached. ``steps``: the mean client's
+    local steps a round, which pace a warm-up or ramp not set in rounds (:func:`dturbo.sparsity.pruning_schedule`);
+    None: unknown yet, taken as 1 (the longest paced schedule, which still fits the run)."""
     sp = cfg.dturbo.sparsity
     rounds = cfg.experiment.rounds
-    if cfg.experiment.algorithm != "dturbo" or sp.mode != "target" or sp.warmup_rounds + sp.ramp_rounds <= rounds:
+    if cfg.experiment.algorithm != "dturbo" or sp.mode != "target":
         return None
-    reached = density_schedule(rounds - 1, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds)
-    fix = f"set experiment.rounds >= {sp.warmup_rounds + sp.ramp_rounds}"
-    if rounds > sp.warmup_rounds:
-        fix += f" or dturbo.sparsity.ramp_rounds <= {rounds - sp.warmup_rounds}"
+    schedule = pruning_schedule(sp, rounds, steps or 1)
+    warmup, ramp = schedule.warmup, schedule.ramp
+    if warmup + ramp <= rounds:
+        return None
+    reached = schedule.density(rounds - 1, sp.target_density)
+    fix = f"set experiment.rounds >= {warmup + ramp}"
+    if rounds > warmup:
+        fix += f" or dturbo.sparsity.ramp_rounds <= {rounds - warmup}"
     else:
         fix += f" or dturbo.sparsity.warmup_rounds < {rounds} with a shorter ramp_rounds"
+    fix += " (or leave both unset: a schedule paced by local steps always fits the run)"
     layers = " (the layer_targets likewise)" if sp.layer_targets else ""
     return (f"the sparsity schedule does not reach target_density {sp.target_density:g} within the run: "
-            f"warmup_rounds {sp.warmup_rounds} + ramp_rounds {sp.ramp_rounds} > experiment.rounds {rounds}, so the "
+            f"warmup_rounds {warmup} + ramp_rounds {ramp} > experiment.rounds {rounds}, so the "
             f"scheduled density at the last round is {reached:.3f}{layers}; to reach the target, {fix}")
 
 
 # Fewer local steps a round than this (the median client's) and D-Turbo-VBI's pruning outpaces the training that
-# repairs it: on scikit-learn's digits, 25% density cost 8 points against FedAvg with 4 steps a round, and about
-# none with 16 (benchmarks/small_data.py, docs/library.md#tuning).
+# repairs it: on scikit-learn's digits, 25% density cost 8 points against FedAvg with 4 steps a round and one warm-up
+# round (1.7 with the paced schedule), and about none with 16; on Fashion-MNIST-3k 12 points even paced
+# (benchmarks/small_data.py, docs/library.md#tuning).
 FEW_LOCAL_STEPS = 10
 
 
@@ -100,12 +108,14 @@ def local_steps_warning(cfg: Config, fed: Federation) -> str | None:
     if steps >= FEW_LOCAL_STEPS:
         return None
     tr = cfg.train
+    warmup = (f"dturbo.sparsity.warmup_rounds = {sp.warmup_rounds}: leave it unset to pace it by local steps"
+              if sp.warmup_rounds is not None else "dturbo.sparsity.warmup_steps")
     how = (f"train.local_steps = {tr.local_steps}" if tr.local_steps > 0 else
            f"train.local_epochs = {tr.local_epochs:g} of {samples} samples in batches of {tr.batch_size}")
     return (f"the median client trains only {steps} local steps a round ({how}): D-Turbo-VBI prunes between rounds, "
             f"and so few steps leave the pruned model little training to recover, which costs accuracy; raise "
             f"train.local_epochs or train.local_steps to >= {FEW_LOCAL_STEPS} steps a round, or warm up longer "
-            f"(dturbo.sparsity.warmup_rounds); docs/library.md#tuning")
+            f"({warmup}); docs/library.md#tuning")
 
 
 @torch.no_grad()
@@ -198,9 +208,10 @@ class Simulator:
         if cfg.experiment.threads:  # before anything is built: reductions depend on the thread count
             torch.set_num_threads(cfg.experiment.threads)
         self.device = resolve_device(cfg.experiment.device)  # "cuda" without a GPU fails here, before any work
-        if (msg := schedule_warning(cfg)) is not None:
-            warnings.warn(msg, ScheduleWarning, stacklevel=2)
         self.fed = federation or build_federation(cfg, dataset)
+        steps = local_steps_a_round(cfg.train, self.fed.total_samples, cfg.federation.clients)
+        if (msg := schedule_warning(cfg, steps)) is not None:
+            warnings.warn(msg, ScheduleWarning, stacklevel=2)
         if (msg := local_steps_warning(cfg, self.fed)) is not None:
             warnings.warn(msg, LocalStepsWarning, stacklevel=2)
         factory = model(self.fed.dataset) if model is not None else None

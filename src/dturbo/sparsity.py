@@ -9,7 +9,8 @@ activity on every node of a layer's grid, which enters the B -> A message (E2) a
 :class:`SparsityPolicy` is that interface; :func:`make_policy` builds the one ``[dturbo.sparsity] mode`` names:
 
 * ``"prior"``: :class:`LiteralPrior`, no field, the support rule every round;
-* ``"target"``: :class:`TargetDensity`, a density schedule (:func:`density_schedule`) and a field calibrated each
+* ``"target"``: :class:`TargetDensity`, a density schedule (:func:`density_schedule`, its warm-up and ramp paced by
+  local training unless set in rounds: :func:`pruning_schedule`) and a field calibrated each
   round so that the next support has the scheduled density, counted in weights or in multiply-adds
   (:func:`budget_sizes`), per layer or over the model, with named layers on their own targets
   (:func:`layer_targets`).
@@ -17,16 +18,19 @@ activity on every node of a layer's grid, which enters the B -> A message (E2) a
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from . import vbi
+from .algorithms.local import num_local_steps
 from .config import ConfigError
 from .turbo import LayerInfo, module_b
 
 if TYPE_CHECKING:
-    from .config import DturboConfig, SparsityConfig
+    from .config import DturboConfig, SparsityConfig, TrainConfig
 
 
 class SparsityPolicy(Protocol):
@@ -68,6 +72,55 @@ def density_schedule(round_idx: int, *, target: float, warmup: int, ramp: int) -
     return target + (1.0 - target) * (1.0 - progress) ** 3
 
 
+@dataclass(frozen=True)
+class PruningSchedule:
+    """The warm-up and ramp of :func:`density_schedule`, in rounds; ``paced``: derived from local steps (the
+    warm-up, the ramp or both were not set in rounds)."""
+
+    warmup: int
+    ramp: int
+    paced: bool = False
+
+    def density(self, round_idx: int, target: float) -> float:
+        """The scheduled density of round ``round_idx`` (0-based) for a final density ``target``."""
+        return density_schedule(round_idx, target=target, warmup=self.warmup, ramp=self.ramp)
+
+    @property
+    def reached_at(self) -> int:
+        """The 0-based round whose support first has the target density."""
+        return self.warmup + self.ramp - 1
+
+
+def local_steps_a_round(train: TrainConfig, total_samples: int, clients: int) -> int:
+    """Local steps the mean client (``total_samples / clients`` samples) trains in a round, as
+    :func:`dturbo.algorithms.local.num_local_steps` counts them."""
+    return num_local_steps(train, max(1, round(total_samples / max(clients, 1))))
+
+
+def pruning_schedule(sp: SparsityConfig, rounds: int, steps: int) -> PruningSchedule:
+    """The schedule's warm-up and ramp in rounds (docs/sparsity.md §2, docs/library.md#tuning).
+
+    ``warmup_rounds`` and ``ramp_rounds`` as set; unset, each is paced by local training, ``steps`` local steps a
+    round (:func:`local_steps_a_round`): the warm-up lasts until the clients have trained ``warmup_steps`` steps, so
+    that the first support is chosen on a model that has learned something rather than on its initial magnitudes
+    (pruning an untrained network costs most of the accuracy that few local steps a round lose, docs/library.md);
+    the ramp lasts ``ramp_steps`` steps. Both are capped to fit the run: the warm-up takes at most
+    ``(rounds - 1) // 2`` rounds (and leaves an explicit ramp room to end) and the ramp ends at the latest one round
+    before the last (so one round trains at the target): a paced schedule always reaches ``target_density``, and a
+    half-paced one whenever its explicit half fits the run. Rounds set explicitly are kept as
+    they are (a ramp that ends after the run is :class:`dturbo.sim.ScheduleWarning`'s business)."""
+    steps = max(int(steps), 1)
+    warmup = sp.warmup_rounds
+    if warmup is None:
+        warmup = min(math.ceil(sp.warmup_steps / steps), max(rounds - 1, 0) // 2)
+        if sp.ramp_rounds is not None:  # leave an explicit ramp room to end within the run where it can
+            warmup = min(warmup, max(rounds - sp.ramp_rounds, 0))
+    ramp = sp.ramp_rounds
+    if ramp is None:
+        ramp = max(1, min(math.ceil(sp.ramp_steps / steps), rounds - warmup - 1))
+    return PruningSchedule(warmup, ramp, paced=sp.warmup_rounds is None or sp.ramp_rounds is None)
+
+
 def budget_sizes(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     """What one layer's full support counts in the density budget: its weights (``budget = "weights"``) or
     its multiply-adds for one sample (``"flops"``)."""
@@ -100,13 +153,14 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     return out
 
 
-def make_policy(layers: list[LayerInfo], cfg: DturboConfig) -> SparsityPolicy:
-    """The policy of ``cfg.sparsity.mode``. ``sparsity.layer_targets`` is checked against the layers in either mode
-    (a ConfigError before the run starts)."""
+def make_policy(layers: list[LayerInfo], cfg: DturboConfig, schedule: PruningSchedule) -> SparsityPolicy:
+    """The policy of ``cfg.sparsity.mode``; ``schedule``: the target mode's warm-up and ramp
+    (:func:`pruning_schedule`). ``sparsity.layer_targets`` is checked against the layers in either mode (a
+    ConfigError before the run starts)."""
     targets = layer_targets(layers, cfg.sparsity)
     if cfg.sparsity.mode == "prior":
         return LiteralPrior(len(layers))
-    return TargetDensity(layers, cfg, targets)
+    return TargetDensity(layers, cfg, targets, schedule)
 
 
 class LiteralPrior:
@@ -130,24 +184,25 @@ class LiteralPrior:
 
 
 class TargetDensity:
-    """``mode = "target"`` (docs/sparsity.md §2): dense for ``warmup_rounds`` (the support rule waits), then the
+    """``mode = "target"`` (docs/sparsity.md §2): dense for the schedule's warm-up (the support rule waits), then the
     support follows :func:`density_schedule` down to ``target_density``: the field of Module B's prior is
     calibrated every round so that the next support, {eta_next + logit(pi) >= logit(threshold)}, has the
     scheduled density."""
 
-    def __init__(self, layers: list[LayerInfo], cfg: DturboConfig, targets: np.ndarray) -> None:
+    def __init__(self, layers: list[LayerInfo], cfg: DturboConfig, targets: np.ndarray,
+                 schedule: PruningSchedule) -> None:
         self.layers = layers
         self.sp = cfg.sparsity
         self.spmp = cfg.spmp
         self.targets = targets  # final density of the layers calibrated alone, NaN for those sharing one field
+        self.schedule = schedule
         self.threshold_logodds = float(vbi.safe_logit(cfg.support_threshold))
 
     def scheduled_density(self, round_idx: int) -> float:
-        sp = self.sp
-        return density_schedule(round_idx, target=sp.target_density, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds)
+        return self.schedule.density(round_idx, self.sp.target_density)
 
     def decides_support(self, round_idx: int) -> bool:
-        return round_idx >= self.sp.warmup_rounds
+        return round_idx >= self.schedule.warmup
 
     def steers(self, round_idx: int) -> bool:
         return self.scheduled_density(round_idx) < 1.0
@@ -156,11 +211,10 @@ class TargetDensity:
                previous: np.ndarray) -> np.ndarray:
         if not self.steers(next_round):
             return np.zeros(len(self.layers))
-        sp = self.sp
-        targets = np.array([np.nan if np.isnan(t) else density_schedule(
-            next_round, target=t, warmup=sp.warmup_rounds, ramp=sp.ramp_rounds) for t in self.targets])
-        # Round warmup + ramp - 1 is the first at the target; from the next one on the schedule holds still.
-        settled = next_round >= sp.warmup_rounds + sp.ramp_rounds
+        targets = np.array([np.nan if np.isnan(t) else self.schedule.density(next_round, float(t))
+                            for t in self.targets])
+        # Round reached_at is the first at the target; from the next one on the schedule holds still.
+        settled = next_round > self.schedule.reached_at
         return self.calibrate_field(eta, eta_next, self.scheduled_density(next_round), targets, previous,
                                     settled=settled)
 

@@ -38,7 +38,7 @@ from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale, weight_uses
 from ..prior import grid_shape, layer_kind, resolve_prior
-from ..sparsity import make_policy
+from ..sparsity import local_steps_a_round, make_policy, pruning_schedule
 from ..turbo import LayerInfo, LayerState
 from .base import ClientData, RoundResult, State, client_generator
 from .dturbo_messages import (
@@ -98,7 +98,10 @@ class DturboServer(ServerBase[DturboUplink]):
         model = model_factory()
         self.layers = _layer_infos(model, cfg)
         self.plain = PlainState(model)  # the state outside the Bayesian layers (BatchNorm, ...): sent dense
-        self.sparsity = make_policy(self.layers, cfg.dturbo)  # docs/algorithm.md §11: checks layer_targets now
+        # docs/algorithm.md §11; the schedule paced by the mean client's local steps unless set in rounds.
+        self.schedule = pruning_schedule(cfg.dturbo.sparsity, cfg.experiment.rounds, local_steps_a_round(
+            cfg.train, self.total_samples, cfg.federation.clients))
+        self.sparsity = make_policy(self.layers, cfg.dturbo, self.schedule)  # checks layer_targets now
         self.messages = DturboMessages(cfg, model, self.layers, self.plain)
         self.layouts = self.messages.layouts
 

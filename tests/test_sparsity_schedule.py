@@ -1,0 +1,123 @@
+"""The pruning schedule of target mode (docs/sparsity.md §2, docs/library.md#tuning): warm-up and ramp in rounds as
+set, or paced by local training when unset (:func:`dturbo.sparsity.pruning_schedule`)."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dturbo
+from dturbo.algorithms.local import num_local_steps
+from dturbo.config import ConfigError, SparsityConfig, TrainConfig, load_config, parse_config
+from dturbo.sim import ScheduleWarning, schedule_warning
+from dturbo.sparsity import density_schedule, local_steps_a_round, pruning_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+PACED = [SparsityConfig(), SparsityConfig(warmup_steps=0), SparsityConfig(warmup_steps=10, ramp_steps=1),
+         SparsityConfig(warmup_steps=1000, ramp_steps=5000), SparsityConfig(warmup_rounds=2),
+         SparsityConfig(ramp_rounds=3)]
+
+
+def test_explicit_rounds_are_kept_whatever_the_local_steps():
+    """The README's main job (configs/fmnist_quick.toml sets warmup_rounds 1, ramp_rounds 7) schedules exactly
+    the densities it scheduled before the paced schedule existed, whatever the clients' local steps: its
+    metrics.csv does not change."""
+    cfg = load_config(ROOT / "configs" / "fmnist_quick.toml")
+    sp = cfg.dturbo.sparsity
+    assert (sp.warmup_rounds, sp.ramp_rounds) == (1, 7)
+    for steps in (1, 4, 75, 94, 10_000):
+        schedule = pruning_schedule(sp, cfg.experiment.rounds, steps)
+        assert (schedule.warmup, schedule.ramp, schedule.paced) == (1, 7, False)
+        assert [schedule.density(t, sp.target_density) for t in range(12)] == [
+            density_schedule(t, target=0.25, warmup=1, ramp=7) for t in range(12)]
+
+
+@pytest.mark.parametrize("sp", PACED)
+def test_paced_schedule_is_monotone_and_reaches_the_target_within_the_run(sp):
+    for rounds, steps in itertools.product(range(1, 41), (1, 2, 4, 9, 75, 500)):
+        schedule = pruning_schedule(sp, rounds, steps)
+        dens = [schedule.density(t, 0.25) for t in range(rounds)]
+        assert all(b <= a for a, b in itertools.pairwise(dens)), (rounds, steps, dens)
+        fits = (sp.warmup_rounds is None or sp.warmup_rounds < rounds) and (sp.ramp_rounds or 1) <= rounds
+        assert dens[-1] == 0.25 or not fits, (rounds, steps, schedule)
+        cfg = parse_config({"experiment": {"rounds": rounds},
+                            "dturbo": {"sparsity": sp.model_dump(exclude_none=True)}})
+        assert (dens[-1] == 0.25) == (schedule_warning(cfg, steps) is None)
+        assert schedule.warmup >= 0 and schedule.ramp >= 1
+        if rounds >= 2 and sp.warmup_rounds is None and sp.ramp_rounds is None:
+            # one round trains at the target before the last support is evaluated
+            assert schedule.reached_at <= rounds - 2, (rounds, steps, schedule)
+            assert schedule.warmup <= (rounds - 1) // 2
+
+
+def test_paced_warmup_is_the_rounds_that_train_warmup_steps_unless_capped():
+    sp = SparsityConfig(warmup_steps=64, ramp_steps=500)
+    for rounds, steps in itertools.product(range(2, 60), range(1, 130)):
+        schedule = pruning_schedule(sp, rounds, steps)
+        if schedule.warmup < (rounds - 1) // 2:  # not capped: the fewest rounds with >= 64 local steps
+            assert schedule.warmup * steps >= 64 > (schedule.warmup - 1) * steps
+        if schedule.ramp < rounds - schedule.warmup - 1:
+            assert schedule.ramp * steps >= 500 > (schedule.ramp - 1) * steps
+    # Whole Fashion-MNIST with validation, 10 clients (75 steps a round): the schedule fmnist_quick sets by hand;
+    # 4 steps a round (benchmarks/small_data.py's small datasets): the capped warm-up chosen on validation.
+    for steps, rounds in ((75, (1, 7)), (4, (5, 6))):
+        schedule = pruning_schedule(sp, 12, steps)
+        assert (schedule.warmup, schedule.ramp, schedule.paced) == (*rounds, True)
+
+
+def test_local_steps_a_round_is_the_mean_clients():
+    train = TrainConfig(local_epochs=1.0, batch_size=64)
+    assert local_steps_a_round(train, 1150, 5) == num_local_steps(train, 230) == 4
+    assert local_steps_a_round(TrainConfig(local_steps=7), 10, 3) == 7
+
+
+def test_paced_schedule_never_warns_and_explicit_too_long_does():
+    for rounds, steps in itertools.product(range(1, 30), (1, 4, 75)):
+        cfg = parse_config({"experiment": {"rounds": rounds}})
+        assert schedule_warning(cfg, steps) is None
+    late = parse_config({"experiment": {"rounds": 4}, "dturbo": {"sparsity": {"warmup_rounds": 4}}})
+    assert "warmup_rounds 4 + ramp_rounds 1 > experiment.rounds 4" in schedule_warning(late, 4)
+
+
+def test_paced_config_round_trips_unset():
+    """Unset rounds are left out of a run's config.toml, so a resumed run is paced again."""
+    cfg = parse_config({})
+    assert cfg.dturbo.sparsity.warmup_rounds is None and cfg.dturbo.sparsity.ramp_rounds is None
+    text = cfg.to_toml()
+    assert "warmup_rounds" not in text and "warmup_steps = 64" in text
+    assert load_config(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("warmup_steps", -1, "greater than or equal to 0"), ("ramp_steps", 0, "greater than or equal to 1"),
+    ("warmup_rounds", -1, "greater than or equal to 0"), ("ramp_rounds", 0, "greater than or equal to 1"),
+    ("warmup_steps", 1.5, "valid integer"), ("ramp_steps", "500", "valid integer"), ("warmup_steps", True, "integer"),
+])
+def test_bad_schedule_values_are_refused_naming_the_key(key, value, message):
+    with pytest.raises(ConfigError, match=rf"dturbo\.sparsity\.{key}'.*{message}"):
+        parse_config({"dturbo": {"sparsity": {key: value}}})
+
+
+def test_a_run_follows_the_paced_schedule(tmp_path, tiny_config):
+    """End to end: 3 local steps a round, warmup_steps 6 and ramp_steps 6 over 6 rounds: 2 dense rounds, then a
+    2-round ramp (the scheduled_density column), and the support never exceeds it."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(240, 12)).astype(np.float32)
+    y = ((x[:, :3].sum(1) > 0).astype(np.int64) + 2 * (x[:, 3] > 0))
+    cfg = tiny_config(rounds=6, dturbo={"sparsity": {"target_density": 0.5, "warmup_steps": 6, "ramp_steps": 6}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScheduleWarning)
+        warnings.filterwarnings("ignore", "the median client trains only")
+        dturbo.Experiment(cfg, data=(x, y, x[:100], y[:100]), out=tmp_path / "run", progress=False,
+                          figures=False).run()
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    expected = [density_schedule(t, target=0.5, warmup=2, ramp=2) for t in range(6)]
+    assert [float(r["scheduled_density"]) for r in rows] == pytest.approx(expected)
+    assert all(float(r["density"]) <= float(r["scheduled_density"]) for r in rows)
+    assert [float(r["density"]) for r in rows[:2]] == [1.0, 1.0]
