@@ -21,6 +21,7 @@ from dturbo.nn import BayesConv2d, BayesianizeError, BayesLinear, UnsupportedLay
 from dturbo.nn.convert import user_model_factory
 from dturbo.nn.models import ModelOutputError
 from dturbo.prior import grid_shape
+from dturbo.sparsity import SETTLED_SHORTFALL
 
 TIMING = {"seconds", "server_seconds"}
 CLASSES = 4
@@ -209,7 +210,9 @@ def test_dturbo_federates_sparsifies_and_resumes(tmp_path, name):
     make = MODELS[name]
     whole = run(tmp_path / "whole", make)
     last = whole.metrics[-1]
-    assert last["scheduled_density"] == 0.4 and 0.4 - 2e-3 <= last["density"] <= 0.4
+    # At most the target; under it by at most the settled shortfall (docs/sparsity.md §2) and the weights whose mean
+    # rounds to 0 in float16
+    assert last["scheduled_density"] == 0.4 and 0.4 * (1 - SETTLED_SHORTFALL) - 2e-3 <= last["density"] <= 0.4
     assert all(np.isfinite(r["loss"]) for r in whole.metrics)
     assert isinstance(dict(bayesian_layers(whole.model))["head"], BayesLinear)
     # cut after round 1 and after round 2, then resume: the same rows, state and model as the whole run
