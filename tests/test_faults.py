@@ -3,19 +3,17 @@ Rounds complete with who answered, everything is recorded, nothing saved is lost
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import numpy as np
 import pytest
+from run_helpers import cut_and_resume, rows_of
 
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.checkpoint import load_checkpoint
 from dturbo.config import parse_config
 from dturbo.faults import CORRUPTIONS, corrupt, draw_faults
 from dturbo.sim import PoisonedStateError, Simulator, TooFewClientsError, check_finite
-
-TIMING = {"seconds", "server_seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +33,6 @@ def config(toy: Path, rounds: int = 5, **sections) -> dict:
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value}
     return cfg
-
-
-def rows_of(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
 
 
 HOSTILE = {"drop_prob": 0.2, "corrupt_prob": 0.3, "straggler_sigma": 0.6, "deadline": 1.6}
@@ -68,11 +61,7 @@ def test_rounds_complete_with_who_answered_and_every_fault_is_recorded(tmp_path,
 
 def test_resume_under_faults_is_exact(tmp_path, toy):
     cfg = config(toy, 6, faults=HOSTILE, federation={"min_clients": 2, "max_retries": 5})
-    Simulator(parse_config(cfg), tmp_path / "full").run()
-    sim = Simulator(parse_config(cfg), tmp_path / "part")
-    sim.cfg.experiment.rounds = 3  # as if killed after round 3
-    sim.run()
-    Simulator(parse_config(cfg), tmp_path / "part", resume=True).run()
+    cut_and_resume(cfg, tmp_path / "full", tmp_path / "part", cut=3)
     assert rows_of(tmp_path / "part") == rows_of(tmp_path / "full")
     assert (tmp_path / "part" / "events.log").read_text() == (tmp_path / "full" / "events.log").read_text()
 

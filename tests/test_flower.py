@@ -8,7 +8,6 @@ undisturbed and once with a SuperNode killed in the middle of the run.
 
 from __future__ import annotations
 
-import csv
 import os
 import shutil
 import signal
@@ -28,6 +27,7 @@ import torch
 pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flower]')")
 
 from flwr.app import Context, Message, RecordDict  # noqa: E402
+from run_helpers import rows_of  # noqa: E402
 
 from dturbo.algorithms.base import ClientError  # noqa: E402
 from dturbo.checkpoint import load_checkpoint  # noqa: E402
@@ -40,9 +40,6 @@ from dturbo.sim import Simulator, TooFewClientsError  # noqa: E402
 from dturbo.transport import ClientLost  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = {"seconds", "server_seconds"}
-
-
 @pytest.fixture(scope="module")
 def toy(make_toy) -> Path:
     return make_toy(600)
@@ -65,11 +62,6 @@ def write_config(folder: Path, toy: Path, algorithm: str = "dturbo", rounds: int
     path = folder / f"{algorithm}.toml"
     path.write_text(tomli_w.dumps(cfg))
     return path
-
-
-def rows_of(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
 
 
 def assert_same_model(a: Path, b: Path) -> None:

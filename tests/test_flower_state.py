@@ -8,7 +8,6 @@ SuperNode and a ClientApp process. The uploads must be byte for byte those of an
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flo
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  # noqa: E402
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents  # noqa: E402
+from run_helpers import rows_of  # noqa: E402
 
 from dturbo.config import load_config  # noqa: E402
 from dturbo.flower import client_app as client_module  # noqa: E402
@@ -26,7 +26,6 @@ from dturbo.flower import wire  # noqa: E402
 from dturbo.flower.inprocess import InProcessGrid, run_inprocess  # noqa: E402
 from dturbo.sim import Simulator  # noqa: E402
 
-TIMING = {"seconds", "server_seconds"}
 CLIENTS, ROUNDS = 3, 3
 
 
@@ -48,11 +47,6 @@ def write_config(folder: Path, toy: Path, algorithm: str = "stc") -> Path:
     path = folder / f"{algorithm}.toml"
     path.write_text(tomli_w.dumps(cfg))
     return path
-
-
-def rows_of(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
 
 
 def serialised(state: RecordDict) -> RecordDict:

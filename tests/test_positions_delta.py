@@ -5,11 +5,11 @@ holds through client sampling, faults and a resume."""
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import numpy as np
 import pytest
+from run_helpers import cut_and_resume, rows_of
 from safetensors.numpy import load_file
 
 from dturbo.algorithms.base import MessageError, message_bits
@@ -28,7 +28,6 @@ from dturbo.sim import Simulator
 
 # the columns allowed to differ between a "full" and a "delta" run: the downlink's bits and the times
 DOWN = {"down_bits", "cum_bits", "down_headers_bits", "down_positions_bits", "down_values_bits"}
-TIMES = {"seconds", "server_seconds"}
 
 
 # ------------------------------------------------------------------------------------------ the coding
@@ -107,11 +106,6 @@ def config(toy: Path, positions: str, rounds: int = 6, **sections) -> dict:
     return cfg
 
 
-def rows_of(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in TIMES} for r in csv.DictReader(f)]
-
-
 def events(out: Path) -> str:
     return (out / "events.log").read_text() if (out / "events.log").exists() else ""
 
@@ -163,11 +157,7 @@ def test_a_resumed_delta_run_equals_an_uninterrupted_one(tmp_path, toy):
     """What each client holds is in the checkpoint (server and clients): cut after round 3, resume, same run."""
     cfg = config(toy, "delta", 6, federation={"clients_per_round": 3, "min_clients": 1, "max_retries": 5},
                  faults={"drop_prob": 0.25})
-    Simulator(parse_config(cfg), tmp_path / "whole").run()
-    part = Simulator(parse_config(cfg), tmp_path / "part")
-    part.cfg.experiment.rounds = 3  # as if stopped after round 3
-    part.run()
-    Simulator(parse_config(cfg), tmp_path / "part", resume=True).run()
+    cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", cut=3)
     assert rows_of(tmp_path / "part") == rows_of(tmp_path / "whole")
     assert_same_model(tmp_path / "part", tmp_path / "whole")
 

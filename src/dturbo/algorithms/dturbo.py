@@ -68,6 +68,21 @@ def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
     return infos
 
 
+def _packed_size(info: LayerInfo) -> int:
+    """Bytes of a layer's support packed 8 to a byte (the held supports of ``positions = "delta"``)."""
+    return -(-int(np.prod(info.grid)) // 8)
+
+
+def _pack_support(mask: np.ndarray) -> np.ndarray:
+    """A support (boolean grid) as bits packed 8 to a byte, row-major."""
+    return np.packbits(mask.reshape(-1))
+
+
+def _unpack_support(packed: np.ndarray, info: LayerInfo) -> np.ndarray:
+    """Inverse of :func:`_pack_support`: the support of ``info``'s grid."""
+    return np.unpackbits(packed, count=int(np.prod(info.grid))).astype(bool).reshape(info.grid)
+
+
 def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: np.ndarray,
                 bias: np.ndarray | None, prior_std: np.ndarray | None) -> None:
     with torch.no_grad():
@@ -132,7 +147,7 @@ class DturboServer(ServerBase[DturboUplink]):
             clients = self.cfg.federation.clients
             state["held_round"] = np.full(clients, NO_BASE, dtype=np.int64)
             for info in self.layers:
-                state[f"held.{info.name}"] = np.zeros((clients, -(-int(np.prod(info.grid)) // 8)), dtype=np.uint8)
+                state[f"held.{info.name}"] = np.zeros((clients, _packed_size(info)), dtype=np.uint8)
         if self.sparsity.steers(0):
             # The first support decision must follow the schedule too. Module B has no A->B message yet (unary 0),
             # and the first E3's evidence is already fixed by the initial q(rho), so the field is calibrated for
@@ -174,8 +189,7 @@ class DturboServer(ServerBase[DturboUplink]):
         out = {}
         for b in rounds - {NO_BASE}:
             cid = int(np.flatnonzero(state["held_round"] == b)[0])
-            out[b] = [np.unpackbits(state[f"held.{i.name}"][cid], count=int(np.prod(i.grid))).astype(bool)
-                      .reshape(i.grid) for i in self.layers]
+            out[b] = [_unpack_support(state[f"held.{i.name}"][cid], i) for i in self.layers]
         return out
 
     def _downlink_record(self, state: State, round_idx: int) -> DturboDownlink:
@@ -250,7 +264,7 @@ class DturboServer(ServerBase[DturboUplink]):
         for info, mask in zip(self.layers, trained, strict=True):
             held = state[f"held.{info.name}"].copy()
             held[selected] = 0
-            held[confirmed] = np.packbits(mask.reshape(-1))
+            held[confirmed] = _pack_support(mask)
             out[f"held.{info.name}"] = held
         return out
 
@@ -420,7 +434,7 @@ class DturboClient:
             out[f"support_rounds/{cid}"] = np.array(rounds, dtype=np.int64)
             for slot, r in enumerate(rounds):
                 for info, support in zip(self.layers, mine[r], strict=True):
-                    out[f"{info.name}.support{slot}/{cid}"] = np.packbits(support.reshape(-1))
+                    out[f"{info.name}.support{slot}/{cid}"] = _pack_support(support)
         return out
 
     def import_state(self, arrays: dict[str, np.ndarray]) -> None:
@@ -436,12 +450,11 @@ class DturboClient:
                 for slot, r in enumerate(np.asarray(rounds, dtype=np.int64).reshape(-1).tolist()):
                     supports = []
                     for info in self.layers:
-                        size = int(np.prod(info.grid))
                         packed = np.asarray(arrays[f"{info.name}.support{slot}/{cid}"], dtype=np.uint8)
-                        if packed.shape != (-(-size // 8),):
+                        if packed.shape != (_packed_size(info),):
                             raise ValueError(f"the support of {info.name} held by client {cid} has {packed.size} "
-                                             f"bytes, the model's grid needs {-(-size // 8)}")
-                        supports.append(np.unpackbits(packed, count=size).astype(bool).reshape(info.grid))
+                                             f"bytes, the model's grid needs {_packed_size(info)}")
+                        supports.append(_unpack_support(packed, info))
                     mine[r] = supports
                 self._held[cid] = mine
         except (KeyError, TypeError) as err:

@@ -1,0 +1,29 @@
+"""Helpers the tests share for reading and re-running run directories (imported by name: pytest puts tests/ on
+the path)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from dturbo.config import parse_config
+from dturbo.sim import Simulator
+
+# Wall-time columns of metrics.csv: the only ones two equal runs may differ in.
+TIMING = frozenset({"seconds", "server_seconds"})
+
+
+def rows_of(out: Path) -> list[dict[str, str]]:
+    """A run directory's metrics.csv rows, without the wall-time columns."""
+    with open(out / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+def cut_and_resume(cfg: dict, whole: Path, part: Path, cut: int) -> None:
+    """Run ``cfg`` uninterrupted into ``whole``; into ``part``, stop after round ``cut`` (as if killed there), then
+    resume it to the end."""
+    Simulator(parse_config(cfg), whole).run()
+    sim = Simulator(parse_config(cfg), part)
+    sim.cfg.experiment.rounds = cut
+    sim.run()
+    Simulator(parse_config(cfg), part, resume=True).run()
