@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from run_helpers import TIMING
 from safetensors.numpy import load_file
 
 from dturbo.algorithms.base import message_bits
@@ -23,7 +24,6 @@ from dturbo.ledger import LEDGER_COLUMNS
 from dturbo.sim import Simulator
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
-TIMING = {"seconds", "server_seconds"}
 
 
 def base_config(algorithm: str, **sections) -> dict:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from run_helpers import rows_of
 from typer.testing import CliRunner
 
 from dturbo.algorithms.base import ClientData
@@ -18,7 +16,6 @@ from dturbo.device import resolve_device
 from dturbo.nn.models import build_model
 from dturbo.sim import Simulator
 
-TIMING = {"seconds", "server_seconds"}
 has_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")
 
 
@@ -62,11 +59,6 @@ def test_cli_names_the_device_problem(no_gpu, tmp_path, make_toy):
     assert result.exit_code == 2 and "experiment.device = 'cuda'" in result.output
 
 
-def _rows(run: Path) -> list[dict[str, str]]:
-    with open(run / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
-
-
 def test_auto_on_cpu_is_bit_identical_and_resumes_a_cpu_run(no_gpu, tmp_path, tiny_config, make_toy):
     """The device is not part of the experiment: a CPU run continues under "auto" (the same checkpoint
     fingerprint), and the metrics equal the uninterrupted CPU run's."""
@@ -75,7 +67,7 @@ def test_auto_on_cpu_is_bit_identical_and_resumes_a_cpu_run(no_gpu, tmp_path, ti
     Simulator(parse_config(tiny_config(rounds=1, data=data)), tmp_path / "split").run()
     Simulator(parse_config(tiny_config(rounds=2, data=data, experiment={"device": "auto"})), tmp_path / "split",
               resume=True).run()
-    assert _rows(tmp_path / "whole") == _rows(tmp_path / "split")
+    assert rows_of(tmp_path / "whole") == rows_of(tmp_path / "split")
 
 
 def _train(device: torch.device) -> tuple[torch.nn.Module, float]:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import csv
 import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from run_helpers import TIMING, rows_of
 from typer.testing import CliRunner
 
 import dturbo
@@ -17,8 +17,6 @@ from dturbo.cli import app
 from dturbo.data import DataError, load_dataset
 from dturbo.nn.bayes import bayesian_layers
 from dturbo.sim import evaluate
-
-TIMING = {"seconds", "server_seconds"}
 
 
 def toy_arrays(n: int = 300) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -37,11 +35,6 @@ def toy_npz(tmp_path_factory) -> Path:
     return path
 
 
-def rows(run: Path) -> list[dict[str, str]]:
-    with open(run / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
-
-
 def files(run: Path) -> list[str]:
     return sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
 
@@ -53,11 +46,11 @@ def test_same_run_directory_as_the_cli(tmp_path, tiny_config, toy_npz):
     assert result.exit_code == 0, result.output
     res = dturbo.Experiment(cfg_path, out=tmp_path / "lib", progress=False).run()
     assert files(tmp_path / "lib") == files(tmp_path / "cli") and "figures/curves.png" in files(tmp_path / "lib")
-    assert rows(tmp_path / "lib") == rows(tmp_path / "cli")
+    assert rows_of(tmp_path / "lib") == rows_of(tmp_path / "cli")
     assert (tmp_path / "lib" / "config.toml").read_text() == (tmp_path / "cli" / "config.toml").read_text()
     # the result's metrics are metrics.csv's rows, typed
     assert [r["round"] for r in res.metrics] == [1, 2] and isinstance(res.metrics[0]["up_bits"], int)
-    assert res.accuracy == float(rows(tmp_path / "cli")[-1]["accuracy"]) and res.out == tmp_path / "lib"
+    assert res.accuracy == float(rows_of(tmp_path / "cli")[-1]["accuracy"]) and res.out == tmp_path / "lib"
 
 
 def test_arrays_run_as_the_npz_file_does(tmp_path, tiny_config, toy_npz):
@@ -68,7 +61,7 @@ def test_arrays_run_as_the_npz_file_does(tmp_path, tiny_config, toy_npz):
     arrays = dturbo.Experiment(tiny_config(data={"name": "npz", "path": "/elsewhere.npz"}),
                                data=(torch.from_numpy(x[..., None]), torch.from_numpy(y), xt[..., None], yt),
                                out=tmp_path / "arrays", progress=False, figures=False).run()
-    assert rows(tmp_path / "arrays") == rows(tmp_path / "npz")
+    assert rows_of(tmp_path / "arrays") == rows_of(tmp_path / "npz")
     assert arrays.metrics[-1]["accuracy"] == npz.metrics[-1]["accuracy"]
     written = tomllib.loads((tmp_path / "arrays" / "config.toml").read_text())
     assert written["data"]["name"] == "arrays" and "path" not in written["data"]
@@ -104,7 +97,7 @@ def test_resume_continues_as_an_uninterrupted_run(tmp_path, tiny_config):
     resumed = dturbo.Experiment(tiny_config(rounds=3), data=data, out=tmp_path / "split", resume=True,
                                 progress=seen.append, figures=False).run()
     assert [r["round"] for r in seen] == [2, 3]  # only the rounds run now reach the callback
-    assert rows(tmp_path / "split") == rows(tmp_path / "whole")
+    assert rows_of(tmp_path / "split") == rows_of(tmp_path / "whole")
     strip = [[{k: v for k, v in r.items() if k not in TIMING} for r in res.metrics] for res in (resumed, whole)]
     assert strip[0] == strip[1]
     with pytest.raises(CheckpointError, match="no checkpoint"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from run_helpers import TIMING
 
 from dturbo.algorithms.base import ClientData, frame, message_bits, pack_scalars
 from dturbo.algorithms.fedpm import (
@@ -32,8 +33,6 @@ from dturbo.coding.masks import (
 from dturbo.config import ConfigError, parse_config
 from dturbo.federation import build_federation
 from dturbo.sim import Simulator
-
-TIMING = {"seconds", "server_seconds"}
 
 
 # ------------------------------------------------------------------------------------------ mask coding

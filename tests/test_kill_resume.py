@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import subprocess
@@ -12,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-TIMING = {"seconds", "server_seconds"}
+from run_helpers import rows_of
 
 
 def _config(tmp_path: Path) -> Path:
@@ -55,17 +53,12 @@ def _run(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
                              *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
 
-def _rows(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sigkill_then_resume_gives_identical_metrics(tmp_path, seed):
     cfg = _config(tmp_path)
     ref = _run(cfg, tmp_path / "ref")
     assert ref.wait(timeout=300) == 0, ref.stderr.read().decode()
-    reference = _rows(tmp_path / "ref")
+    reference = rows_of(tmp_path / "ref")
     assert len(reference) == 10
 
     out = tmp_path / "killed"
@@ -80,5 +73,5 @@ def test_sigkill_then_resume_gives_identical_metrics(tmp_path, seed):
     assert proc.returncode == -signal.SIGKILL or proc.returncode == 0
     resumed = _run(cfg, out, "--resume")
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()
-    assert _rows(out) == reference
+    assert rows_of(out) == reference
     assert (out / "metrics.csv").read_text().count("\n") == 11
