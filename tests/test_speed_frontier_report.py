@@ -1,0 +1,63 @@
+"""The speed frontier's report stage (benchmarks/speed_frontier.py --stage report) from a hand-made timing file:
+summaries and goals derived again from the per-seed records, no training and no timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sf() -> ModuleType:
+    for name in ("frontier", "speed_frontier"):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # dataclasses look their module up by name; speed_frontier imports frontier
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def _point(label: str, accs: list[float], speedups: list[float]) -> dict:
+    per_seed = [{"seed": i, "accuracy": a, "speedup": s, "speedup_sessions": [s - 0.1, s, s + 0.2]}
+                for i, (a, s) in enumerate(zip(accs, speedups, strict=True))]
+    keys = ("speedup_eager", "speedup_batch64", "speedup_batch1", "latency_batch1_ms", "latency_batch1_dense_ms",
+            "speedup_1thread", "latency_batch1_1thread_ms")
+    return {"label": label, "setting": label, "note": label, "accuracy": float(np.mean(accs)),
+            "accuracy_std": 0.0, "seeds": len(accs), "density": 0.25, "speedup": float(np.mean(speedups)),
+            "val_accuracy": 0.0, "per_seed": per_seed, **dict.fromkeys(keys, 1.0)}
+
+
+def test_report_rederives_std_and_goals(sf: ModuleType, tmp_path: Path) -> None:
+    res = {
+        "dense_reference": {"label": "fedavg32", "setting": "fedavg32_lr2e-3", "accuracy": 0.88, "seeds": 3},
+        # within 1.5 points at 2.2x: meets the first goal; 3.6x but 3 points below: meets neither
+        "points": [_point("near", [0.870, 0.874], [2.1, 2.3]), _point("fast", [0.85, 0.85], [3.5, 3.7])],
+        "goals": [], "timing": {"samples": 3000, "batches": [3000, 64, 1], "threads": [2, 1], "settings": ["eager"],
+                                "rule": "r", "sessions": 3, "repeats": {}},
+        "machine": {"platform": "p", "torch": "t"}, "date": "d",
+    }
+    path = tmp_path / "speed_frontier.json"
+    path.write_text(json.dumps(res))
+    out = sf.reread(path)
+    near, fast = out["points"]
+    assert near["accuracy_std"] == pytest.approx(np.std([0.870, 0.874], ddof=1))  # the frontier's convention
+    assert [g["met"] for g in out["goals"]] == [True, False]
+    assert out["goals"][0]["by"] == ["near"]
+    assert out["goals"][1]["most_accurate_at_speed"]["label"] == "fast"
+    md = sf.markdown(out)
+    assert "**met** by near" in md and "fast, is 3.00 points below" in md
+    assert "2.00-2.50x" in md  # the range over seeds x sessions
+
+
+def test_report_without_timing_file(sf: ModuleType, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="run --stage time first"):
+        sf.reread(tmp_path / "speed_frontier.json")
