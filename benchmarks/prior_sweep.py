@@ -76,6 +76,7 @@ def train(setting: str, rounds: int, limit_train: int) -> Path:
     out = ROOT / "runs" / "prior_sweep" / setting
     cfg = load_config(ROOT / "configs" / "fmnist_quick.toml", [
         f"experiment.rounds={rounds}", f"data.limit_train={limit_train}", "dturbo.sparsity.ramp_rounds=6",
+        "train.lr=0.002",  # the lr of configs/fmnist_quick.toml when this sweep was recorded
         # KL / n grows as n shrinks: keep the per-sample weight of the full-data config (beta 0.3 at 60000)
         f"dturbo.beta={0.3 * limit_train / 60000:.6g}",
         *overrides(setting)])

@@ -44,9 +44,9 @@ def run_one(kind: str, value: float, config: Path, extra: list[str]) -> dict:
         overrides = [f"dturbo.sparsity.target_density={value}"]
     else:
         overrides = ["dturbo.sparsity.mode=\"prior\"", f"dturbo.prior.conv.r={value}", f"dturbo.prior.dense.r={value}"]
-    # The recorded sweeps ran when configs/fmnist_quick.toml set beta = 0.3 (the default is 0.01 since issue 14);
-    # pinned so that they reproduce. A --set dturbo.beta=... wins.
-    cfg = load_config(config, ["dturbo.beta=0.3", *overrides, *extra])
+    # The recorded sweeps ran when configs/fmnist_quick.toml set beta = 0.3 and lr 0.002 (the defaults are 0.01
+    # and 0.005 since issue 14); pinned so that they reproduce. A --set dturbo.beta=... or train.lr=... wins.
+    cfg = load_config(config, ["dturbo.beta=0.3", "train.lr=0.002", *overrides, *extra])
     done = out / "model.safetensors"
     if not done.exists():
         resume = (out / "checkpoint" / "state.safetensors").exists()

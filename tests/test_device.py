@@ -78,7 +78,7 @@ def _train(device: torch.device) -> tuple[torch.nn.Module, float]:
             m.generator = gen
     x = torch.from_numpy(np.random.default_rng(0).normal(size=(64, 12)).astype(np.float32))
     data = ClientData(x, torch.arange(64) % 4)
-    result = train_local(model, data, TrainConfig(local_steps=3, batch_size=16), gen, device=device)
+    result = train_local(model, data, TrainConfig(local_steps=3, batch_size=16, lr=1e-3), gen, device=device)
     return model, result.nll
 
 

@@ -76,3 +76,29 @@ def test_device_key_defaults_to_cpu_and_leaves_the_fingerprint_alone():
     old = cfg.to_dict()
     del old["experiment"]["device"]
     assert config_fingerprint(old) == config_fingerprint(cfg.to_dict())
+
+
+def test_an_unset_lr_is_the_algorithms_default_and_is_recorded():
+    from dturbo.config import DEFAULT_LR
+
+    for algorithm, lr in DEFAULT_LR.items():
+        cfg = dturbo.load_config({"experiment": {"algorithm": algorithm}})
+        assert cfg.train.lr == lr
+        assert cfg.to_dict()["train"]["lr"] == lr  # config.json says what the run trained with
+        assert dturbo.load_config(cfg.to_dict()) == cfg
+    assert DEFAULT_LR["dturbo"] > DEFAULT_LR["fedavg"]  # the Bayesian layers' larger step (docs/library.md#tuning)
+    explicit = dturbo.load_config({"experiment": {"algorithm": "dturbo"}, "train": {"lr": 0.0007}})
+    assert explicit.train.lr == 0.0007
+    # an override of the algorithm on a raw config gets that algorithm's default
+    assert dturbo.load_config({}, ["experiment.algorithm=fedpm"]).train.lr == DEFAULT_LR["fedpm"]
+
+
+def test_a_train_section_alone_has_no_lr_to_train_with():
+    from torch import nn
+
+    from dturbo.algorithms.local import make_optimizer
+    from dturbo.config import TrainConfig
+
+    with pytest.raises(ValueError, match="train.lr is unset"):
+        make_optimizer(TrainConfig(), list(nn.Linear(2, 2).parameters()))
+    assert make_optimizer(TrainConfig(lr=0.01), list(nn.Linear(2, 2).parameters())).defaults["lr"] == 0.01

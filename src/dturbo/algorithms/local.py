@@ -31,6 +31,9 @@ def num_local_steps(train: TrainConfig, num_samples: int) -> int:
 
 
 def make_optimizer(train: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if train.lr is None:  # a TrainConfig built alone; a Config fills its algorithm's default
+        raise ValueError("train.lr is unset: build the whole config (dturbo.load_config) to get the algorithm's "
+                         "default learning rate, or set it")
     if train.optimizer == "adam":
         return torch.optim.Adam(params, lr=train.lr)
     return torch.optim.SGD(params, lr=train.lr, momentum=0.9)
