@@ -61,3 +61,16 @@ def test_report_rederives_std_and_goals(sf: ModuleType, tmp_path: Path) -> None:
 def test_report_without_timing_file(sf: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="run --stage time first"):
         sf.reread(tmp_path / "speed_frontier.json")
+
+
+def test_points_timed_alone_replace_theirs_and_keep_the_others(sf: ModuleType) -> None:
+    timing = {"samples": 3000, "threads": [2, 1], "sessions": 3}
+    old = {"points": [_point("a", [0.8], [2.0]), _point("b", [0.8], [3.0])], "timing": timing, "date": "day 1"}
+    new = {"points": [_point("b", [0.9], [3.3]), _point("c", [0.7], [4.0])], "timing": timing, "date": "day 2",
+           "dense_reference": {"accuracy": 0.88}}
+    out = sf.merge(old, new)
+    assert [p["label"] for p in out["points"]] == ["a", "b", "c"]
+    assert [p["speedup"] for p in out["points"]] == [2.0, 3.3, 4.0]
+    assert out["date"] == "day 1; b, c: day 2" and out["dense_reference"] == new["dense_reference"]
+    with pytest.raises(SystemExit, match="timing settings differ"):
+        sf.merge(old, {**new, "timing": {**timing, "sessions": 1}})
