@@ -270,7 +270,7 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``new``'s points (timed with ``--points``) in place of ``old``'s of the same labels, the others kept in
     ``old``'s order, new labels last. A speedup is a ratio timed within one session, so points timed on
     different days stay comparable; each point records when it was timed."""
-    if old["timing"] != new["timing"]:
+    if old["timing"] != json.loads(json.dumps(new["timing"])):  # as read back: JSON's keys are text
         raise SystemExit("--points: the timing settings differ from speed_frontier.json's (threads, sessions, "
                          "samples, compile); time every point again instead")
     fresh = {p["label"]: p for p in new["points"]}

@@ -64,8 +64,10 @@ def test_report_without_timing_file(sf: ModuleType, tmp_path: Path) -> None:
 
 
 def test_points_timed_alone_replace_theirs_and_keep_the_others(sf: ModuleType) -> None:
-    timing = {"samples": 3000, "threads": [2, 1], "sessions": 3}
-    old = {"points": [_point("a", [0.8], [2.0]), _point("b", [0.8], [3.0])], "timing": timing, "date": "day 1"}
+    timing = {"samples": 3000, "threads": [2, 1], "sessions": 3, "repeats": {3000: 15}}
+    # the old results as read back from speed_frontier.json (its keys text), the new as measure() returns them
+    old = json.loads(json.dumps({"points": [_point("a", [0.8], [2.0]), _point("b", [0.8], [3.0])],
+                                 "timing": timing, "date": "day 1"}))
     new = {"points": [_point("b", [0.9], [3.3]), _point("c", [0.7], [4.0])], "timing": timing, "date": "day 2",
            "dense_reference": {"accuracy": 0.88}}
     out = sf.merge(old, new)
