@@ -87,6 +87,7 @@ PACED = {"dturbo.sparsity.warmup_rounds": None, "dturbo.sparsity.ramp_rounds": N
 # the protocol's, which are the paced / fedavg runs.
 PROTOCOL_LR = 0.002
 LRS = {"dturbo": [PROTOCOL_LR, 0.005, 0.01], "fedavg": [PROTOCOL_LR, 0.005]}
+LR_BASE = {"dturbo": PACED, "fedavg": {"experiment.algorithm": "fedavg"}}  # what each lr is applied to
 
 
 def digits_arrays(seed: int = 0, flat: bool = False) -> tuple[np.ndarray, ...]:
@@ -172,11 +173,11 @@ def learning_rate(datasets: list[str], seeds: list[int]) -> list[dict[str, Any]]
     chosen on these runs' validation accuracy."""
     rows = []
     for dataset in datasets:
-        for seed in seeds if dataset != "fmnist" else [s for s in seeds if s < 2]:
-            for lr in LRS["dturbo"][1:] if dataset != "fmnist" else [0.005]:
-                rows.append(run(dataset, f"paced_lr{lr:g}", {**PACED, "train.lr": lr}, seed))
-            if dataset != "fmnist":
-                rows.append(run(dataset, "fedavg_lr0.005", KNOBS["fedavg_lr0.005"], seed))
+        small = dataset != "fmnist"
+        grid = {"dturbo": LRS["dturbo"][1:] if small else [0.005], "fedavg": LRS["fedavg"][1:] if small else []}
+        for seed in seeds if small else [s for s in seeds if s < 2]:
+            rows += [run(dataset, _lr_label(algorithm, lr), {**LR_BASE[algorithm], "train.lr": lr}, seed)
+                     for algorithm, lrs in grid.items() for lr in lrs]
     return rows
 
 

@@ -79,8 +79,12 @@ def test_device_key_defaults_to_cpu_and_leaves_the_fingerprint_alone():
 
 
 def test_an_unset_lr_is_the_algorithms_default_and_is_recorded():
-    from dturbo.config import DEFAULT_LR
+    from typing import get_args
 
+    from dturbo.config import DEFAULT_LR, ExperimentConfig
+
+    # every algorithm a config may name has a default: a new one without it fails here, not at a user's load
+    assert set(DEFAULT_LR) == set(get_args(ExperimentConfig.model_fields["algorithm"].annotation))
     for algorithm, lr in DEFAULT_LR.items():
         cfg = dturbo.load_config({"experiment": {"algorithm": algorithm}})
         assert cfg.train.lr == lr
