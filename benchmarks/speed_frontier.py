@@ -104,6 +104,19 @@ CANDIDATES += [
                    f"whole conv channels: conv1 2 of 6, conv2-4 {keep:.0%}; dense3 whole, dense1-2 share the rest "
                    f"of 25%; lr 0.005") for name, keep in (("thin", 0.28), ("thinner", 0.22))),
 ]
+# Stop 22 (fixed before any of their runs; reported whatever they give): the frontier's "edges" lever (dense3 kept
+# whole: +0.7 points of validation there) at the default lr 0.005 for the 37.5% channels and for half the channels.
+# (A learning rate decayed over the rounds, which FedAvg gained from on the frontier's validation split, did not
+# help D-Turbo-VBI there, from round 0 or from round 12: not tried here.)
+CANDIDATES += [
+    fr.Candidate(f"speed_channels_{name}edges_lr5e-3", "speed", "dturbo",
+                 {**_CHANNELS, "train.lr": 0.005, "dturbo.sparsity.target_density": density,
+                  "dturbo.sparsity.layer_targets": {"conv1": conv1, "conv2": keep, "conv3": keep, "conv4": keep,
+                                                    "dense3": 1.0}},
+                 f"whole conv channels: conv1 {conv1_note}, conv2-4 {keep:.1%}; dense3 whole, dense1-2 share the rest "
+                 f"of {density:.0%}; lr 0.005")
+    for name, conv1, conv1_note, keep, density in (("", 0.34, "2 of 6", 0.375, 0.25),
+                                                   ("half_", 0.5, "3 of 6", 0.5, 0.5))]
 BY_LABEL = {c.label: c for c in CANDIDATES}
 
 

@@ -212,3 +212,54 @@ def test_dssm_weights_mode_averages_sparse_weights(tmp_path, fed):
     nonzero = sum(int(np.count_nonzero(state[k])) for k in state if k.endswith(".w"))
     total = sum(state[k].size for k in state if k.endswith(".w"))
     assert nonzero / total == pytest.approx(density)
+
+
+def test_round_lr_is_torchs_cosine_annealing_and_constant_by_default():
+    import torch
+
+    from dturbo.algorithms.local import round_lr
+
+    rounds, lr, f = 7, 0.004, 0.1
+    constant = parse_config(base_config("fedavg", experiment={"name": "t", "rounds": rounds}))
+    assert [round_lr(constant, t) for t in range(rounds)] == [0.003] * rounds
+    cfg = parse_config(base_config("fedavg", experiment={"name": "t", "rounds": rounds},
+                                   train={"lr": lr, "lr_schedule": "cosine", "lr_final": f}))
+    # an independent computation: torch's CosineAnnealingLR from lr to f * lr over rounds - 1 steps
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=rounds - 1, eta_min=f * lr)
+    expected = []
+    for _ in range(rounds):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    got = [round_lr(cfg, t) for t in range(rounds)]
+    assert np.allclose(got, expected, rtol=1e-12)
+    assert got[0] == lr and got[-1] == pytest.approx(f * lr) and all(np.diff(got) < 0)
+    # a later start: lr until round s, then the same annealing over the rounds left
+    s = 3
+    late = parse_config(base_config("fedavg", experiment={"name": "t", "rounds": rounds + s},
+                                    train={"lr": lr, "lr_schedule": "cosine", "lr_final": f, "lr_decay_start": s}))
+    assert np.allclose([round_lr(late, t) for t in range(rounds + s)], [lr] * s + expected, rtol=1e-12)
+
+
+def test_a_cosine_round_trains_at_its_own_rate(fed):
+    """The schedule reaches the optimizer: the last round of a cosine run uploads exactly what a constant run at
+    lr * lr_final uploads from the same downlink."""
+    f = 0.25
+    cosine = parse_config(base_config("fedavg", train={"local_epochs": 1, "batch_size": 20, "lr": 0.004,
+                                                       "lr_schedule": "cosine", "lr_final": f}))
+    constant = parse_config(base_config("fedavg", train={"local_epochs": 1, "batch_size": 20, "lr": 0.004 * f}))
+    last = cosine.experiment.rounds - 1
+    ups = []
+    for cfg in (cosine, constant):
+        server, client = build_algorithm(cfg, fed)
+        state = server.init()
+        ups.append(client.fit(server.downlink(state, last), fed.clients[0], 0))
+    assert ups[0] == ups[1]
+    # and the first round trains at lr itself: as the constant run at lr, unlike the one at lr * f
+    first = {}
+    for name, cfg in (("cosine", cosine), ("at lr", parse_config(base_config("fedavg", train={
+            "local_epochs": 1, "batch_size": 20, "lr": 0.004}))), ("at lr * f", constant)):
+        server, client = build_algorithm(cfg, fed)
+        first[name] = client.fit(server.downlink(server.init(), 0), fed.clients[0], 0)
+    assert first["cosine"] == first["at lr"] != first["at lr * f"]

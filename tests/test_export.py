@@ -155,7 +155,10 @@ def test_exported_equals_masked_model_for_every_kernel(alexnet_run, alexnet_expo
     assert {model.kernels[n] for n in ("dense1", "dense2", "dense3")} == {kernel}
     assert {model.kernels[f"conv{i}"] for i in range(1, 5)} == {conv}
     assert max_err(model, ref, random_images()) <= TOL
-    assert max_err(model, ref, random_images(1)) <= TOL  # batch 1
+    assert max_err(model, ref, random_images(1)) <= TOL  # batch 1 (after a call: the in-place bias maps kept)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    maps = [m for m in model.net.modules() if isinstance(m, ex.BiasMap)]
+    assert len(maps) == 2 and all(m.bias_map.is_contiguous(memory_format=fmt) for m in maps)
 
 
 def test_exported_equals_masked_model_on_real_images(alexnet_run, alexnet_export, fmnist_images):

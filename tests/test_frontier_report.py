@@ -126,3 +126,17 @@ def test_plan_reuses_committed_runs(fr: ModuleType, tmp_path: Path) -> None:
     job = fr.plan_job(fr.BY_LABEL["fedavg32_lr2e-3"], 0, longer)
     assert job.status == "todo" and job.rounds_left == ROUNDS + 1
     assert fr.makespan([3.0, 3.0, 2.0, 2.0], 2) == 5.0  # longest first, as run_jobs orders them
+
+
+def test_a_validation_tie_goes_to_fewer_bits_then_to_the_lower_validation_loss(fr: ModuleType) -> None:
+    from types import SimpleNamespace
+
+    def run(label: str, val: float, bits: float, val_loss: float) -> SimpleNamespace:
+        cand = SimpleNamespace(label=label, line="fedavg32", note="")
+        return SimpleNamespace(seed=0, cand=cand, density=1.0, total_bits=bits,
+                               m={"val_accuracy": [0.5, val], "val_loss": [1.0, val_loss]})
+
+    runs = [run("a", 0.89, 10.0, 0.30), run("b", 0.89, 10.0, 0.28), run("c", 0.88, 1.0, 0.10)]
+    assert fr.select(runs).chosen["fedavg32"] == "b"  # same accuracy and bits: the lower loss
+    runs.append(run("d", 0.89, 9.0, 0.35))
+    assert fr.select(runs).chosen["fedavg32"] == "d"  # same accuracy: fewer bits first

@@ -106,3 +106,13 @@ def test_a_train_section_alone_has_no_lr_to_train_with():
     with pytest.raises(ValueError, match="train.lr is unset"):
         make_optimizer(TrainConfig(), list(nn.Linear(2, 2).parameters()))
     assert make_optimizer(TrainConfig(lr=0.01), list(nn.Linear(2, 2).parameters())).defaults["lr"] == 0.01
+
+
+@pytest.mark.parametrize(("override", "field"), [("train.lr_schedule=step", "lr_schedule"),
+                                                 ("train.lr_final=0", "lr_final"), ("train.lr_final=1.5", "lr_final")])
+def test_a_bad_lr_schedule_is_refused_by_name(override, field):
+    with pytest.raises(ConfigError, match=field):
+        dturbo.load_config({}, [override])
+    cfg = dturbo.load_config({}, ["train.lr_schedule=cosine", "train.lr_final=0.2"])
+    assert (cfg.train.lr_schedule, cfg.train.lr_final) == ("cosine", 0.2)
+    assert Config.model_validate(cfg.to_dict()).train.lr_schedule == "cosine"  # recorded in config.toml

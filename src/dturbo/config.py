@@ -112,6 +112,13 @@ class TrainConfig(_Section):
         "the optimizer's learning rate; None: the algorithm's default, DEFAULT_LR (filled in when the Config is "
         "built)"))
     optimizer: Literal["adam", "sgd"] = "adam"
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description=(
+        "the learning rate over rounds: constant, or a cosine from lr in the first round to lr * lr_final in the "
+        "last (dturbo.algorithms.local.round_lr)"))
+    lr_final: float = Field(0.1, gt=0, le=1, description="cosine: the last round's lr as a fraction of lr")
+    lr_decay_start: int = Field(0, ge=0, description=(
+        "cosine: rounds trained at lr before the decay starts (e.g. D-Turbo-VBI's warm-up + ramp rounds, so the "
+        "decay begins once the support has settled)"))
 
     @model_validator(mode="after")
     def _some_work(self) -> TrainConfig:

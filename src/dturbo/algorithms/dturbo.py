@@ -51,7 +51,7 @@ from .dturbo_messages import (
     UpLayer,
     sigma_as_sent,
 )
-from .local import train_local
+from .local import round_lr, train_local
 from .plain import PlainState
 from .server import ServerBase
 
@@ -406,7 +406,8 @@ class DturboClient:
             # E6: beta * KL / n with n the *global* sample count.
             return beta * torch.stack([layer.kl() for _, layer in layers]).sum() / total
 
-        result = train_local(model, data, self.cfg.train, gen, penalty, device=self.device)
+        result = train_local(model, data, self.cfg.train, gen, penalty, device=self.device,
+                             lr=round_lr(self.cfg, round_idx))
         up: dict[str, UpLayer] = {}
         for info, (_, layer), d, start in zip(self.layers, layers, down.layers, starts, strict=True):
             mask = d.support

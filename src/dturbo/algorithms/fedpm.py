@@ -45,7 +45,7 @@ from ..config import Config
 from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
 from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
-from .local import train_local
+from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
 from .point import PointLayer, _theta, make_deterministic, point_layers
@@ -391,7 +391,7 @@ class FedPmClient:
                 if gate is not None:
                     gate.generator = mask_gen
         result = train_local(self.model, data, self.cfg.train, client_generator(seed, round_idx, client_id),
-                             device=self.device)
+                             device=self.device, lr=round_lr(self.cfg, round_idx))
         rng = np.random.default_rng([seed, round_idx, client_id, _TAG_UPLOAD])
         masks = []
         for info, gates in zip(self.layers, self.gates, strict=True):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import Config, TrainConfig
 from ..device import CPU
 from .base import ClientData, ClientError
 
@@ -30,13 +30,34 @@ def num_local_steps(train: TrainConfig, num_samples: int) -> int:
     return max(1, math.ceil(train.local_epochs * num_samples / train.batch_size))
 
 
-def make_optimizer(train: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def round_lr(cfg: Config, round_idx: int) -> float:
+    """The learning rate of round ``round_idx`` (0-based) of R = ``cfg.experiment.rounds``: ``train.lr``, or with
+    ``train.lr_schedule = "cosine"`` lr for the first s = ``train.lr_decay_start`` rounds, then
+    ``lr * (f + (1 - f) * (1 + cos(pi * (t - s) / (R - 1 - s))) / 2)`` with f = ``train.lr_final``: f * lr in the
+    last round. A function of the round alone, so a resumed run and a Flower client (which learns the round from
+    its downlink) train at the same rate."""
+    lr = _lr(cfg.train)
+    rounds, start = cfg.experiment.rounds, cfg.train.lr_decay_start
+    if cfg.train.lr_schedule == "constant" or round_idx <= start or start >= rounds - 1:
+        return lr
+    f = cfg.train.lr_final
+    t = (min(round_idx, rounds - 1) - start) / (rounds - 1 - start)
+    return lr * (f + (1.0 - f) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+def _lr(train: TrainConfig) -> float:
     if train.lr is None:  # a TrainConfig built alone; a Config fills its algorithm's default
         raise ValueError("train.lr is unset: build the whole config (dturbo.load_config) to get the algorithm's "
                          "default learning rate, or set it")
+    return train.lr
+
+
+def make_optimizer(train: TrainConfig, params: list[nn.Parameter], lr: float | None = None) -> torch.optim.Optimizer:
+    """Adam, or SGD with momentum 0.9, at ``lr`` (None: ``train.lr``; a round's rate comes from :func:`round_lr`)."""
+    lr = _lr(train) if lr is None else lr
     if train.optimizer == "adam":
-        return torch.optim.Adam(params, lr=train.lr)
-    return torch.optim.SGD(params, lr=train.lr, momentum=0.9)
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 def train_local(
@@ -46,8 +67,10 @@ def train_local(
     generator: torch.Generator,
     penalty: Callable[[], torch.Tensor] | None = None,
     device: torch.device = CPU,
+    lr: float | None = None,
 ) -> LocalResult:
-    """Run the local steps: loss = mean cross-entropy of the minibatch (+ ``penalty()``).
+    """Run the local steps at ``lr`` (None: ``train.lr``; the algorithms pass :func:`round_lr`): loss = mean
+    cross-entropy of the minibatch (+ ``penalty()``).
 
     Minibatches are drawn by reshuffling the local data each epoch with ``generator``, so a round is a
     pure function of the downlink, the data and the generator's seed.
@@ -67,16 +90,17 @@ def train_local(
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(generator.initial_seed() ^ _GLOBAL_RNG_TAG)
-            return _steps(model, data, train, generator, penalty, device, steps, min(train.batch_size, n))
+            return _steps(model, data, train, generator, penalty, device, steps, min(train.batch_size, n), lr)
     finally:
         model.to(CPU)
 
 
 def _steps(model: nn.Module, data: ClientData, train: TrainConfig, generator: torch.Generator,
-           penalty: Callable[[], torch.Tensor] | None, device: torch.device, steps: int, bs: int) -> LocalResult:
+           penalty: Callable[[], torch.Tensor] | None, device: torch.device, steps: int, bs: int,
+           lr: float | None) -> LocalResult:
     n = len(data)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(train, params)
+    opt = make_optimizer(train, params, lr)
     model.train()
     order = torch.randperm(n, generator=generator)
     pos = 0

@@ -28,7 +28,7 @@ from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
 from ..prior import grid_shape
 from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
-from .local import train_local
+from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, finite, ledger, upload_metrics
 from .plain import PlainState
 from .server import ServerBase, Upload
@@ -255,7 +255,8 @@ class PointClient:
             starts.append(_theta(layer))
         self.plain.load_values(self.model, down.plain)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
-        result = train_local(self.model, data, self.cfg.train, gen, device=self.device)
+        result = train_local(self.model, data, self.cfg.train, gen, device=self.device,
+                             lr=round_lr(self.cfg, round_idx))
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x51])
         thetas = [(_theta(layer), start) for (_, layer), start in zip(bayesian_layers(self.model), starts, strict=True)]
         return self.messages.encode_uplink(round_idx, client_id, len(data), thetas, self.plain.encode_model(self.model),

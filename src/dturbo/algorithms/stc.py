@@ -83,7 +83,7 @@ from .base import (
     unpack_scalars,
     upload_samples,
 )
-from .local import train_local
+from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
 from .point import PointLayer, _load, _theta, make_deterministic, point_layers, point_model
@@ -463,7 +463,8 @@ class StcClient:
         if self.plain or self.plain.fixed:  # the other state comes dense in every downlink
             self.plain.load_fields(self.model, self.messages.down.open(downlink))
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
-        result = train_local(self.model, data, self.cfg.train, gen, device=self.device)
+        result = train_local(self.model, data, self.cfg.train, gen, device=self.device,
+                             lr=round_lr(self.cfg, round_idx))
         local = np.concatenate([_theta(layer) for _, layer in bayesian_layers(self.model)])
         before = self._residual_entering(client_id, round_idx)
         acc = (local - start.astype(np.float64)) + before

@@ -24,7 +24,7 @@ from ..kernels import (
     time_call,
 )
 from .format import GRAPH_VERSION, ExportError, read_spec
-from .ops import build_net
+from .ops import BiasMap, build_net
 
 INPUTS = ("normalised", "raw")
 
@@ -116,6 +116,8 @@ class InferenceModel(nn.Module):
         for m in self.net.modules():
             if isinstance(m, nn.Conv2d):
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+            elif isinstance(m, BiasMap):
+                m.set_memory_format(fmt)
         self.channels_last = on
 
     def set_conv_kernels(self, kinds: dict[str, str]) -> None:
