@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from dturbo.export import Exported, InferenceModel, export_run, export_state, load, read_run, save
-from dturbo.kernels import choose_linear_kernel, sync
+from dturbo.kernels import choose_linear_kernel, keep_freed_memory, sync
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DENSE_RUN = Path(__file__).resolve().parents[1] / "runs" / "fmnist_compare" / "fedavg"
@@ -154,9 +154,18 @@ def load_as(model_dir: Path, kernels: str, batch: int, setting: tuple[bool, bool
                 device=dev)
 
 
-def machine() -> dict[str, Any]:
+def reuse_memory() -> str:
+    """Both networks are timed with freed memory kept for reuse (:func:`dturbo.kernels.keep_freed_memory`):
+    with glibc's defaults a dense network's large activations are fresh page-faulted pages on every pass, and a
+    ratio against it measures the allocator (docs/inference.md). Returns the words the results record."""
+    if keep_freed_memory():
+        return "glibc, freed blocks of up to 1 GiB kept for reuse (dturbo.kernels.keep_freed_memory)"
+    return "the platform's default (not glibc: nothing changed)"
+
+
+def machine(allocator: str) -> dict[str, Any]:
     return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "allocator": allocator,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
@@ -173,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"(default: {DENSE_RUN.relative_to(DENSE_RUN.parents[2])} if it exists, else the run itself)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    allocator = reuse_memory()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     from dturbo.data import load_dataset
@@ -279,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update({
         "run_dir": str(args.run_dir), "run_config": cfg.to_dict(),
         "model": meta.get("model", cfg.model.name), "dataset": d.name,
-        "samples": batch, "repeats": args.repeats, "device": str(dev), "machine": machine(),
+        "samples": batch, "repeats": args.repeats, "device": str(dev), "machine": machine(allocator),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "accuracy_masked_model": acc_ref, "accuracy_what_if_not_retrained": accuracy, "density": density,
         "unstructured_from": os.path.relpath(source, Path(__file__).resolve().parents[1]) if other_weights

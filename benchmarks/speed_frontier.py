@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 
 import frontier as fr  # noqa: E402
 import torch  # noqa: E402
-from bench_inference import SETTINGS, interleaved, load_as, machine  # noqa: E402
+from bench_inference import SETTINGS, interleaved, load_as, machine, reuse_memory  # noqa: E402
 
 from dturbo.export import export_run, export_state, read_run, save  # noqa: E402
 
@@ -230,6 +230,7 @@ def measure(s: fr.Settings, threads: tuple[int, ...], sessions: int, compile_too
     """Time every point (``only``: the points of these labels) on this machine now."""
     from dturbo.data import load_dataset
 
+    allocator = reuse_memory()
     todo = points(s)
     known = {label for label, _, _ in todo}
     if only is not None and only - known:
@@ -290,7 +291,7 @@ def measure(s: fr.Settings, threads: tuple[int, ...], sessions: int, compile_too
             "rule": (f"in each of {sessions} timing sessions (both networks loaded afresh), the median of interleaved "
                      f"passes; a seed's speedup = the median over sessions of dense / exported, each in its best "
                      f"setting; a point's = the mean over seeds")},
-        "machine": machine(), "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(allocator), "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
@@ -301,6 +302,10 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     if old["timing"] != json.loads(json.dumps(new["timing"])):  # as read back: JSON's keys are text
         raise SystemExit("--points: the timing settings differ from speed_frontier.json's (threads, sessions, "
                          "samples, compile); time every point again instead")
+    was, now = old.get("machine", {}).get("allocator"), new["machine"]["allocator"]
+    if was != now:
+        raise SystemExit(f"--points: speed_frontier.json was timed with allocator {was!r}, this timing with {now!r}; "
+                         "a ratio against a dense network depends on it: time every point again instead")
     fresh = {p["label"]: p for p in new["points"]}
     kept = [fresh.pop(p["label"], p) for p in old["points"]]
     timed = ", ".join(p["label"] for p in new["points"])
@@ -412,7 +417,8 @@ def markdown(res: dict[str, Any]) -> str:
     t = res["timing"]
     lines += ["", f"Timing: {t['samples']} Fashion-MNIST test images; batches {t['batches']}; {t['threads']} threads; "
               f"settings {', '.join(t['settings'])}; {t['rule']}. Machine: {res['machine']['platform']}, "
-              f"torch {res['machine']['torch']}, {res['date']}."]
+              f"torch {res['machine']['torch']}, allocator: {res['machine'].get('allocator', 'the default')}, "
+              f"{res['date']}."]
     return "\n".join(lines) + "\n"
 
 

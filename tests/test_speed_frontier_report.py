@@ -66,13 +66,17 @@ def test_report_without_timing_file(sf: ModuleType, tmp_path: Path) -> None:
 def test_points_timed_alone_replace_theirs_and_keep_the_others(sf: ModuleType) -> None:
     timing = {"samples": 3000, "threads": [2, 1], "sessions": 3, "repeats": {3000: 15}}
     # the old results as read back from speed_frontier.json (its keys text), the new as measure() returns them
+    machine = {"allocator": "kept"}
     old = json.loads(json.dumps({"points": [_point("a", [0.8], [2.0]), _point("b", [0.8], [3.0])],
-                                 "timing": timing, "date": "day 1"}))
+                                 "timing": timing, "date": "day 1", "machine": machine}))
     new = {"points": [_point("b", [0.9], [3.3]), _point("c", [0.7], [4.0])], "timing": timing, "date": "day 2",
-           "dense_reference": {"accuracy": 0.88}}
+           "dense_reference": {"accuracy": 0.88}, "machine": machine}
     out = sf.merge(old, new)
     assert [p["label"] for p in out["points"]] == ["a", "b", "c"]
     assert [p["speedup"] for p in out["points"]] == [2.0, 3.3, 4.0]
     assert out["date"] == "day 1; b, c: day 2" and out["dense_reference"] == new["dense_reference"]
     with pytest.raises(SystemExit, match="timing settings differ"):
         sf.merge(old, {**new, "timing": {**timing, "sessions": 1}})
+    # a timing with glibc's default allocator is not comparable (the dense network's page faults): refused
+    with pytest.raises(SystemExit, match="allocator"):
+        sf.merge({k: v for k, v in old.items() if k != "machine"}, new)
