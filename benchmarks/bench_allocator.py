@@ -36,7 +36,7 @@ def child(run_dir: Path, threads: int, keep: bool, samples: int) -> dict[str, An
     from frontier import PROTOCOL
 
     from dturbo.data import load_dataset
-    from dturbo.export import export_run, export_state, read_run, save
+    from dturbo.export import export_run
     from dturbo.kernels import conv_as, keep_freed_memory, time_call
 
     kept = keep_freed_memory() if keep else False
@@ -44,11 +44,9 @@ def child(run_dir: Path, threads: int, keep: bool, samples: int) -> dict[str, An
     dev = torch.device("cpu")
     x = torch.from_numpy(load_dataset("fashion-mnist", PROTOCOL["data_path"], limit_test=samples, seed=0)
                          .x_test[:samples])
-    cfg, state, _ = read_run(run_dir)
     tmp = Path(tempfile.mkdtemp(prefix="bench_allocator_"))
     export_run(run_dir, tmp / "exported")
-    save(export_state(cfg.model.name, state, tuple(x.shape[1:]), compaction=False, hidden=cfg.model.hidden,
-                      width=cfg.model.width), tmp / "dense")
+    export_run(run_dir, tmp / "dense", compaction=False)  # the same weights, nothing removed
     models = {"dense": load_as(tmp / "dense", "dense", samples, SETTINGS["channels_last"], dev),
               "exported": load_as(tmp / "exported", "auto", samples, SETTINGS["channels_last"], dev)}
     out: dict[str, Any] = {"kept": kept, "ms": interleaved(models, x, 15, dev),
@@ -88,8 +86,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", "conv1's shape (1 -> c channels, 7x7, 'same', 28x28), freed memory kept (ms):", "",
               "| output channels | " + " | ".join(sweep) + " |", "|---|" + "---|" * len(sweep)]
     for c in CONV1_CHANNELS:
-        lines.append(f"| {c} | " + " | ".join(f"{v[str(c)]:.1f}" for v in sweep.values())
-                     + " |")
+        lines.append(f"| {c} | " + " | ".join(f"{v[str(c)]:.1f}" for v in sweep.values()) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -48,7 +48,7 @@ import frontier as fr  # noqa: E402
 import torch  # noqa: E402
 from bench_inference import SETTINGS, interleaved, load_as, machine, reuse_memory  # noqa: E402
 
-from dturbo.export import export_run, export_state, read_run, save  # noqa: E402
+from dturbo.export import export_run  # noqa: E402
 
 SEEDS = (0, 1)
 BATCHES = (3000, 64, 1)
@@ -176,11 +176,9 @@ def time_model(run_dir: Path, x: torch.Tensor, threads: tuple[int, ...], session
     Why sessions: on this 2-core machine the dense network's two-thread time varies by a third from one load to
     the next while the median within one session is stable (docs/inference.md), so one session is one sample."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, state, _ = read_run(run_dir)
     tmp = Path(tempfile.mkdtemp(prefix="speed_frontier_"))
     exported = export_run(run_dir, tmp / "exported")
-    save(export_state(cfg.model.name, state, tuple(x.shape[1:]), compaction=False, hidden=cfg.model.hidden,
-                      width=cfg.model.width, num_classes=exported.num_classes), tmp / "dense")
+    export_run(run_dir, tmp / "dense", compaction=False)  # the same weights, nothing removed
     settings = [k for k in SETTINGS if compile_too or k != "best"]
     # ms[threads][batch][setting][net]: one median per session
     ms: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {

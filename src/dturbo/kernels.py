@@ -302,8 +302,8 @@ def keep_freed_memory(limit_bytes: int = 1 << 30) -> bool:
 
     Why: glibc serves every block above its mmap threshold (32 MiB at most by default) with fresh pages from
     the kernel, zeroed and page-faulted in on first touch, and hands them back on free. At batch 3000 a dense
-    alexnet-small's first activations are 56 MiB each, so every pass pays that again (its ReLU took 34 ms where
-    an exported half-width one, below the threshold, took 2). Timing with the default threshold measures the
+    alexnet-small's first activations are 56 MiB each, so every pass pays that again (its first activation took
+    26 ms where an exported one, below the threshold, took 2). Timing with the default threshold measures the
     allocator, not the network: benchmarks/bench_allocator.py measures both (dense 198 -> 111 ms, 2 threads).
     Not fully understood: a single 64 MiB block refilled in a loop still page-faults in most refills with this
     setting (and with mmap off altogether), so the mechanism is more than the threshold. ``MALLOC_MMAP_THRESHOLD_``
