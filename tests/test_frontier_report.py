@@ -39,16 +39,16 @@ FAKE = {
 }
 
 
-def write_fake(fr: ModuleType, settings: object) -> int:
-    """The committed files (csv + toml) of FAKE's runs; returns the model's parameter count."""
+def write_fake(fr: ModuleType, settings: object, fake: dict = FAKE) -> int:
+    """The committed files (csv + toml) of ``fake``'s runs; returns the model's parameter count."""
     params = fr.model_params("alexnet-small", "fashion-mnist")
     out = settings.runs_csv
     out.mkdir(parents=True)
-    for (label, seed), (acc, val, mbit, dens, up, down) in FAKE.items():
+    for (label, seed), (acc, val, mbit, dens, up, down) in fake.items():
         cfg = fr.parse_config(fr.config_dict(fr.BY_LABEL[label], seed, settings))
         (out / f"{label}_s{seed}.toml").write_text(cfg.to_toml())
         lines = ["round,accuracy,loss,val_accuracy,density,up_bits,down_bits,cum_bits,participants"]
-        for r in range(ROUNDS):
+        for r in range(settings.n_rounds):
             lines.append(f"{r + 1},{acc[r]},1.0,{val[r]},{dens},{up * 10 * params},{down * 10 * params},"
                          f"{mbit[r] * 1e6},10")
         (out / f"{label}_s{seed}.csv").write_text("\n".join(lines) + "\n")
@@ -140,3 +140,51 @@ def test_a_validation_tie_goes_to_fewer_bits_then_to_the_lower_validation_loss(f
     assert fr.select(runs).chosen["fedavg32"] == "b"  # same accuracy and bits: the lower loss
     runs.append(run("d", 0.89, 9.0, 0.35))
     assert fr.select(runs).chosen["fedavg32"] == "d"  # same accuracy: fewer bits first
+
+
+def test_a_longer_horizon_reruns_the_chosen_settings_and_chooses_nothing(fr: ModuleType, tmp_path: Path) -> None:
+    """--horizon: the settings chosen on the protocol's rounds, every seed of the repeated lines, own files; a
+    horizon run of a setting the protocol did not choose is left out even where it would win on validation."""
+    base = fr.Settings(runs_root=tmp_path / "runs", results=tmp_path / "results", docs=tmp_path / "docs",
+                       rounds=ROUNDS)
+    write_fake(fr, base)
+    longer = ROUNDS + 2
+    s = fr.Settings(runs_root=tmp_path / "runs_h", results=base.results, docs=base.docs, rounds=ROUNDS,
+                    horizon=longer)
+    assert s.tag == f"frontier{longer}" and s.n_rounds == longer and s.selection.n_rounds == ROUNDS
+    assert s.runs_csv == base.results / f"frontier{longer}_runs"
+
+    planned = fr.horizon_jobs(s, "val_accuracy")[0]
+    assert [j.name for j in planned] == [f"{lab}_s{sd}" for lab in ("dturbo_base", "fedavg32_lr2e-3",
+                                                                    "fedavg16_lr1e-3") for sd in (0, 1, 2)]
+    assert all(j.want["experiment"]["rounds"] == longer and j.status == "todo" for j in planned)
+
+    grow = [0.5, 0.6, 0.7, 0.8, 0.9]
+    horizon_fake = {
+        ("dturbo_base", 0): (grow, grow, [1, 2, 3, 4, 5], 0.12, 0.5, 1.5),
+        ("dturbo_base", 1): (grow, grow, [1, 2, 3, 4, 5], 0.12, 0.5, 1.5),
+        ("fedavg16_lr1e-3", 0): ([0.5, 0.6, 0.7, 0.8, 0.85], grow, [10, 20, 30, 40, 50], 1.0, 16.0, 16.0),
+        ("fedavg32_lr2e-3", 0): ([0.5, 0.6, 0.7, 0.8, 0.86], grow, [20, 40, 60, 80, 100], 1.0, 32.0, 32.0),
+        # not chosen at ROUNDS rounds: never part of the horizon's lines, whatever its validation accuracy
+        ("fedavg16_lr2e-3", 0): ([0.5, 0.6, 0.7, 0.8, 0.95], [0.9] * 5, [10, 20, 30, 40, 50], 1.0, 16.0, 16.0),
+    }
+    write_fake(fr, s, horizon_fake)
+    assert [j.status for j in fr.horizon_jobs(s, "val_accuracy")[0]][:3] == ["done", "done", "todo"]
+
+    (base.docs).mkdir()
+    fr.report(base, "val_accuracy")
+    out = fr.report(s, "val_accuracy")
+    assert {(r["setting"], r["seed"]) for r in out["runs"]} == {
+        ("dturbo_base", 0), ("dturbo_base", 1), ("fedavg16_lr1e-3", 0), ("fedavg32_lr2e-3", 0)}
+    assert out["protocol"]["rounds"] == longer and out["protocol"]["settings_chosen_at_rounds"] == ROUNDS
+    assert out["protocol"]["target_T"] == pytest.approx(0.84)  # FedAvg-16's (lr 1e-3) 0.85 - 1 point
+    assert out["checks"]["accuracy_gap_points"] == pytest.approx(100 * (0.86 - 0.9))
+    # T = 0.84 at round 5 for every line: 5 Mbit (D-Turbo-VBI) / 50 (FedAvg-16)
+    assert out["checks"]["bits_ratio_vs_fedavg16"] == pytest.approx(5 / 50)
+    md = (s.results / f"frontier{longer}.md").read_text()
+    assert "**5 rounds** (not the protocol's 3)" in md and "Selection (seed 0" not in md
+    assert "](../docs/results/frontier5.png)" in md and (base.docs / "results" / "frontier5.png").exists()
+    doc = (base.docs / "results.md").read_text()
+    for tag in ("frontier", f"frontier{longer}"):
+        assert doc.count(f"<!-- {tag}:start -->") == 1 and doc.count(f"<!-- {tag}:end -->") == 1
+    assert json.loads((base.results / "frontier.json").read_text())["protocol"]["rounds"] == ROUNDS  # untouched
