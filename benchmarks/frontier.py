@@ -209,7 +209,6 @@ DT_PAPER16 = {**_DT_COMMON, "dturbo.transmission.up_bits": 16, "dturbo.transmiss
               "dturbo.sparsity.ramp_rounds": 10}
 
 
-
 def _fedpaq(levels: int) -> dict[str, Any]:
     """FedPAQ's settings: QSGD with ``levels`` = s on the update, a float16 download, clients weighted alike."""
     return {"fedpaq.levels": levels, "fedpaq.dtype": "float16", "fedpaq.weighting": "uniform"}
