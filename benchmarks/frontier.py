@@ -740,7 +740,8 @@ def frontier_figure(lines: dict[str, Line], target: float | None, path: Path) ->
                     xytext=(0, 3), textcoords="offset points", fontsize=8, color="0.3")
     ax.set_xscale("log")
     ax.set(xlabel="cumulative communication, up + down (bits, log scale)", ylabel="test accuracy (%)",
-           title="Accuracy vs communication (mean over seeds; band: min-max where a method has 3 seeds)")
+           title=f"Accuracy vs communication over {max(len(r.m['round']) for ln in lines.values() for r in ln.runs)} "
+                 "rounds (mean over seeds; band: min-max where a method has 3 seeds)")
     ax.grid(alpha=0.3, which="major")
     ax.grid(alpha=0.12, which="minor")
     lo = min(np.nanmin(100 * r.m["accuracy"]) for ln in lines.values() for r in ln.runs)
