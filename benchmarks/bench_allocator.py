@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -104,7 +105,7 @@ def main() -> None:
     if not (args.run_dir / "model.safetensors").exists():
         raise SystemExit(f"{args.run_dir} has no model.safetensors: train it first "
                          "(python benchmarks/speed_frontier.py --stage train)")
-    res: dict[str, Any] = {"run_dir": str(args.run_dir.resolve().relative_to(ROOT)), "threads": args.threads,
+    res: dict[str, Any] = {"run_dir": os.path.relpath(args.run_dir.resolve(), ROOT), "threads": args.threads,
                            "samples": args.samples, "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     for mode in ("default", "kept"):  # a fresh process each: the allocator setting lasts a process
         out = subprocess.run([sys.executable, __file__, str(args.run_dir), "--threads", str(args.threads),
