@@ -91,6 +91,10 @@ def test_report_from_files(fr: ModuleType, tmp_path: Path) -> None:
     assert data["protocol"]["target_T"] == pytest.approx(0.79)
     assert checks["bits_ratio_vs_fedavg16"] == pytest.approx(4 / 30)
     assert checks["bits_ratio_vs_others"]["fedavg32"] == pytest.approx(4 / 40)
+    # Seed by seed: D-Turbo-VBI's seed 0 (4 Mbit) against FedAvg's seed 0; FedAvg has no seeds 1, 2 here.
+    by_seed = checks["bits_ratio_to_T_by_seed"]
+    assert by_seed["fedavg16"]["0"] == pytest.approx(4 / 30) and by_seed["fedavg32"]["0"] == pytest.approx(4 / 40)
+    assert by_seed["fedavg16"]["1"] is None and by_seed["fedavg16"]["2"] is None
     assert checks["accuracy_gap_points"] == pytest.approx(100 * (0.82 - (0.81 + 0.80 + 0.83) / 3))
     assert checks["steady_bits_per_param"]["up"] == pytest.approx(0.5)
     assert checks["steady_bits_per_param"]["mean"] == pytest.approx(1.0)
@@ -106,6 +110,7 @@ def test_report_from_files(fr: ModuleType, tmp_path: Path) -> None:
     assert "| FedAvg 32-bit | `fedavg32_lr2e-3` | 1 | 82.00 | 100.0 | 40.0 |" in md
     assert "| `dturbo_up8` | up 8 bits | 90.00 | 86.00 | 30.0 | 9.0 | 1.000 | 2.000 |" in md
     assert "| FedAvg 16-bit | `fedavg16_lr1e-3` **chosen** |" in md
+    assert "FedAvg 16-bit seed 0 0.133, seed 1 n/a, seed 2 n/a" in md
     assert md.count("**pass**") == 4  # accuracy and density, 1/5 of FedAvg-16, 1/2 of the others, bits/param
     # Only FedAvg 32-bit ends above D-Turbo-VBI's mean 81.33%, with 60 Mbit against 6.
     assert "- Final accuracy above D-Turbo-VBI's 81.33%: FedAvg 32-bit 82.00% (+0.67 points, 10.0x its bits" in md
