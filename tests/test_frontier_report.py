@@ -203,7 +203,7 @@ def test_a_longer_horizon_reruns_the_best_settings_and_chooses_among_them_again(
     # T = 0.84 at round 5 for every line: 5 Mbit (D-Turbo-VBI) / 50 (FedAvg-16)
     assert out["checks"]["bits_ratio_vs_fedavg16"] == pytest.approx(5 / 50)
     md = (s.results / f"frontier{longer}.md").read_text()
-    assert "**5 rounds** (not the protocol's 3)" in md and "final validation accuracy at 5 rounds)" in md
+    assert "**5 rounds** (not the protocol's 3)" in md and "final validation accuracy at 5 rounds, 1 local epoch)" in md
     assert "| FedAvg 32-bit | `fedavg32_lr1e-3` **chosen** |" in md and "fedavg16_lr2e-3" not in md
     assert "seed runs still missing: `dturbo_base_s2`, `fedavg32_lr1e-3_s1`" in md
     assert "](../docs/results/frontier5.png)" in md and (base.docs / "results" / "frontier5.png").exists()
@@ -211,3 +211,40 @@ def test_a_longer_horizon_reruns_the_best_settings_and_chooses_among_them_again(
     for tag in ("frontier", f"frontier{longer}"):
         assert doc.count(f"<!-- {tag}:start -->") == 1 and doc.count(f"<!-- {tag}:end -->") == 1
     assert json.loads((base.results / "frontier.json").read_text())["protocol"]["rounds"] == ROUNDS  # untouched
+
+
+def test_more_local_work_reruns_the_best_settings_with_more_epochs_in_their_own_files(fr: ModuleType,
+                                                                                     tmp_path: Path) -> None:
+    """--local-epochs: the plan of a longer horizon (the protocol's choice and its runners-up), at the protocol's
+    rounds with more local epochs a round for every method, into frontier_eE files; the protocol's untouched."""
+    base = fr.Settings(runs_root=tmp_path / "runs", results=tmp_path / "results", docs=tmp_path / "docs",
+                       rounds=ROUNDS)
+    write_fake(fr, base)
+    s = fr.Settings(runs_root=tmp_path / "runs_e", results=base.results, docs=base.docs, rounds=ROUNDS,
+                    local_epochs=2)
+    assert s.variant and not base.variant and s.tag == "frontier_e2" and s.flags == "--local-epochs 2"
+    assert fr.Settings(horizon=30, local_epochs=3).tag == "frontier30_e3"
+    assert s.selection.runs_csv == base.runs_csv and s.n_rounds == ROUNDS and s.n_epochs == 2
+    planned = fr.horizon_jobs(s, "val_accuracy")[0]
+    assert [j.name for j in planned] == ["dturbo_base_s0", "fedavg32_lr2e-3_s0", "fedavg16_lr1e-3_s0"]
+    for j in planned:  # the only difference from the protocol's run: the local epochs
+        protocol = fr.resolved(fr.config_dict(j.cand, j.seed, base))
+        assert j.want["train"]["local_epochs"] == 2 and protocol["train"]["local_epochs"] == 1
+        j.want["train"]["local_epochs"] = 1
+        assert j.want == protocol
+
+    grow = [0.5, 0.7, 0.9]
+    write_fake(fr, s, {(lab, seed): (grow, grow, [1, 2, 3], dens, 1.0, 1.0) for lab, seed, dens in
+                       (("dturbo_base", 0, 0.12), ("fedavg32_lr2e-3", 0, 1.0), ("fedavg16_lr1e-3", 0, 1.0))})
+    fr.report(base, "val_accuracy")
+    out = fr.report(s, "val_accuracy")
+    assert out["protocol"]["local_epochs"] == 2 and out["protocol"]["rounds"] == ROUNDS
+    md = (s.results / "frontier_e2.md").read_text()
+    assert md.startswith("# Accuracy vs bits over 3 rounds, 2 local epochs a round: the frontier's best settings, "
+                         "more local work")
+    assert "`python benchmarks/frontier.py --local-epochs 2`" in md
+    assert "**2 local epochs** (not the protocol's 1)" in md
+    assert "with 2 local epochs a round" in md and "final validation accuracy at 3 rounds, 2 local epochs)" in md
+    assert json.loads((base.results / "frontier.json").read_text())["protocol"]["local_epochs"] == 1
+    doc = (base.docs / "results.md").read_text()
+    assert doc.count("<!-- frontier_e2:start -->") == 1 and doc.count("<!-- frontier:start -->") == 1
