@@ -618,8 +618,8 @@ def load_runs(s: Settings, rounds: int | None = None) -> list[Run]:
     return out
 
 
-# A longer horizon re-runs, beside each line's chosen setting, its runners-up within this much validation
-# accuracy (about FedAvg's seed-to-seed std; D-Turbo-VBI's is larger), and chooses again at its own length.
+# A variant (a longer horizon, more local work) re-runs, beside each line's chosen setting, its runners-up within
+# this much validation accuracy (about FedAvg's seed-to-seed std; D-Turbo-VBI's is larger), and chooses again.
 HORIZON_MARGIN = 0.003
 # Why a variant is reported beside the protocol (benchmarks/frontier.py --horizon 30, --local-epochs 2).
 HORIZON_WHY = (
@@ -926,7 +926,8 @@ def checks(lines: dict[str, Line], target: float | None) -> tuple[list[str], dic
 def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, target: float | None,
                     peers: dict[str, Any], fig_rel: str, s: Settings, plan: HorizonPlan | None = None
                     ) -> tuple[str, dict[str, Any]]:
-    """The markdown body (### headings) and the numbers of the checks; ``plan``: a longer horizon's."""
+    """The markdown body (### headings) and the numbers of the checks; ``plan``: a variant's (--horizon,
+    --local-epochs)."""
     targets = ([target] if target is not None else []) + list(FIXED_TARGETS)
     tnames = [f"T = {100 * target:.1f}%" if target is not None and t == target else f"{100 * t:.0f}%"
               for t in targets]
@@ -964,7 +965,7 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
         md += [f"**Smoke test** (rounds {s.rounds}, limit_train {s.limit_train}, validation "
                f"{'on' if s.validation else 'off'}): not a result.", ""]
     selected = {r.cand.label for r in runs if r.seed == 0}
-    # The selection's candidates (a longer horizon: its plan's) and the seeds 1, 2 of dturbo, fedavg32, fedavg16
+    # The selection's candidates (a variant: its plan's) and the seeds 1, 2 of dturbo, fedavg32, fedavg16
     # and the two nearest peers.
     wanted = [c.label for c in CANDIDATES if plan is None or c.label in plan.labels]
     missing = [lab for lab in wanted if lab not in selected]
@@ -1164,9 +1165,9 @@ def seed_jobs(s: Settings, only: list[str] | None, metric: str, *, dry: bool) ->
 
 @dataclass
 class HorizonPlan:
-    """What a longer horizon runs, from the protocol's selection: per line its candidates (the setting chosen at
-    the protocol's rounds, first, and every runner-up within HORIZON_MARGIN of it on validation), and the peers
-    the protocol repeats with 3 seeds."""
+    """What a variant of the protocol (a longer horizon, more local work) runs, from the protocol's selection:
+    per line its candidates (the setting chosen at the protocol's rounds, first, and every runner-up within
+    HORIZON_MARGIN of it on validation), and the peers the protocol repeats with 3 seeds."""
 
     candidates: dict[str, list[str]]
     peers: list[str]
@@ -1199,7 +1200,7 @@ def horizon_plan(s: Settings, metric: str) -> HorizonPlan | str:
 
 
 def horizon_jobs(s: Settings, metric: str) -> tuple[list[Job], str]:
-    """The longer horizon's runs: seed 0 of every candidate of :func:`horizon_plan`; then, once a line's
+    """The variant's runs: seed 0 of every candidate of :func:`horizon_plan`; then, once a line's
     candidates all have it, seeds 1 and 2 of the one chosen at the horizon for the lines the protocol repeats
     (D-Turbo-VBI, FedAvg 32/16-bit, its two nearest peers); those lines first."""
     plan = horizon_plan(s, metric)
