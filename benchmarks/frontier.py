@@ -134,6 +134,8 @@ DT_BASE = {**_DT_COMMON, "dturbo.transmission.up_bits": 4, "dturbo.transmission.
 COSINE = {"train.lr_schedule": "cosine", "train.lr_final": 0.1}
 _T15_EDGES = {"dturbo.sparsity.target_density": 0.15, "dturbo.sparsity.warmup_rounds": 2,
               "dturbo.sparsity.ramp_rounds": 10, "dturbo.sparsity.layer_targets": {"conv1": 1.0, "dense3": 1.0}}
+# The setting chosen at stop 22 (edges, lr 0.005, positions as differences): the levers of stops 25-26 vary it.
+_EDGES_LR5 = {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta"}
 DT_ABLATION: list[tuple[str, dict[str, Any], str]] = [
     ("dturbo_base", {}, "base: up 4 bits (update), down 8 bits, sigma_prior rebuilt, 12% target, no warm-up, "
                         "6-round ramp, beta 0.003"),
@@ -187,17 +189,17 @@ DT_ABLATION: list[tuple[str, dict[str, Any], str]] = [
       for tag, lr in (("5e-3", 0.005), ("8e-3", 0.008))),
     # Stop 25: the chosen setting's accuracy still rises ~0.3 points a round after its support settles (round 12):
     # a shorter ramp (and no warm-up) leaves more rounds on the settled support, and sends fewer dense rounds.
-    *((f"dturbo_t15_edges_lr5e-3_w{w}r{r}", {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta",
+    *((f"dturbo_t15_edges_lr5e-3_w{w}r{r}", {**_EDGES_LR5,
                                              "dturbo.sparsity.warmup_rounds": w, "dturbo.sparsity.ramp_rounds": r},
        f"the edges setting, lr 0.005, {w} warm-up rounds, {r}-round ramp, support positions sent as differences")
       for w, r in ((2, 6), (0, 8))),
     # Both lost (88.2% validation, against 89.0%): the pruned network recovers as slowly after a short ramp. So
     # the other way, a longer ramp (fewer weights pruned a round), and less reparameterisation noise (a smaller
     # initial sigma gained at every step of the comparison's sweep, dturbo_variants.md).
-    ("dturbo_t15_edges_lr5e-3_w2r14", {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta",
+    ("dturbo_t15_edges_lr5e-3_w2r14", {**_EDGES_LR5,
                                        "dturbo.sparsity.ramp_rounds": 14},
      "the edges setting, lr 0.005, 2 warm-up rounds, 14-round ramp, support positions sent as differences"),
-    ("dturbo_t15_edges_lr5e-3_sig5e-3", {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta",
+    ("dturbo_t15_edges_lr5e-3_sig5e-3", {**_EDGES_LR5,
                                          "dturbo.sigma_init_ratio": 0.005},
      "the edges setting, lr 0.005, initial sigma 0.005 x the layer's initial weight std, support positions sent "
      "as differences"),
@@ -205,7 +207,7 @@ DT_ABLATION: list[tuple[str, dict[str, Any], str]] = [
     # the same density), and the global field leaves conv2 (the first layer that mixes channels, 3.6% of the
     # weights) at 17%: conv2 denser, the larger layers sharing what is left of 15%.
     *((f"dturbo_t15_edges_lr5e-3_conv2_{tag}",
-       {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta",
+       {**_EDGES_LR5,
         "dturbo.sparsity.layer_targets": {**_T15_EDGES["dturbo.sparsity.layer_targets"], "conv2": d}},
        f"the edges setting, lr 0.005, conv2 at {d:.0%} (the other layers share the rest of 15%), support positions "
        "sent as differences")
@@ -213,7 +215,7 @@ DT_ABLATION: list[tuple[str, dict[str, Any], str]] = [
     # The download is two thirds of the steady state's bits (8-bit mu_G on S), and the upload's 8 bits bought
     # nothing over 4 (dturbo_up8): fewer bits down. The server keeps mu_G exact; only the clients' starting point
     # is rounded (docs/communication.md).
-    *((f"dturbo_t15_edges_lr5e-3_down{b}", {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta",
+    *((f"dturbo_t15_edges_lr5e-3_down{b}", {**_EDGES_LR5,
                                             "dturbo.transmission.down_bits": b},
        f"the edges setting, lr 0.005, down {b} bits, support positions sent as differences")
       for b in (6, 4)),
@@ -221,19 +223,19 @@ DT_ABLATION: list[tuple[str, dict[str, Any], str]] = [
     # 120 inputs: ~9 each, against 23-61 elsewhere): dense2 at 25%, or every layer but the edges at one density
     # (scope "layer"; 13.5% each makes 15% of the whole with conv1 and dense3 whole).
     ("dturbo_t15_edges_lr5e-3_dense2_q",
-     {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta",
+     {**_EDGES_LR5,
       "dturbo.sparsity.layer_targets": {**_T15_EDGES["dturbo.sparsity.layer_targets"], "dense2": 0.25}},
      "the edges setting, lr 0.005, dense2 at 25% (the other layers share the rest of 15%), support positions sent "
      "as differences"),
     ("dturbo_t15_edges_lr5e-3_uniform",
-     {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta",
+     {**_EDGES_LR5,
       "dturbo.sparsity.scope": "layer", "dturbo.sparsity.target_density": 0.135},
      "the edges setting, lr 0.005, every layer but conv1 and dense3 at 13.5% (15% of the whole), support "
      "positions sent as differences"),
     # Both lost (88.18 / 88.68%). What the clusters cost: the MRF's coupling weakened (p01 -> p11) and removed
     # (p01 = p11: independent supports, Module B's messages carry nothing between neighbours).
     *((f"dturbo_t15_edges_lr5e-3_mrf_{tag}",
-       {**_T15_EDGES, "train.lr": 0.005, "dturbo.transmission.positions": "delta",
+       {**_EDGES_LR5,
         **{f"dturbo.prior.{kind}.{p}": v for kind in ("conv", "dense")
            for p, v in (("p01_row", p01), ("p11_row", p11), ("p01_col", p01), ("p11_col", p11))}},
        f"the edges setting, lr 0.005, MRF transitions p01 {p01:g}, p11 {p11:g} (rows and columns; default "
@@ -923,6 +925,10 @@ def checks(lines: dict[str, Line], target: float | None) -> tuple[list[str], dic
     return out, nums
 
 
+def _local_epochs(n: int) -> str:
+    return f"{n} local epoch{'s' * (n != 1)}"
+
+
 def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, target: float | None,
                     peers: dict[str, Any], fig_rel: str, s: Settings, plan: HorizonPlan | None = None
                     ) -> tuple[str, dict[str, Any]]:
@@ -939,8 +945,8 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
     rounds = (f"{n_rounds} rounds" if s.horizon is None
               else f"**{n_rounds} rounds** (not the protocol's {s.selection.n_rounds})")
     p_epochs = int(PROTOCOL["local_epochs"])
-    epochs = (f"{p_epochs} local epoch{'s' * (p_epochs != 1)}" if s.local_epochs is None
-              else f"**{s.n_epochs} local epochs** (not the protocol's {p_epochs})")
+    epochs = (_local_epochs(p_epochs) if s.local_epochs is None
+              else f"**{_local_epochs(s.n_epochs)}** (not the protocol's {p_epochs})")
     md += [f"Regenerated by `python benchmarks/{command}` from `benchmarks/results/{s.tag}_runs/` (do not edit by "
            f"hand). Protocol: {PROTOCOL['dataset']}, {PROTOCOL['model']} ({params:,} weights and biases), "
            f"{PROTOCOL['clients']} clients, Dirichlet({PROTOCOL['alpha']}), every client every round, "
@@ -1023,7 +1029,7 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
         md += _md_table(["setting", "what changed", "val acc (%)", "test acc (%)", "nonzero (%)", "total Mbit",
                          "up bits/param/round", "down bits/param/round"], arows) + [""]
     # Every candidate of the selection.
-    at = "" if not s.variant else f" at {n_rounds} rounds, {s.n_epochs} local epoch{'s' * (s.n_epochs != 1)}"
+    at = "" if not s.variant else f" at {n_rounds} rounds, {_local_epochs(s.n_epochs)}"
     md += [f"### Selection (seed 0, final validation accuracy{at})", ""]
     srows = [[LINE_NAMES[t["line"]], f"`{t['label']}`" + (" **chosen**" if t["chosen"] else ""), t["note"],
               f"{100 * t['final_val_accuracy']:.2f}", f"{100 * t['final_density']:.1f}",
@@ -1088,8 +1094,8 @@ def report(s: Settings, metric: str) -> dict[str, Any]:
     fig_rel = os.path.relpath(fig, s.docs)
     body, nums = report_markdown(lines, runs, sel, target, peers, fig_rel, s, plan)
     title = ("Accuracy vs bits: the frontier" if not s.variant
-             else f"Accuracy vs bits over {s.n_rounds} rounds, {s.n_epochs} local epoch{'s' * (s.n_epochs != 1)} "
-                  f"a round: the frontier's best settings, "
+             else f"Accuracy vs bits over {s.n_rounds} rounds, {_local_epochs(s.n_epochs)} a round: the frontier's "
+                  "best settings, "
                   f"{'a longer horizon' if s.local_epochs is None else 'more local work'}")
     (s.results / f"{s.tag}.md").write_text(
         f"# {title}\n\n" + body.replace(f"]({fig_rel})", f"]({os.path.relpath(fig, s.results)})"))
@@ -1186,7 +1192,8 @@ def horizon_plan(s: Settings, metric: str) -> HorizonPlan | str:
     except SystemExit as err:
         return str(err)
     if sel is None or "dturbo" not in sel.chosen:
-        return f"no selection at {s.selection.n_rounds} rounds yet: run the protocol first (no --horizon)"
+        return (f"no selection at {s.selection.n_rounds} rounds yet: run the protocol first (without --horizon or "
+                "--local-epochs)")
     peers, info = nearest_peers(base, sel, metric)
     cands: dict[str, list[str]] = {}
     for ln, label in sel.chosen.items():
@@ -1201,7 +1208,7 @@ def horizon_plan(s: Settings, metric: str) -> HorizonPlan | str:
 
 def horizon_jobs(s: Settings, metric: str) -> tuple[list[Job], str]:
     """The variant's runs: seed 0 of every candidate of :func:`horizon_plan`; then, once a line's
-    candidates all have it, seeds 1 and 2 of the one chosen at the horizon for the lines the protocol repeats
+    candidates all have it, seeds 1 and 2 of the one chosen in the variant for the lines the protocol repeats
     (D-Turbo-VBI, FedAvg 32/16-bit, its two nearest peers); those lines first."""
     plan = horizon_plan(s, metric)
     if isinstance(plan, str):
@@ -1240,7 +1247,8 @@ def main() -> None:
                     help="leave data.validation out (only while dturbo lacks it; needs --select-on accuracy)")
     ap.add_argument("--select-on", choices=["val_accuracy", "accuracy"], default="val_accuracy",
                     help="selection column; 'accuracy' (test) only for smoke tests without a validation split")
-    ap.add_argument("--runs-root", type=Path, help="run directories (default runs/frontier, runs/frontierROUNDS)")
+    ap.add_argument("--runs-root", type=Path,
+                    help="run directories (default runs/<tag>: runs/frontier, runs/frontier30, runs/frontier_e2, ...)")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
                     help="frontier.json, frontier.md and frontier_runs/ go here")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs",
@@ -1284,7 +1292,7 @@ def run_stages(args: argparse.Namespace, s: Settings) -> None:
             return
         s.runs_root.mkdir(parents=True, exist_ok=True)
         failed += run_jobs(jobs, s, args.jobs)
-        # Now that seed 0 of every candidate is in: the seeds of what the horizon chose.
+        # Now that seed 0 of every candidate is in: the seeds of what the variant chose.
         jobs = [j for j in horizon_jobs(s, args.select_on)[0] if not args.only or j.cand.label in args.only]
         failed += run_jobs([j for j in jobs if j.status != "done"], s, args.jobs)
     elif args.dry_run:
