@@ -958,7 +958,7 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
     if s.variant:
         what = " and ".join(([f"for {n_rounds} rounds (a learning rate decayed by a cosine decays over all "
                               f"{n_rounds})"] if s.horizon is not None else [])
-                            + ([f"with {s.n_epochs} local epochs a round"] if s.local_epochs is not None else []))
+                            + ([f"with {_local_epochs(s.n_epochs)} a round"] if s.local_epochs is not None else []))
         why = " ".join(([HORIZON_WHY] if s.horizon is not None else [])
                        + ([EPOCHS_WHY] if s.local_epochs is not None else []))
         md += [f"{'A longer horizon' if s.local_epochs is None else 'More local work'}: every method's setting "
