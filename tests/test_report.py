@@ -287,6 +287,15 @@ def test_saved_figures_are_cut_to_what_is_drawn(tmp_path, close_figures):
     assert plt.get_fignums() == []  # every figure closed after saving
 
 
+def test_saved_figures_are_byte_reproducible(tmp_path, close_figures):
+    """Regenerating a committed figure must not churn it: the same drawing, the same PNG and SVG bytes."""
+    run = _fake_run(tmp_path / "run", 4, 3e7, 4e8, messages=True)
+    first, again = draw_run(run, tmp_path / "a"), draw_run(run, tmp_path / "b")
+    assert [p.name for p in first] == [p.name for p in again]
+    for a, b in zip(first, again, strict=True):
+        assert a.read_bytes() == b.read_bytes(), a.name
+
+
 def test_masks_figure_wraps_many_layers_into_rows(tmp_path, close_figures):
     from safetensors.numpy import save_file
 

@@ -52,10 +52,14 @@ def _figure(ncols: int, nrows: int = 1, *, figsize: tuple[float, float]) -> tupl
 
 
 def _save(fig: Figure, path: Path) -> list[Path]:
-    """PNG and SVG; ``bbox_inches="tight"`` so that nothing drawn is cut at the edge. Closes the figure."""
+    """PNG and SVG; ``bbox_inches="tight"`` so that nothing drawn is cut at the edge. Closes the figure.
+
+    The same figure gives the same bytes: no date in the SVG and its element ids hashed with a fixed salt (the
+    default is a random one), so regenerating a committed figure changes the file only where the drawing does."""
     out = [path.with_suffix(".png"), path.with_suffix(".svg")]
-    for p in out:
-        fig.savefig(p, dpi=DPI, bbox_inches="tight", pad_inches=0.1)
+    with plt.rc_context({"svg.hashsalt": "dturbo"}):
+        for p in out:
+            fig.savefig(p, dpi=DPI, bbox_inches="tight", pad_inches=0.1, metadata={"Date": None})
     plt.close(fig)
     return out
 
