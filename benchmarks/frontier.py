@@ -296,7 +296,21 @@ CANDIDATES: list[Candidate] = [
     # FedPM: the score learning rate (the authors: Adam, lr 0.1).
     *(Candidate(f"fedpm_lr{lr:g}", "fedpm", "fedpm", {"train.lr": lr}, f"score lr {lr:g}") for lr in (0.1, 0.03)),
 ]
-BY_LABEL = {c.label: c for c in CANDIDATES}
+# Candidates of one variant only (by its tag): levers tried where the variant's own results point, chosen on that
+# variant's validation split like its other candidates, and never run on the protocol.
+# frontier30_e2 (stop 28): the dense warm-up and the ramp (rounds 1-12) spend 54 of the 66 Mbit the chosen setting
+# needs to reach T (frontier30_e2.md), the downlink two thirds of every round: one dense round fewer (the ramp and
+# the decay start a round earlier), and mu_G sent as an update at 4 bits (as the upload is).
+_COS12 = {**DT_BASE, **_EDGES_LR5, **COSINE, "train.lr_decay_start": 12}
+VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
+    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1", "dturbo", "dturbo",
+              {**_COS12, "dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11},
+              "the chosen cos12 setting with 1 dense warm-up round (the ramp and the decay a round earlier)"),
+    Candidate("dturbo_t15_edges_lr5e-3_cos12_upd4", "dturbo", "dturbo",
+              {**_COS12, "dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4},
+              "the chosen cos12 setting with mu_G sent down as the update from the weights each client holds, 4 bits"),
+]}
+BY_LABEL = {c.label: c for c in [*CANDIDATES, *(c for cs in VARIANT_CANDIDATES.values() for c in cs)]}
 
 
 # ------------------------------------------------------------------------------------------------- configs
@@ -973,7 +987,7 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
     selected = {r.cand.label for r in runs if r.seed == 0}
     # The selection's candidates (a variant: its plan's) and the seeds 1, 2 of dturbo, fedavg32, fedavg16
     # and the two nearest peers.
-    wanted = [c.label for c in CANDIDATES if plan is None or c.label in plan.labels]
+    wanted = [lab for lab in BY_LABEL if lab in plan.labels] if plan else [c.label for c in CANDIDATES]
     missing = [lab for lab in wanted if lab not in selected]
     nearest = [x["line"] for x in peers.get("ranking", [])[:N_NEAREST]]
     want = [sel.chosen[ln] for ln in [*ALWAYS_SEEDED, *nearest] if ln in sel.chosen]
@@ -1116,7 +1130,7 @@ def report(s: Settings, metric: str) -> dict[str, Any]:
         "seeded_peers": peers,
         "checks": nums,
         "candidates": {c.label: {"line": c.line, "method": c.algorithm, "overrides": c.overrides, "note": c.note}
-                       for c in CANDIDATES},
+                       for c in BY_LABEL.values()},
     }
     (s.results / f"{s.tag}.json").write_text(json.dumps(out, indent=1) + "\n")
     print(body)
@@ -1203,6 +1217,8 @@ def horizon_plan(s: Settings, metric: str) -> HorizonPlan | str:
                         and (ln != "dturbo" or t["final_density"] <= DENSITY_MAX + DENSITY_TOL)),
                        key=lambda t: -t["final_val_accuracy"])
         cands[ln] = [label, *(t["label"] for t in close)]
+    for c in VARIANT_CANDIDATES.get(s.tag, []):
+        cands.setdefault(c.line, []).append(c.label)
     return HorizonPlan(cands, peers, info)
 
 

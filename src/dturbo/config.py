@@ -216,12 +216,21 @@ class TransmissionConfig(_Section):
         "full: every downlink carries each layer's support whole (implicit in the cluster-coded mu_G with down_bits "
         "= 16); delta: a client's downlink carries it as the positions that flipped since the support that client "
         "last received, or whole when that is smaller or the client holds none (docs/communication.md)"))
+    down_mu: Literal["values", "update"] = Field("values", description=(
+        "values: mu_G on S (down_bits); update: mu_G - the weights the client holds from its last downlink, on S, on "
+        "2**down_bits levels per layer (stochastic rounding), so the rounding error of one downlink is sent again in "
+        "the next; needs positions = 'delta' (the server knows what each client holds) and down_bits < 16 "
+        "(docs/communication.md)"))
 
     @model_validator(mode="after")
     def _bits(self) -> TransmissionConfig:
         for key in ("up_bits", "down_bits"):
             if 12 < getattr(self, key) < 16:
                 raise ValueError(f"{key} must be 16 (float16) or 1..12 (quantised), got {getattr(self, key)}")
+        if self.down_mu == "update" and (self.positions != "delta" or self.down_bits == 16):
+            raise ValueError("down_mu = 'update' needs positions = 'delta' (the server must know which weights each "
+                             f"client holds) and down_bits in 1..12; got positions = '{self.positions}', down_bits = "
+                             f"{self.down_bits}")
         return self
 
 

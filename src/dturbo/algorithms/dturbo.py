@@ -19,7 +19,8 @@ The server state (checkpointed) holds, per Bayesian layer ``name``: the fields o
 the field of every layer's Module B in its last SPMP (the sparsity policy starts its next search there); and the
 plain state. With ``transmission.positions = "delta"`` also what each client holds (docs/communication.md,
 "Positions"): ``held_round`` (per client, the round of the downlink whose S it holds, -1: none known) and
-``held.name`` (per client, that S as packed bits), so that a resumed run codes the same differences.
+``held.name`` (per client, that S as packed bits), so that a resumed run codes the same differences; with
+``down_mu = "update"`` also ``held_mu.name`` (per client, the weights it holds from that downlink, float32, 0 off S).
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ class DturboServer(ServerBase[DturboUplink]):
             state["held_round"] = np.full(clients, NO_BASE, dtype=np.int64)
             for info in self.layers:
                 state[f"held.{info.name}"] = np.zeros((clients, _packed_size(info)), dtype=np.uint8)
+                if self.messages.update:
+                    state[f"held_mu.{info.name}"] = np.zeros((clients, int(np.prod(info.grid))), dtype=np.float32)
         if self.sparsity.steers(0):
             # The first support decision must follow the schedule too. Module B has no A->B message yet (unary 0),
             # and the first E3's evidence is already fixed by the initial q(rho), so the field is calibrated for
@@ -182,7 +185,15 @@ class DturboServer(ServerBase[DturboUplink]):
             return super().downlinks(state, round_idx, clients)
         bases = {cid: int(state["held_round"][cid]) for cid in clients}
         return self.messages.encode_downlinks(self._downlink_record(state, round_idx), self.plain.encode_state(state),
-                                              bases, self.held_supports(state, set(bases.values())))
+                                              bases, self.held_supports(state, set(bases.values())),
+                                              self.held_weights(state, clients))
+
+    def held_weights(self, state: State, clients: list[int]) -> dict[int, list[np.ndarray]]:
+        """``down_mu = "update"``: the weights each of ``clients`` that holds a downlink holds (none: absent)."""
+        if not self.messages.update:
+            return {}
+        return {cid: [state[f"held_mu.{i.name}"][cid].reshape(i.grid) for i in self.layers]
+                for cid in clients if int(state["held_round"][cid]) != NO_BASE}
 
     def held_supports(self, state: State, rounds: set[int]) -> HeldSupports:
         """The supports of ``rounds`` some client holds (every client that holds round b's holds the same: S_b)."""
@@ -218,7 +229,7 @@ class DturboServer(ServerBase[DturboUplink]):
         trained = [self.support(state, info) for info in self.layers]  # the S this round's clients trained on
         new = self.aggregate_plain(state, got)
         if self.messages.delta:
-            new |= self._held_after(state, round_idx, trained, [u.client_id for u in ups])
+            new |= self._held_after(state, round_idx, [u.client_id for u in ups])
         for info, mask in zip(self.layers, trained, strict=True):
             n = info.name
             mu = np.zeros(info.grid, dtype=np.float64)
@@ -246,11 +257,12 @@ class DturboServer(ServerBase[DturboUplink]):
         metrics |= got.counts()
         return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
 
-    def _held_after(self, state: State, round_idx: int, trained: list[np.ndarray], senders: list[int]) -> State:
+    def _held_after(self, state: State, round_idx: int, senders: list[int]) -> State:
         """``positions = "delta"``: what each client holds after this round. A client selected this round whose
-        upload is valid decoded the downlink, so it holds this round's S (``trained``); one selected without a
-        valid upload (dropped, late, failed, rejected) may or may not have decoded it, so the server assumes
-        nothing and sends it S whole next time; the others keep theirs."""
+        upload is valid decoded the downlink, so it holds this round's S (and with ``down_mu = "update"`` the
+        weights it decoded, coded again here exactly as its downlink was); one selected without a valid upload
+        (dropped, late, failed, rejected) may or may not have decoded it, so the server assumes nothing and sends
+        it S whole (and mu_G from zeros) next time; the others keep theirs."""
         clients = self.cfg.federation.clients
         selected = np.zeros(clients, dtype=bool)
         selected[self.select_clients(round_idx)] = True
@@ -261,11 +273,22 @@ class DturboServer(ServerBase[DturboUplink]):
         rounds[selected] = NO_BASE
         rounds[confirmed] = round_idx
         out: State = {"held_round": rounds}
-        for info, mask in zip(self.layers, trained, strict=True):
+        record = self._downlink_record(state, round_idx)
+        for info, layer in zip(self.layers, record.layers, strict=True):
             held = state[f"held.{info.name}"].copy()
             held[selected] = 0
-            held[confirmed] = _pack_support(mask)
+            held[confirmed] = _pack_support(layer.support)
             out[f"held.{info.name}"] = held
+        if self.messages.update:
+            weights = {f"held_mu.{i.name}": state[f"held_mu.{i.name}"].copy() for i in self.layers}
+            before = self.held_weights(state, np.flatnonzero(confirmed).tolist())
+            for key in weights:
+                weights[key][selected] = 0
+            for cid in np.flatnonzero(confirmed):
+                after = self.messages.encode_update(record, int(cid), before.get(int(cid)))[1]
+                for info, w in zip(self.layers, after, strict=True):
+                    weights[f"held_mu.{info.name}"][cid] = w.reshape(-1)
+            out |= weights
         return out
 
     def _server_step(self, state: State, trained: list[np.ndarray], round_idx: int) -> dict[str, float]:
@@ -365,7 +388,8 @@ class DturboClient:
     process), the supports of the last two downlinks it decoded, by round: the server codes a downlink against the
     support of the last round it knows the client decoded (its upload was valid), and a round run again (a retry,
     or a resumed run whose client had decoded the round before the stop) must still find that one after the client
-    decoded the round's own. :meth:`export_state` / :meth:`import_state` carry them through a checkpoint, and the
+    decoded the round's own; with ``down_mu = "update"`` also the weights each of them left it holding (the next
+    update is coded from them). :meth:`export_state` / :meth:`import_state` carry them through a checkpoint, and the
     Flower ClientApp keeps them in the node's state."""
 
     def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
@@ -377,11 +401,13 @@ class DturboClient:
         self.messages = DturboMessages(cfg, self.model, self.layers, self.plain)
         self.device = resolve_device(cfg.experiment.device)
         self._held: dict[int, dict[int, list[np.ndarray]]] = {}  # client id -> round -> S of every layer
+        self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": -> the weights held
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        down = self.messages.decode_downlink(downlink, self._held.get(client_id))
+        down = self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id))
         if self.messages.delta:
-            self._keep(client_id, down.round_idx, [d.support for d in down.layers])
+            self._keep(client_id, down.round_idx, [d.support for d in down.layers],
+                       [d.mu.astype(np.float32) for d in down.layers] if self.messages.update else None)
         round_idx = down.round_idx
         model = self.model
         layers = bayesian_layers(model)
@@ -421,11 +447,16 @@ class DturboClient:
         return self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng)
 
     # -------------------------------------------------- the supports held (positions = "delta")
-    def _keep(self, client_id: int, round_idx: int, supports: list[np.ndarray]) -> None:
-        """Hold the supports just decoded, and of the others only the newest (class docstring: why two)."""
-        mine = self._held.get(client_id, {})
-        older = [r for r in mine if r != round_idx]
-        self._held[client_id] = ({max(older): mine[max(older)]} if older else {}) | {round_idx: supports}
+    def _keep(self, client_id: int, round_idx: int, supports: list[np.ndarray],
+              weights: list[np.ndarray] | None) -> None:
+        """Hold the supports (and weights) just decoded, and of the others only the newest (class docstring: why
+        two)."""
+        for held, new in ((self._held, supports), (self._weights, weights)):
+            if new is None:
+                continue
+            mine = held.get(client_id, {})
+            older = [r for r in mine if r != round_idx]
+            held[client_id] = ({max(older): mine[max(older)]} if older else {}) | {round_idx: new}
 
     def export_state(self) -> dict[str, np.ndarray]:
         """The supports every client holds (packed bits), for the checkpoint; empty with ``positions = "full"``."""
@@ -436,27 +467,41 @@ class DturboClient:
             for slot, r in enumerate(rounds):
                 for info, support in zip(self.layers, mine[r], strict=True):
                     out[f"{info.name}.support{slot}/{cid}"] = _pack_support(support)
+                if self.messages.update:
+                    for info, w in zip(self.layers, self._weights[cid][r], strict=True):
+                        out[f"{info.name}.mu{slot}/{cid}"] = w.reshape(-1)
         return out
 
     def import_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Inverse of :meth:`export_state` (on resume, or a Flower node's saved state); ValueError when the arrays
         do not fit this model."""
-        self._held = {}
+        self._held, self._weights = {}, {}
         try:
             for key, rounds in arrays.items():
                 if not key.startswith("support_rounds/"):
                     continue
                 cid = int(key.split("/", 1)[1])
-                mine = {}
+                mine, weights = {}, {}
                 for slot, r in enumerate(np.asarray(rounds, dtype=np.int64).reshape(-1).tolist()):
-                    supports = []
+                    supports, mus = [], []
                     for info in self.layers:
                         packed = np.asarray(arrays[f"{info.name}.support{slot}/{cid}"], dtype=np.uint8)
                         if packed.shape != (_packed_size(info),):
                             raise ValueError(f"the support of {info.name} held by client {cid} has {packed.size} "
                                              f"bytes, the model's grid needs {_packed_size(info)}")
                         supports.append(_unpack_support(packed, info))
+                        if self.messages.update:
+                            w = np.asarray(arrays[f"{info.name}.mu{slot}/{cid}"])
+                            if w.dtype != np.float32 or w.shape != (int(np.prod(info.grid)),):
+                                raise ValueError(f"the weights of {info.name} held by client {cid} are {w.dtype} "
+                                                 f"{w.shape}, the model's grid needs float32 "
+                                                 f"({int(np.prod(info.grid))},)")
+                            mus.append(w.reshape(info.grid))
                     mine[r] = supports
+                    if self.messages.update:
+                        weights[r] = mus
                 self._held[cid] = mine
+                if self.messages.update:
+                    self._weights[cid] = weights
         except (KeyError, TypeError) as err:
             raise ValueError(f"checkpointed D-Turbo-VBI client state is incomplete ({err})") from None

@@ -11,6 +11,10 @@ writes or reads their bytes: the server and the client hand it typed records (:c
   quantised or float16) and each client's downlink codes it against the support that client holds, named by the
   round of the downlink it came in (``meta``'s third scalar, -1: none): the positions that flipped, or S whole
   where that is smaller (:func:`dturbo.codec.encode_support_delta`; docs/communication.md, "Positions").
+  With ``down_mu = "update"`` (which needs positions = "delta") mu_G travels as the update from the weights R the
+  client holds from that same downlink (0 where it holds none), quantised: the client holds R' = R + the decoded
+  update on S afterwards (float32, 0 off S), and the server, which knows R, codes the next update from R', so one
+  downlink's rounding error is sent again in the next (:meth:`DturboMessages.encode_update`).
 * up: per layer, mu on S in float16 (canonical row-major order, no positions), or with ``up_bits`` < 16 the update
   from the weights received on 2**bits levels; sigma on S; the biases; then n_t and the training figures.
 
@@ -55,6 +59,16 @@ NO_BASE = -1  # positions = "delta": the base round of a downlink whose supports
 
 # positions = "delta": the supports a client holds, by the round of the downlink they came in (one grid per layer)
 HeldSupports = Mapping[int, list[np.ndarray]]
+# down_mu = "update": the weights a client holds (float32 grids, 0 off the support), by the round of their downlink
+HeldWeights = Mapping[int, list[np.ndarray]]
+
+
+def updated_weights(held: np.ndarray, support: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The weights a client holds after a downlink with ``down_mu = "update"``: ``held`` + the decoded ``step`` on
+    ``support`` (row-major), 0 off it, in float32; the server and the client compute it alike, bit for bit."""
+    out = np.zeros(support.shape, dtype=np.float32)
+    out[support] = (held[support].astype(np.float64) + step).astype(np.float32)
+    return out
 
 
 def encode_prior_std(values: np.ndarray, dtype: str) -> bytes:
@@ -147,6 +161,7 @@ class DturboMessages:
         self.scalar_sigma = [layer.sigma.numel() == 1 for layer in bayes]
         self.n_bias = [0 if layer.bias is None else int(layer.bias.numel()) for layer in bayes]
         self.delta = self.tr.positions == "delta"
+        self.update = self.tr.down_mu == "update"
         down = {"meta": "header", "sigma": "values", "bias": "dense"}
         if self.tr.down_bits == 16 and not self.delta:
             down["mu"] = "grid"
@@ -188,20 +203,24 @@ class DturboMessages:
         return self.down.frame(fields | plain_fields)
 
     def encode_downlinks(self, msg: DturboDownlink, plain_fields: dict[str, bytes], bases: Mapping[int, int],
-                         held: HeldSupports) -> dict[int, bytes]:
+                         held: HeldSupports, weights: Mapping[int, list[np.ndarray]] | None = None
+                         ) -> dict[int, bytes]:
         """``positions = "delta"``: client id -> its downlink, each layer's S coded against the support of round
         ``bases[cid]`` (``held[round]``; ``NO_BASE``: whole). Everything else is the same for every client (mu_G on
         S drawn once, seeded by the round as in :meth:`encode_downlink`), and clients with the same base get the
-        same bytes."""
+        same bytes. With ``down_mu = "update"`` mu_G is each client's update from ``weights[cid]``, the weights it
+        holds from round ``bases[cid]`` (absent: none, zeros), :meth:`encode_update`."""
         rng = np.random.default_rng([self.cfg.experiment.seed, msg.round_idx, 0xD0])
+        weights = weights or {}
         rest: list[dict[str, bytes]] = []  # per layer, the fields after the support, in the order they are framed
         whole: list[bytes] = []  # per layer, S's full positions (found once: the rectangle search is the slow part)
         for info, scalar, layer in zip(self.layers, self.scalar_sigma, msg.layers, strict=True):
             n = info.name
             whole.append(encode_support(layer.support, value_bits=self.tr.down_bits))
             mu = layer.mu[layer.support]
-            f = {f"{n}.mu": encode_stochastic(mu, self.tr.down_bits, rng) if self.tr.down_bits < 16 else
-                 encode_values(mu.astype(np.float32), dtype="float16")}
+            f = {} if self.update else {
+                f"{n}.mu": encode_stochastic(mu, self.tr.down_bits, rng) if self.tr.down_bits < 16 else
+                encode_values(mu.astype(np.float32), dtype="float16")}
             f[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             if layer.prior_std is not None:
                 f[f"{n}.prior_std"] = encode_prior_std(layer.prior_std, self.cfg.dturbo.prior_std_dtype)
@@ -210,21 +229,43 @@ class DturboMessages:
         framed: dict[int, bytes] = {}
         out: dict[int, bytes] = {}
         for cid, base in bases.items():
-            if base not in framed:
+            key = cid if self.update else base  # updates differ by client
+            if key not in framed:
                 fields = {"meta": pack_scalars([msg.round_idx, msg.total_samples, base])}
+                steps = self.encode_update(msg, cid, weights.get(cid))[0] if self.update else None
                 for i, (info, layer) in enumerate(zip(self.layers, msg.layers, strict=True)):
                     held_s = None if base == NO_BASE else held[base][i]
                     fields[f"{info.name}.support"] = encode_support_delta(
                         layer.support, held_s, value_bits=self.tr.down_bits, full=whole[i])
+                    if steps is not None:
+                        fields[f"{info.name}.mu"] = steps[i]
                     fields |= rest[i]
-                framed[base] = self.down.frame(fields | plain_fields)
-            out[cid] = framed[base]
+                framed[key] = self.down.frame(fields | plain_fields)
+            out[cid] = framed[key]
         return out
 
-    def decode_downlink(self, data: bytes, held: HeldSupports | None = None) -> DturboDownlink:
+    def encode_update(self, msg: DturboDownlink, client_id: int, weights: list[np.ndarray] | None
+                      ) -> tuple[list[bytes], list[np.ndarray]]:
+        """``down_mu = "update"``: per layer, the update mu_G - R on S on 2**down_bits levels (unbiased stochastic
+        rounding, a generator seeded by the round and the client), R = ``weights`` the client holds (None: zeros);
+        and the weights R' it holds once it decodes them (:func:`updated_weights`): |R' - mu_G| on S stays below one
+        level spacing, 2 max|mu_G - R| / (2**down_bits - 1), and what one round rounds off the next one sends."""
+        rng = np.random.default_rng([self.cfg.experiment.seed, msg.round_idx, client_id, 0xD1])
+        steps, after = [], []
+        for i, layer in enumerate(msg.layers):
+            held = np.zeros(layer.support.shape, np.float32) if weights is None else weights[i]
+            step = encode_stochastic(layer.mu[layer.support] - held[layer.support], self.tr.down_bits, rng)
+            steps.append(step)
+            decoded = decode_stochastic(step, self.tr.down_bits, int(layer.support.sum()))
+            after.append(updated_weights(held, layer.support, decoded))
+        return steps, after
+
+    def decode_downlink(self, data: bytes, held: HeldSupports | None = None, weights: HeldWeights | None = None
+                        ) -> DturboDownlink:
         """The client's reading of a downlink; MessageError / CodecError when it does not fit the model.
         ``positions = "delta"``: ``held`` are the supports this client holds (by round); a downlink coded against
-        one it does not hold is a MessageError naming both."""
+        one it does not hold is a MessageError naming both. ``down_mu = "update"``: ``weights`` are the weights it
+        holds (by round), and the layers' mu the weights it holds after this downlink."""
         fields = self.down.open(data)
         meta = unpack_scalars(need(fields, "meta"), 3 if self.delta else 2)
         round_idx, total = int(meta[0]), int(meta[1])
@@ -241,7 +282,11 @@ class DturboMessages:
                                             held)
                 mu = np.zeros(mask.shape)
                 k = int(mask.sum())
-                if self.tr.down_bits < 16:
+                if self.update:
+                    step = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k)
+                    mu = updated_weights(self._held_weights(info, i, round_idx, base, weights), mask, step)
+                    mu = mu.astype(np.float64)
+                elif self.tr.down_bits < 16:
                     mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k)
                 else:
                     on_s = decode_values(need(fields, f"{n}.mu"), max_elements=k)
@@ -260,6 +305,23 @@ class DturboMessages:
             bias = decode_dense(need(fields, f"{n}.bias")).reshape(-1)
             layers.append(DownLayer(mu, mask, sigma, prior_std, bias))
         return DturboDownlink(round_idx, total, layers, self.plain.decode(fields), base)
+
+    def _held_weights(self, info: LayerInfo, i: int, round_idx: int, base: int, weights: HeldWeights | None
+                      ) -> np.ndarray:
+        """``down_mu = "update"``: the weights of layer ``i`` the update of round ``round_idx`` starts from: those of
+        round ``base`` this client holds (NO_BASE: zeros); a MessageError when it holds none of that round."""
+        if base == NO_BASE:
+            return np.zeros(info.grid, np.float32)
+        mine = None if weights is None else weights.get(base)
+        if mine is None:
+            holds = sorted(weights) if weights else []
+            raise MessageError(
+                f"{info.name}.mu: the downlink of round {round_idx} sends mu_G as an update from the weights of round "
+                f"{base}, and this client holds {'those of rounds ' + str(holds) if holds else 'none'}")
+        if mine[i].shape != info.grid:
+            raise MessageError(f"{info.name}: the weights held have shape {mine[i].shape}, the model's grid is "
+                               f"{info.grid}")
+        return mine[i]
 
     def _decode_support(self, payload: bytes, info: LayerInfo, i: int, round_idx: int, base: int,
                         base_supports: list[np.ndarray] | None, held: HeldSupports | None) -> np.ndarray:

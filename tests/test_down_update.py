@@ -1,0 +1,178 @@
+"""``[dturbo.transmission] down_mu = "update"`` (docs/communication.md, "The downlink as an update"): mu_G travels
+as the quantised update from the weights each client holds from its last downlink. The server and the client
+agree on those weights bit for bit, the rounding error of one downlink is sent again in the next (so it never
+accumulates), the rounding is unbiased, and a run resumes to the same run and runs the same on Flower."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+from run_helpers import cut_and_resume, rows_of
+from test_positions_delta import assert_same_model
+from test_positions_delta import config as delta_config
+
+from dturbo.algorithms.base import MessageError
+from dturbo.algorithms.dturbo import DturboClient
+from dturbo.algorithms.dturbo_messages import DownLayer, DturboDownlink
+from dturbo.algorithms.registry import build_algorithm
+from dturbo.config import TransmissionConfig, parse_config
+from dturbo.federation import build_federation
+from dturbo.sim import Simulator
+
+BITS = 4
+LEVELS = 2**BITS
+
+
+@pytest.fixture(scope="module")
+def toy(make_toy) -> Path:
+    return make_toy(600)
+
+
+def config(toy: Path, rounds: int = 6, down_mu: str = "update", down_bits: int = BITS, **sections) -> dict:
+    """The frontier's transmission with positions as differences and the downlink at 4 bits, as an update."""
+    cfg = delta_config(toy, "delta", rounds, **sections)
+    cfg["dturbo"]["transmission"] |= {"down_bits": down_bits, "down_mu": down_mu}
+    return cfg
+
+
+def test_an_update_needs_positions_as_differences_and_quantised_values():
+    TransmissionConfig(positions="delta", down_bits=4, down_mu="update")
+    for bad in ({"positions": "full", "down_bits": 4}, {"positions": "delta", "down_bits": 16}):
+        with pytest.raises(ValidationError, match="down_mu = 'update' needs positions = 'delta'"):
+            TransmissionConfig(down_mu="update", **bad)
+
+
+# ----------------------------------------------------------------------------------- the coding alone
+def _record(mu: np.ndarray, support: np.ndarray, round_idx: int = 0) -> DturboDownlink:
+    layer = DownLayer(mu=mu * support, support=support, sigma=np.ones(1), prior_std=None, bias=np.zeros(0))
+    return DturboDownlink(round_idx, 100, [layer], {})
+
+
+@pytest.fixture(scope="module")
+def messages(toy):
+    """The downlink's messages of a one-layer model is all :meth:`encode_update` reads: any server's will do."""
+    cfg = parse_config(config(toy))
+    server, _ = build_algorithm(cfg, build_federation(cfg))
+    return server.messages
+
+
+def test_the_weights_held_track_mu_g_within_one_level(messages):
+    """One downlink: R' = R + the decoded update on S (0 off S), |R' - mu_G| on S below one level spacing of the
+    update's range, 2 max|mu_G - R| / (L - 1); a second downlink of the same mu_G from R' shrinks the error by the
+    same factor (what one rounds off, the next sends), so after t downlinks it is below (2 / (L - 1))**t max|mu_G|."""
+    rng = np.random.default_rng(1)
+    support = rng.random((30, 40)) < 0.4
+    mu = rng.normal(size=support.shape)
+    held = None
+    bound = np.abs(mu[support]).max()
+    for t in range(4):
+        steps, (after,) = messages.encode_update(_record(mu, support, t), client_id=3, weights=held)
+        assert after.dtype == np.float32 and not after[~support].any()
+        err = np.abs(after[support] - mu[support]).max()
+        bound *= 2 / (LEVELS - 1)
+        assert err <= bound * (1 + 1e-6) + 1e-6, (t, err, bound)
+        held = [after]
+    assert err < 1e-3 * np.abs(mu).max()
+
+
+def test_the_update_is_unbiased(messages):
+    """E[R'] = mu_G: the mean of R' over 4000 clients (independent draws, seeded by the client) is within 4
+    standard errors of mu_G on every weight, from zeros and from a held R."""
+    rng = np.random.default_rng(2)
+    support = rng.random((6, 8)) < 0.7
+    mu = rng.normal(size=support.shape)
+    for held in (None, [rng.normal(size=support.shape).astype(np.float32) * support]):
+        draws = np.stack([messages.encode_update(_record(mu, support), c, held)[1][0] for c in range(4000)])
+        spacing = 2 * np.abs(mu - (0 if held is None else held[0]))[support].max() / (LEVELS - 1)
+        se = spacing / 2 / np.sqrt(len(draws))  # a two-point rounding's std is at most half a spacing
+        assert np.all(np.abs(draws.mean(0)[support] - mu[support]) < 4 * se)
+
+
+# ----------------------------------------------------------------------------- server and client halves
+@pytest.fixture
+def halves(toy):
+    cfg = parse_config(config(toy, 4, federation={"clients": 3}))
+    fed = build_federation(cfg)
+    server, client = build_algorithm(cfg, fed)
+    return cfg, fed, server, client
+
+
+def test_the_server_knows_the_weights_each_client_holds(halves):
+    """After every round the server's ``held_mu`` of a client equals, bit for bit, the weights that client decoded
+    (and trained from); a client that missed the round keeps the older weights on both sides, and one whose
+    upload is lost is sent mu_G from zeros next time."""
+    cfg, fed, server, client = halves
+    state = server.init()
+    for rnd, (senders, lost) in enumerate([((0, 1, 2), ()), ((0, 1), ()), ((0, 1, 2), (2,)), ((0, 1, 2), ())]):
+        down = server.downlinks(state, rnd, list(senders))
+        ups = [client.fit(down[c], fed.clients[c], c) for c in senders if c not in lost]
+        state = server.aggregate(state, ups, rnd).state
+        mine = client.export_state()
+        for cid in range(3):
+            base = int(state["held_round"][cid])
+            if base < 0:
+                assert all(not state[f"held_mu.{i.name}"][cid].any() for i in server.layers)
+                continue
+            slot = mine[f"support_rounds/{cid}"].tolist().index(base)
+            for info in server.layers:
+                assert np.array_equal(state[f"held_mu.{info.name}"][cid], mine[f"{info.name}.mu{slot}/{cid}"])
+    assert state["held_round"].tolist() == [3, 3, 3]
+
+
+def test_a_client_without_the_weights_refuses_the_update_clearly(halves):
+    cfg, fed, server, client = halves
+    state = server.init()
+    down = server.downlinks(state, 0, [0, 1])
+    state = server.aggregate(state, [client.fit(down[c], fed.clients[c], c) for c in (0, 1)], 0).state
+    second = server.downlinks(state, 1, [0])[0]
+    fresh = DturboClient(cfg, client.model_factory)
+    # supports whole (a long warm-up): only the weights are missing
+    fresh._held = {0: {0: [np.ones(i.grid, bool) for i in fresh.layers]}}
+    with pytest.raises(MessageError, match="update from the weights of round 0, and this client holds none"):
+        fresh.fit(second, fed.clients[0], 0)
+    again = DturboClient(cfg, client.model_factory)
+    again.import_state(client.export_state())  # the weights travel through the client's state
+    assert again.fit(second, fed.clients[0], 0) == client.fit(second, fed.clients[0], 0)
+    bad = {k: (v.astype(np.float64) if ".mu" in k else v) for k, v in client.export_state().items()}
+    with pytest.raises(ValueError, match="float32"):
+        again.import_state(bad)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def test_an_update_run_learns_on_fewer_bits(tmp_path, toy):
+    """At 4 bits the update costs about half the values of 8-bit mu_G (with each layer's scale and symbol header,
+    large beside this toy's few hundred weights) and the run still learns as well (within 5 points)."""
+    Simulator(parse_config(config(toy, down_mu="values", down_bits=8)), tmp_path / "v8").run()
+    Simulator(parse_config(config(toy)), tmp_path / "u4").run()
+    v8, u4 = rows_of(tmp_path / "v8"), rows_of(tmp_path / "u4")
+    assert sum(int(r["down_values_bits"]) for r in u4) < 0.65 * sum(int(r["down_values_bits"]) for r in v8)
+    assert float(u4[-1]["accuracy"]) > float(v8[-1]["accuracy"]) - 0.05
+    assert float(u4[-1]["accuracy"]) > 0.5
+
+
+def test_a_resumed_update_run_equals_an_uninterrupted_one(tmp_path, toy):
+    """The weights each client holds are in the checkpoint (server and clients), through sampling and drops."""
+    cfg = config(toy, 6, federation={"clients_per_round": 3, "min_clients": 1, "max_retries": 5},
+                 faults={"drop_prob": 0.25})
+    cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", cut=3)
+    assert rows_of(tmp_path / "part") == rows_of(tmp_path / "whole")
+    assert_same_model(tmp_path / "part", tmp_path / "whole")
+
+
+def test_on_flower_an_update_run_is_the_simulators(tmp_path, toy):
+    """The ClientApp keeps the weights in the node's state: the Flower run directory equals the Simulator's."""
+    pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flower]')")
+    import tomli_w
+
+    from dturbo.flower.inprocess import run_inprocess
+
+    cfg = config(toy, 5, federation={"clients_per_round": 3})
+    path = tmp_path / "update.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    Simulator(parse_config(cfg), tmp_path / "sim").run()
+    run_inprocess(path, tmp_path / "flower")
+    assert rows_of(tmp_path / "flower") == rows_of(tmp_path / "sim")
+    assert_same_model(tmp_path / "flower", tmp_path / "sim")
