@@ -27,3 +27,17 @@ def cut_and_resume(cfg: dict, whole: Path, part: Path, cut: int) -> None:
     sim.cfg.experiment.rounds = cut
     sim.run()
     Simulator(parse_config(cfg), part, resume=True).run()
+
+
+def flower_and_simulator(cfg: dict, tmp_path: Path) -> tuple[Path, Path]:
+    """``cfg`` run by the Simulator into ``tmp_path / "sim"`` and by Flower in process into ``tmp_path / "flower"``
+    (the caller skips without flwr); returns both run directories."""
+    import tomli_w
+
+    from dturbo.flower.inprocess import run_inprocess
+
+    path = tmp_path / "config.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    Simulator(parse_config(cfg), tmp_path / "sim").run()
+    run_inprocess(path, tmp_path / "flower")
+    return tmp_path / "sim", tmp_path / "flower"

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from run_helpers import cut_and_resume, rows_of
+from run_helpers import cut_and_resume, flower_and_simulator, rows_of
 from test_positions_delta import assert_same_model
 from test_positions_delta import config as delta_config
 
@@ -165,14 +165,6 @@ def test_a_resumed_update_run_equals_an_uninterrupted_one(tmp_path, toy):
 def test_on_flower_an_update_run_is_the_simulators(tmp_path, toy):
     """The ClientApp keeps the weights in the node's state: the Flower run directory equals the Simulator's."""
     pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flower]')")
-    import tomli_w
-
-    from dturbo.flower.inprocess import run_inprocess
-
-    cfg = config(toy, 5, federation={"clients_per_round": 3})
-    path = tmp_path / "update.toml"
-    path.write_text(tomli_w.dumps(cfg))
-    Simulator(parse_config(cfg), tmp_path / "sim").run()
-    run_inprocess(path, tmp_path / "flower")
-    assert rows_of(tmp_path / "flower") == rows_of(tmp_path / "sim")
-    assert_same_model(tmp_path / "flower", tmp_path / "sim")
+    sim, flower = flower_and_simulator(config(toy, 5, federation={"clients_per_round": 3}), tmp_path)
+    assert rows_of(flower) == rows_of(sim)
+    assert_same_model(flower, sim)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from run_helpers import cut_and_resume, rows_of
+from run_helpers import cut_and_resume, flower_and_simulator, rows_of
 from safetensors.numpy import load_file
 
 from dturbo.algorithms.base import MessageError, message_bits
@@ -220,14 +220,6 @@ def test_on_flower_each_client_gets_its_own_message_and_the_run_is_the_simulator
     """The ServerApp sends each SuperNode its own downlink (client sampling: some are stale and get the whole
     support); the ClientApp keeps the supports in the node's state; the run directory equals the Simulator's."""
     pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flower]')")
-    import tomli_w
-
-    from dturbo.flower.inprocess import run_inprocess
-
-    cfg = config(toy, "delta", 5, federation={"clients_per_round": 3})
-    path = tmp_path / "delta.toml"
-    path.write_text(tomli_w.dumps(cfg))
-    Simulator(parse_config(cfg), tmp_path / "sim").run()
-    run_inprocess(path, tmp_path / "flower")
-    assert rows_of(tmp_path / "flower") == rows_of(tmp_path / "sim")
-    assert_same_model(tmp_path / "flower", tmp_path / "sim")
+    sim, flower = flower_and_simulator(config(toy, "delta", 5, federation={"clients_per_round": 3}), tmp_path)
+    assert rows_of(flower) == rows_of(sim)
+    assert_same_model(flower, sim)
