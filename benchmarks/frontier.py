@@ -298,9 +298,12 @@ CANDIDATES: list[Candidate] = [
 ]
 # Candidates of one variant only (by its tag): levers tried where the variant's own results point, chosen on that
 # variant's validation split like its other candidates, and never run on the protocol.
-# frontier30_e2 (stop 28): the dense warm-up and the ramp (rounds 1-12) spend 54 of the 66 Mbit the chosen setting
-# needs to reach T (frontier30_e2.md), the downlink two thirds of every round: one dense round fewer (the ramp and
-# the decay start a round earlier), and mu_G sent as an update at 4 bits (as the upload is).
+VARIANT_WHY = {"frontier30_e2": (
+    "Why (stop 28): the dense warm-up and the ramp (rounds 1-12) spent 54 of the 66 Mbit the chosen setting needed to "
+    "reach T, and the downlink two thirds of every round: one dense round fewer (the ramp and the decay a round "
+    "earlier), and mu_G sent down as an update at 4 bits, as the upload is (`down_mu = \"update\"`, "
+    "docs/communication.md); then both together (added once the first had won on validation, while the second was "
+    "at 89.6% in its last rounds; it ended at 89.35%).")}
 _COS12 = {**DT_BASE, **_EDGES_LR5, **COSINE, "train.lr_decay_start": 12}
 VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
     Candidate("dturbo_t15_edges_lr5e-3_cos11_w1", "dturbo", "dturbo",
@@ -309,7 +312,6 @@ VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
     Candidate("dturbo_t15_edges_lr5e-3_cos12_upd4", "dturbo", "dturbo",
               {**_COS12, "dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4},
               "the chosen cos12 setting with mu_G sent down as the update from the weights each client holds, 4 bits"),
-    # Both won or tied on seed 0's validation (89.82% and ~89.6% against 89.70%): together.
     Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_upd4", "dturbo", "dturbo",
               {**_COS12, "dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11,
                "dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4},
@@ -986,6 +988,10 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
                f"choice is made again on seed 0's final validation accuracy, and the chosen settings get the seeds "
                "the protocol gives them (3 for D-Turbo-VBI, FedAvg 32/16-bit and the protocol's two nearest "
                f"peers, 1 for the rest). {why}", ""]
+        extra = VARIANT_CANDIDATES.get(s.tag, [])
+        if extra:
+            md += ["Candidates of this variant only, never run on the protocol, chosen like the others: "
+                   + "; ".join(f"`{c.label}` ({c.note})" for c in extra) + f". {VARIANT_WHY.get(s.tag, '')}", ""]
     if smoke:
         md += [f"**Smoke test** (rounds {s.rounds}, limit_train {s.limit_train}, validation "
                f"{'on' if s.validation else 'off'}): not a result.", ""]
