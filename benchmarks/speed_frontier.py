@@ -128,6 +128,12 @@ CANDIDATES.append(fr.Candidate(
     "whole conv channels where the time is: conv1 3 of 6, conv2 50%, conv3-4 75%; the dense layers share the "
     "rest of 50%; lr 0.003"))
 BY_LABEL = {c.label: c for c in CANDIDATES}
+# A variant of the protocol (frontier.py --horizon / --local-epochs) times the variant's chosen D-Turbo-VBI setting
+# and these settings only (fixed before any of their runs in the variant: the two nearest the 2x goal on the
+# protocol, and the most accurate of the half channels), to see whether the longer training narrows the channels'
+# accuracy gap; its files are speed_<tag>.json/.md and docs/results/speed_<tag>.png.
+VARIANT_POINTS = {"frontier30_e2": ["speed_channels_half_edges_lr5e-3", "speed_channels_thin_edges_lr5e-3",
+                                    "speed_channels_thinner_edges_lr5e-3"]}
 
 
 def chosen_dturbo(s: fr.Settings) -> str | None:
@@ -142,6 +148,8 @@ def points(s: fr.Settings) -> list[tuple[str, fr.Candidate, tuple[int, ...]]]:
     best = chosen_dturbo(s)
     if best is not None:
         out.append(("dturbo", fr.BY_LABEL[best], fr.SEEDS))
+    if s.variant:
+        return out + [(label, BY_LABEL[label], SEEDS) for label in VARIANT_POINTS.get(s.tag, [])]
     out.append(("dturbo_paper16", fr.BY_LABEL["dturbo_paper16"], SEEDS))
     out += [(c.label, c, SEEDS) for c in CANDIDATES]
     return out
@@ -432,9 +440,17 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (slow to load on 2 cores)")
     ap.add_argument("--points", nargs="+", metavar="LABEL",
                     help="time stage: time only these points and merge them into speed_frontier.json")
+    ap.add_argument("--horizon", type=int, metavar="ROUNDS",
+                    help="a variant of the protocol (frontier.py's): ROUNDS rounds, its own files speed_<tag>.*")
+    ap.add_argument("--local-epochs", type=int, metavar="EPOCHS", help="a variant with EPOCHS local epochs a round")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
-    s = fr.Settings()
+    s = fr.Settings(horizon=args.horizon, local_epochs=args.local_epochs)
+    s = fr.replace(s, runs_root=fr.ROOT / "runs" / s.tag)
+    if s.variant and s.tag not in VARIANT_POINTS:
+        ap.error(f"no speed points for the variant {s.flags} (VARIANT_POINTS: {', '.join(VARIANT_POINTS)})")
+    name = "speed_frontier" if not s.variant else f"speed_{s.tag}"
+    results, figure_path = RESULTS / f"{name}.json", FIGURE.with_name(f"{name}.png")
     jobs = train_jobs(s)
     if args.dry_run:
         fr.print_plan("train", jobs, s, args.jobs)
@@ -448,20 +464,24 @@ def main() -> None:
         only = set(args.points) if args.points else None
         res = measure(s, tuple(args.threads), args.sessions, args.compile, args.samples, only)
         if only is not None:
-            res = merge(json.loads((RESULTS / "speed_frontier.json").read_text()), res)
+            res = merge(json.loads(results.read_text()), res)
         res = derive(res)
     elif args.stage == "report":
-        res = reread(RESULTS / "speed_frontier.json")
+        res = reread(results)
     if args.stage in ("time", "report", "all"):
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "speed_frontier.json").write_text(json.dumps(res, indent=1) + "\n")
+        results.write_text(json.dumps(res, indent=1) + "\n")
         md = markdown(res)
-        (RESULTS / "speed_frontier.md").write_text(md)
-        figure(res, FIGURE)
-        fr.replace_section(DOC, "`python benchmarks/speed_frontier.py` "
-                                "([results](../benchmarks/results/speed_frontier.md), figure below).\n\n"
-                                f"![accuracy vs speedup](results/speed_frontier.png)\n\n{md}",
-                           name="speed-frontier", title="Measured: the speed-accuracy frontier (issue 13)")
+        results.with_suffix(".md").write_text(md)
+        figure(res, figure_path)
+        command = " ".join(["speed_frontier.py", s.flags]).strip()
+        title = ("Measured: the speed-accuracy frontier (issue 13)" if not s.variant else
+                 f"Measured: the speed-accuracy frontier over {s.n_rounds} rounds, {fr._local_epochs(s.n_epochs)} a "
+                 "round (issue 13)")
+        fr.replace_section(DOC, f"`python benchmarks/{command}` "
+                                f"([results](../benchmarks/results/{name}.md), figure below).\n\n"
+                                f"![accuracy vs speedup](results/{name}.png)\n\n{md}",
+                           name="speed-frontier" if not s.variant else f"speed-{s.tag}", title=title)
         print(md)
 
 
