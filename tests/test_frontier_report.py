@@ -248,3 +248,33 @@ def test_more_local_work_reruns_the_best_settings_with_more_epochs_in_their_own_
     assert json.loads((base.results / "frontier.json").read_text())["protocol"]["local_epochs"] == 1
     doc = (base.docs / "results.md").read_text()
     assert doc.count("<!-- frontier_e2:start -->") == 1 and doc.count("<!-- frontier:start -->") == 1
+
+
+def test_a_variant_s_own_candidates_join_its_plan_only(fr: ModuleType, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """VARIANT_CANDIDATES[tag]: run (seed 0) and chosen among in that variant only, after the protocol's choices;
+    never planned on the protocol; named in the variant's report."""
+    base = fr.Settings(runs_root=tmp_path / "runs", results=tmp_path / "results", docs=tmp_path / "docs",
+                       rounds=ROUNDS)
+    write_fake(fr, base)
+    own = fr.Candidate("dturbo_own", "dturbo", "dturbo", {**fr.DT_BASE, "dturbo.sparsity.warmup_rounds": 1},
+                       "one warm-up round")
+    monkeypatch.setattr(fr, "VARIANT_CANDIDATES", {"frontier_e2": [own]})
+    monkeypatch.setattr(fr, "VARIANT_WHY", {"frontier_e2": "Why: a test."})
+    monkeypatch.setitem(fr.BY_LABEL, own.label, own)
+    s = fr.Settings(runs_root=tmp_path / "runs_e", results=base.results, docs=base.docs, rounds=ROUNDS,
+                    local_epochs=2)
+    assert "dturbo_own" not in {j.cand.label for j in fr.select_jobs(base, None)}
+    assert fr.horizon_plan(s, "val_accuracy").candidates["dturbo"] == ["dturbo_base", "dturbo_own"]
+    grow = [0.5, 0.7, 0.9]
+    write_fake(fr, s, {(lab, 0): (grow, val, [1, 2, 3], dens, 1.0, 1.0) for lab, val, dens in
+                       (("dturbo_base", grow, 0.12), ("dturbo_own", [0.5, 0.7, 0.95], 0.12),
+                        ("fedavg32_lr2e-3", grow, 1.0), ("fedavg16_lr1e-3", grow, 1.0))})
+    jobs = [j.name for j in fr.horizon_jobs(s, "val_accuracy")[0] if j.status == "todo"]
+    assert jobs[:2] == ["dturbo_own_s1", "dturbo_own_s2"]  # chosen on validation: its seeds next
+    fr.report(base, "val_accuracy")
+    out = fr.report(s, "val_accuracy")
+    assert out["chosen"]["dturbo"] == "dturbo_own" and "dturbo_own" in out["candidates"]
+    md = (s.results / "frontier_e2.md").read_text()
+    assert "Candidates of this variant only, never run on the protocol" in md and "`dturbo_own` (one warm-up" in md
+    assert "Why: a test." in md
