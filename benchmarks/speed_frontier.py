@@ -290,7 +290,7 @@ def measure(s: fr.Settings, threads: tuple[int, ...], sessions: int, compile_too
                  "seeds": len(ref_acc)}
     return {
         "dense_reference": dense_ref, "points": out_points,
-        "protocol": fr.PROTOCOL, "timing": {
+        "protocol": {**fr.PROTOCOL, "rounds": s.n_rounds, "local_epochs": s.n_epochs}, "timing": {
             "samples": samples, "batches": list(BATCHES), "repeats": REPEATS, "threads": list(threads),
             "sessions": sessions,
             "settings": [k for k in SETTINGS if compile_too or k != "best"],
@@ -362,12 +362,16 @@ def figure(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5.2), layout="constrained")
+    from dturbo.report import _save
+
+    fig, ax = plt.subplots(figsize=(7.5, 7.0), layout="constrained")
     ref = res["dense_reference"]["accuracy"]
-    for p in res["points"]:
+    markers = "osD^vPX<>p"  # with tab10's 10 colours: no two points alike up to 30 points
+    for i, p in enumerate(res["points"]):
         sp = [r["speedup"] for r in p["per_seed"]]
         ax.errorbar(p["speedup"], 100 * p["accuracy"], yerr=100 * p["accuracy_std"],
-                    xerr=[[p["speedup"] - min(sp)], [max(sp) - p["speedup"]]], fmt="o", capsize=3,
+                    xerr=[[p["speedup"] - min(sp)], [max(sp) - p["speedup"]]], fmt=markers[i // 10 % len(markers)],
+                    color=f"C{i % 10}", capsize=3,
                     label=f"{p['label']} ({p['density']:.0%} nonzero, {p['seeds']} seeds)")
     if ref is not None:
         ax.axhline(100 * ref, color="k", lw=1, label=f"FedAvg 32-bit, dense ({100 * ref:.2f}%)")
@@ -380,16 +384,17 @@ def figure(res: dict[str, Any], path: Path) -> None:
                   "best setting each; bars: accuracy std, speedup range over seeds)")
     ax.set_ylabel("test accuracy (%), mean of seeds")
     ax.set_xscale("log", base=2)
+    ax.set_xlim(right=max(ax.get_xlim()[1], 1.15 * max(speed for speed, _ in GOALS)))  # every goal in view
     ticks = [0.75, 1, 1.5, 2, 3, 4, 6]
     lo, hi = ax.get_xlim()
     ax.set_xticks([t for t in ticks if lo <= t <= hi], [f"{t:g}x" for t in ticks if lo <= t <= hi])
-    ax.set_title("D-Turbo-VBI: accuracy vs inference speed\n(Fashion-MNIST, alexnet-small, 20 rounds)", fontsize=10)
-    ax.legend(fontsize=7, loc="lower left")
+    proto = res["protocol"]
+    ax.set_title("D-Turbo-VBI: accuracy vs inference speed\n(Fashion-MNIST, alexnet-small, "
+                 f"{proto['rounds']} rounds, {fr._local_epochs(proto['local_epochs'])} a round)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # below: no point hidden
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    fig.savefig(path.with_suffix(".svg"))
-    plt.close(fig)
+    _save(fig, path)  # the same figure, the same bytes (no SVG churn on regeneration)
 
 
 def markdown(res: dict[str, Any]) -> str:
