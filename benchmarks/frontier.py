@@ -16,6 +16,8 @@ highest final *validation* accuracy is chosen (D-Turbo-VBI: among those with fin
 seeds 1 and 2 of the chosen settings of D-Turbo-VBI, FedAvg 32/16-bit and the two peers nearest D-Turbo-VBI
 (fewest bits to reach a validation target, see :func:`nearest_peers`). "report": frontier.json, the figure,
 the tables and the checks of issue 12 part 4 (test accuracy is what is reported; it never selects anything).
+A variant (--horizon, --local-epochs) runs each line's protocol choice and its runners-up within HORIZON_MARGIN,
+plus its own candidates (VARIANT_CANDIDATES), and chooses again on its own validation accuracy.
 
 Runs are subprocesses (``python -m dturbo run CONFIG --out runs/frontier/<label>_s<seed> --no-figures``, one torch
 thread each), ``--jobs`` at a time. A finished run's metrics.csv and config.toml are copied to
