@@ -229,7 +229,7 @@ class DturboServer(ServerBase[DturboUplink]):
         trained = [self.support(state, info) for info in self.layers]  # the S this round's clients trained on
         new = self.aggregate_plain(state, got)
         if self.messages.delta:
-            new |= self._held_after(state, round_idx, [u.client_id for u in ups])
+            new |= self._held_after(state, round_idx, trained, [u.client_id for u in ups])
         for info, mask in zip(self.layers, trained, strict=True):
             n = info.name
             mu = np.zeros(info.grid, dtype=np.float64)
@@ -257,12 +257,12 @@ class DturboServer(ServerBase[DturboUplink]):
         metrics |= got.counts()
         return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
 
-    def _held_after(self, state: State, round_idx: int, senders: list[int]) -> State:
+    def _held_after(self, state: State, round_idx: int, trained: list[np.ndarray], senders: list[int]) -> State:
         """``positions = "delta"``: what each client holds after this round. A client selected this round whose
-        upload is valid decoded the downlink, so it holds this round's S (and with ``down_mu = "update"`` the
-        weights it decoded, coded again here exactly as its downlink was); one selected without a valid upload
-        (dropped, late, failed, rejected) may or may not have decoded it, so the server assumes nothing and sends
-        it S whole (and mu_G from zeros) next time; the others keep theirs."""
+        upload is valid decoded the downlink, so it holds this round's S (``trained``; and with ``down_mu =
+        "update"`` the weights it decoded, coded again here exactly as its downlink was); one selected without a
+        valid upload (dropped, late, failed, rejected) may or may not have decoded it, so the server assumes nothing
+        and sends it S whole (and mu_G from zeros) next time; the others keep theirs."""
         clients = self.cfg.federation.clients
         selected = np.zeros(clients, dtype=bool)
         selected[self.select_clients(round_idx)] = True
@@ -273,13 +273,13 @@ class DturboServer(ServerBase[DturboUplink]):
         rounds[selected] = NO_BASE
         rounds[confirmed] = round_idx
         out: State = {"held_round": rounds}
-        record = self._downlink_record(state, round_idx)
-        for info, layer in zip(self.layers, record.layers, strict=True):
+        for info, mask in zip(self.layers, trained, strict=True):
             held = state[f"held.{info.name}"].copy()
             held[selected] = 0
-            held[confirmed] = _pack_support(layer.support)
+            held[confirmed] = _pack_support(mask)
             out[f"held.{info.name}"] = held
         if self.messages.update:
+            record = self._downlink_record(state, round_idx)  # what was sent, to code each update again
             weights = {f"held_mu.{i.name}": state[f"held_mu.{i.name}"].copy() for i in self.layers}
             before = self.held_weights(state, np.flatnonzero(confirmed).tolist())
             for key in weights:
