@@ -306,17 +306,16 @@ VARIANT_WHY = {"frontier30_e2": (
     "earlier), and mu_G sent down as an update at 4 bits, as the upload is (`down_mu = \"update\"`, "
     "docs/communication.md); then both together (added once the first had won on validation, while the second was "
     "at 89.6% in its last rounds; it ended at 89.35%).")}
-_COS12 = {**DT_BASE, **_EDGES_LR5, **COSINE, "train.lr_decay_start": 12}
+# Their base: the setting chosen there at stop 27; the two levers, alone and together.
+_COS12 = next(c.overrides for c in CANDIDATES if c.label == "dturbo_t15_edges_lr5e-3_cos12")
+_W1 = {"dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11}  # the decay still starts as the ramp ends
+_UPD4 = {"dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4}
 VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
-    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1", "dturbo", "dturbo",
-              {**_COS12, "dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11},
+    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1", "dturbo", "dturbo", {**_COS12, **_W1},
               "the chosen cos12 setting with 1 dense warm-up round (the ramp and the decay a round earlier)"),
-    Candidate("dturbo_t15_edges_lr5e-3_cos12_upd4", "dturbo", "dturbo",
-              {**_COS12, "dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4},
+    Candidate("dturbo_t15_edges_lr5e-3_cos12_upd4", "dturbo", "dturbo", {**_COS12, **_UPD4},
               "the chosen cos12 setting with mu_G sent down as the update from the weights each client holds, 4 bits"),
-    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_upd4", "dturbo", "dturbo",
-              {**_COS12, "dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11,
-               "dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4},
+    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_upd4", "dturbo", "dturbo", {**_COS12, **_W1, **_UPD4},
               "1 dense warm-up round and mu_G sent down as an update at 4 bits, together"),
 ]}
 BY_LABEL = {c.label: c for c in [*CANDIDATES, *(c for cs in VARIANT_CANDIDATES.values() for c in cs)]}

@@ -35,6 +35,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -451,7 +452,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     s = fr.Settings(horizon=args.horizon, local_epochs=args.local_epochs)
-    s = fr.replace(s, runs_root=fr.ROOT / "runs" / s.tag)
+    s = replace(s, runs_root=fr.ROOT / "runs" / s.tag)
     if s.variant and s.tag not in VARIANT_POINTS:
         ap.error(f"no speed points for the variant {s.flags} (VARIANT_POINTS: {', '.join(VARIANT_POINTS)})")
     name = "speed_frontier" if not s.variant else f"speed_{s.tag}"
