@@ -305,7 +305,9 @@ VARIANT_WHY = {"frontier30_e2": (
     "reach T, and the downlink two thirds of every round: one dense round fewer (the ramp and the decay a round "
     "earlier), and mu_G sent down as an update at 4 bits, as the upload is (`down_mu = \"update\"`, "
     "docs/communication.md); then both together (added once the first had won on validation, while the second was "
-    "at 89.6% in its last rounds; it ended at 89.35%).")}
+    "at 89.6% in its last rounds; it ended at 89.35%). Stop 29: the update at 6 bits, between the 4-bit update and "
+    "the 8-bit values the others send (seed 2 of the 4-bit combination ended 0.47 validation points below the "
+    "stop-27 setting's seed 2, the one seed where it fell behind).")}
 # Their base: the setting chosen there at stop 27; the two levers, alone and together.
 _COS12 = next(c.overrides for c in CANDIDATES if c.label == "dturbo_t15_edges_lr5e-3_cos12")
 _W1 = {"dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11}  # the decay still starts as the ramp ends
@@ -317,7 +319,19 @@ VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
               "the chosen cos12 setting with mu_G sent down as the update from the weights each client holds, 4 bits"),
     Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_upd4", "dturbo", "dturbo", {**_COS12, **_W1, **_UPD4},
               "1 dense warm-up round and mu_G sent down as an update at 4 bits, together"),
+    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_upd6", "dturbo", "dturbo",
+              {**_COS12, **_W1, **_UPD4, "dturbo.transmission.down_bits": 6},
+              "1 dense warm-up round and mu_G sent down as an update at 6 bits"),
 ]}
+# A variant whose choice among its finalists is made on the mean over SEEDS (by its tag): the margin, in
+# validation accuracy below the seed-0 leader, within which a candidate of a line the protocol repeats with 3 seeds
+# is a finalist; each finalist gets seeds 1 and 2 and the best mean final validation accuracy is chosen.
+VARIANT_FINALISTS = {"frontier30_e2": 0.006}
+FINALISTS_WHY = {"frontier30_e2": (
+    "Why (stop 29): on seed 0 D-Turbo-VBI's candidates spread over 0.6 validation points, about its seed-to-seed "
+    "standard deviation (0.75 and 0.38 points over the 3 seeds of the two settings chosen at stops 27 and 28), so "
+    "one seed cannot rank them: the stop-28 choice, first on seed 0, ended 0.47 validation points below the stop-27 "
+    "one on seed 2. The margin is that standard deviation, rounded.")}
 BY_LABEL = {c.label: c for c in [*CANDIDATES, *(c for cs in VARIANT_CANDIDATES.values() for c in cs)]}
 
 
@@ -364,6 +378,11 @@ class Settings:
     def selection(self) -> Settings:
         """Where the settings are chosen: these settings, less the variant."""
         return replace(self, horizon=None, local_epochs=None)
+
+    @property
+    def finalist_margin(self) -> float | None:
+        """The variant's margin for finalists chosen on the mean over SEEDS (VARIANT_FINALISTS); None: seed 0."""
+        return VARIANT_FINALISTS.get(self.tag) if self.variant else None
 
     @property
     def n_rounds(self) -> int:
@@ -664,15 +683,33 @@ class Selection:
     table: list[dict[str, Any]]  # every seed-0 candidate, its val accuracy, density, chosen or not
     warnings: list[str]
     metric: str
+    # line -> its finalists (several only when a margin is given), and those still lacking seeds 1, 2
+    finalists: dict[str, list[str]] = field(default_factory=dict)
+    pending: dict[str, list[str]] = field(default_factory=dict)
+    margin: float | None = None
 
 
-def select(runs: list[Run], metric: str = "val_accuracy") -> Selection:
+def _final(r: Run, column: str) -> float:
+    return float(r.m[column][-1]) if column in r.m else 0.0
+
+
+def select(runs: list[Run], metric: str = "val_accuracy", margin: float | None = None) -> Selection:
     """Per line, the seed-0 candidate with the highest final ``metric`` (never test accuracy, unless a smoke test
     without a validation split asks for it); D-Turbo-VBI among those with final density <= 15%. Ties (validation
     accuracy is a count over 6,000 images, so they happen) go to fewer bits, then to the lower final validation
-    loss."""
+    loss.
+
+    With ``margin`` (a variant's VARIANT_FINALISTS): the candidates within ``margin`` of that seed-0 leader are
+    finalists, and once each has every seed of SEEDS the one with the best mean final ``metric`` over them is
+    chosen (ties as above, on the means; D-Turbo-VBI's mean density <= 15%). Until then the leader is, and the
+    finalists lacking seeds are ``pending``."""
     seed0 = [r for r in runs if r.seed == 0]
+    by_seed: dict[str, dict[int, Run]] = {}
+    for r in runs:
+        by_seed.setdefault(r.cand.label, {})[r.seed] = r
     chosen: dict[str, str] = {}
+    finalists: dict[str, list[str]] = {}
+    pending: dict[str, list[str]] = {}
     warn: list[str] = []
     table = []
     for line in LINES:
@@ -688,16 +725,37 @@ def select(runs: list[Run], metric: str = "val_accuracy") -> Selection:
             if not pool:
                 pool = cands
                 warn.append(f"dturbo: no candidate ends at <= {DENSITY_MAX:.0%} density: the best overall is taken")
-        best = max(pool, key=lambda r: (float(r.m[metric][-1]), -r.total_bits,
-                                        -float(r.m["val_loss"][-1]) if "val_loss" in r.m else 0.0))
+        best = max(pool, key=lambda r: (_final(r, metric), -r.total_bits, -_final(r, "val_loss")))
+        final = [best]
+        if margin is not None:
+            final = sorted((r for r in pool if _final(r, metric) >= _final(best, metric) - margin - 1e-12),
+                           key=lambda r: -_final(r, metric))
+        finalists[line] = [r.cand.label for r in final]
+        missing = [r.cand.label for r in final if not set(SEEDS) <= set(by_seed[r.cand.label])]
+        means: dict[str, dict[str, float]] = {}
+        for r in final if len(final) > 1 else []:
+            if r.cand.label in missing:
+                continue
+            rs = [by_seed[r.cand.label][sd] for sd in SEEDS]
+            means[r.cand.label] = {k: _mean([_final(x, k) for x in rs]) for k in (metric, "val_loss")}
+            means[r.cand.label]["bits"] = _mean([x.total_bits for x in rs])
+            means[r.cand.label]["density"] = _mean([x.density for x in rs])
+        if len(final) > 1 and not missing:
+            ok = [r for r in final if line != "dturbo" or means[r.cand.label]["density"] <= DENSITY_MAX + DENSITY_TOL]
+            best = max(ok or final, key=lambda r: (means[r.cand.label][metric], -means[r.cand.label]["bits"],
+                                                   -means[r.cand.label]["val_loss"]))
+        elif len(final) > 1:
+            pending[line] = missing
         chosen[line] = best.cand.label
         for r in cands:
+            mean = means.get(r.cand.label, {}).get(metric)
             table.append({"line": line, "label": r.cand.label, "note": r.cand.note, "final_val_accuracy":
-                          float(r.m[metric][-1]), "final_density": r.density, "total_bits": r.total_bits,
-                          "chosen": r is best})
+                          _final(r, metric), "final_density": r.density, "total_bits": r.total_bits,
+                          "chosen": r is best, "finalist": r.cand.label in finalists[line] and len(final) > 1,
+                          "mean_final_val_accuracy": mean})
     for w in warn:
         print(f"WARNING: {w}")
-    return Selection(chosen, table, warn, metric)
+    return Selection(chosen, table, warn, metric, finalists, pending, margin)
 
 
 def nearest_peers(runs: list[Run], sel: Selection, metric: str = "val_accuracy") -> tuple[list[str], dict]:
@@ -975,8 +1033,11 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
            f"{rounds}, {epochs} of Adam a round (batch {PROTOCOL['batch_size']}) for "
            f"every method, one torch thread; {100 * PROTOCOL['validation']:.0f}% of the training set held out for "
            f"validation. Every setting was chosen on the final validation accuracy of seed 0 "
-           f"(`{sel.metric}`; ties to fewer bits, then to the lower validation loss); the accuracies below are test "
-           f"accuracies. {PROTOCOL['why_rounds']}", ""]
+           f"(`{sel.metric}`; ties to fewer bits, then to the lower validation loss)"
+           + ("" if sel.margin is None else
+              f", or, among finalists within {100 * sel.margin:.1f} validation points of that choice, on its mean "
+              f"over seeds {', '.join(map(str, SEEDS))} (below)")
+           + f"; the accuracies below are test accuracies. {PROTOCOL['why_rounds']}", ""]
     if s.variant:
         what = " and ".join(([f"for {n_rounds} rounds (a learning rate decayed by a cosine decays over all "
                               f"{n_rounds})"] if s.horizon is not None else [])
@@ -989,6 +1050,10 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
                f"choice is made again on seed 0's final validation accuracy, and the chosen settings get the seeds "
                "the protocol gives them (3 for D-Turbo-VBI, FedAvg 32/16-bit and the protocol's two nearest "
                f"peers, 1 for the rest). {why}", ""]
+        if sel.margin is not None:
+            md += [f"Finalists: in the lines with 3 seeds, every candidate within {100 * sel.margin:.1f} validation "
+                   "points of the seed-0 choice gets seeds 1 and 2 too, and the best mean final validation accuracy "
+                   f"over the 3 seeds is chosen (the Selection table). {FINALISTS_WHY.get(s.tag, '')}", ""]
         extra = VARIANT_CANDIDATES.get(s.tag, [])
         if extra:
             md += ["Candidates of this variant only, never run on the protocol, chosen like the others: "
@@ -1056,12 +1121,22 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
                          "up bits/param/round", "down bits/param/round"], arows) + [""]
     # Every candidate of the selection.
     at = "" if not s.variant else f" at {n_rounds} rounds, {_local_epochs(s.n_epochs)}"
-    md += [f"### Selection (seed 0, final validation accuracy{at})", ""]
+    finals = "" if sel.margin is None else "; finalists: the mean over seeds"
+    md += [f"### Selection (seed 0, final validation accuracy{at}{finals})", ""]
     srows = [[LINE_NAMES[t["line"]], f"`{t['label']}`" + (" **chosen**" if t["chosen"] else ""), t["note"],
               f"{100 * t['final_val_accuracy']:.2f}", f"{100 * t['final_density']:.1f}",
               f"{t['total_bits'] / 1e6:,.1f}"] for t in sel.table]
-    md += _md_table(["method", "setting", "what", f"final {sel.metric} (%)", "nonzero (%)", "total Mbit"], srows)
+    head = ["method", "setting", "what", f"final {sel.metric} (%)", "nonzero (%)", "total Mbit"]
+    if sel.margin is not None:
+        for row, t in zip(srows, sel.table, strict=True):
+            mean = t.get("mean_final_val_accuracy")
+            row.insert(4, f"{100 * mean:.2f}" if mean is not None else ("pending" if t["finalist"] else "-"))
+        head.insert(4, f"mean over seeds {', '.join(map(str, SEEDS))} (finalists, %)")
+    md += _md_table(head, srows)
     md += [""] + [f"Warning: {w}" for w in sel.warnings]
+    for ln, xs in sel.pending.items():
+        md += [f"Finalists still lacking seeds ({LINE_NAMES[ln]}): {', '.join(f'`{x}`' for x in xs)}; until they "
+               "have them, the seed-0 choice stands.", ""]
     tv = peers.get("t_val")
     if s.variant:
         md += [f"Peers repeated with 3 seeds: the protocol's ({', '.join(LINE_NAMES[ln] for ln in nearest)}).", ""]
@@ -1111,7 +1186,7 @@ def report(s: Settings, metric: str) -> dict[str, Any]:
             raise SystemExit(planned)
         plan = planned
         runs = [r for r in runs if r.cand.label in plan.labels]
-        sel, peers = select(runs, metric), plan.peer_info
+        sel, peers = select(runs, metric, s.finalist_margin), plan.peer_info
     lines = build_lines(runs, sel)
     f16 = lines.get("fedavg16")
     target = None if f16 is None else _mean(f16.acc()) - 0.01
@@ -1237,7 +1312,8 @@ def horizon_plan(s: Settings, metric: str) -> HorizonPlan | str:
 def horizon_jobs(s: Settings, metric: str) -> tuple[list[Job], str]:
     """The variant's runs: seed 0 of every candidate of :func:`horizon_plan`; then, once a line's
     candidates all have it, seeds 1 and 2 of the one chosen in the variant for the lines the protocol repeats
-    (D-Turbo-VBI, FedAvg 32/16-bit, its two nearest peers); those lines first."""
+    (D-Turbo-VBI, FedAvg 32/16-bit, its two nearest peers), and of its finalists where the variant chooses on the
+    mean over seeds (VARIANT_FINALISTS); those lines first."""
     plan = horizon_plan(s, metric)
     if isinstance(plan, str):
         return [], plan
@@ -1247,9 +1323,10 @@ def horizon_jobs(s: Settings, metric: str) -> tuple[list[Job], str]:
     runs = [r for r in load_runs(s, s.n_rounds) if r.cand.label in plan.labels]
     have0 = {r.cand.label for r in runs if r.seed == 0}
     if runs:
-        chosen = select(runs, metric).chosen
-        jobs += [plan_job(BY_LABEL[chosen[ln]], seed, s) for ln in seeded if ln in chosen
-                 and all(lab in have0 for lab in plan.candidates[ln]) for seed in SEEDS[1:]]
+        sel = select(runs, metric, s.finalist_margin)
+        jobs += [plan_job(BY_LABEL[lab], seed, s) for ln in seeded if ln in sel.chosen
+                 and all(lab in have0 for lab in plan.candidates[ln])
+                 for lab in dict.fromkeys([sel.chosen[ln], *sel.finalists[ln]]) for seed in SEEDS[1:]]
     return jobs, ""
 
 

@@ -140,7 +140,7 @@ VARIANT_POINTS = {"frontier30_e2": ["speed_channels_half_edges_lr5e-3", "speed_c
 def chosen_dturbo(s: fr.Settings) -> str | None:
     """The communication frontier's D-Turbo-VBI setting (chosen there on validation accuracy)."""
     runs = fr.load_runs(s)
-    return fr.select(runs).chosen.get("dturbo") if runs else None
+    return fr.select(runs, "val_accuracy", s.finalist_margin).chosen.get("dturbo") if runs else None
 
 
 def points(s: fr.Settings) -> list[tuple[str, fr.Candidate, tuple[int, ...]]]:

@@ -278,3 +278,54 @@ def test_a_variant_s_own_candidates_join_its_plan_only(fr: ModuleType, tmp_path:
     md = (s.results / "frontier_e2.md").read_text()
     assert "Candidates of this variant only, never run on the protocol" in md and "`dturbo_own` (one warm-up" in md
     assert "Why: a test." in md
+
+
+def test_a_variant_with_finalists_chooses_on_the_mean_over_seeds(fr: ModuleType, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """VARIANT_FINALISTS[tag]: every candidate within the margin of the seed-0 leader gets seeds 1 and 2, and the
+    best mean final validation accuracy over the 3 seeds is chosen; until the seeds are in, the leader stands and
+    the report says which finalists are pending. A candidate outside the margin gets no seeds."""
+    base = fr.Settings(runs_root=tmp_path / "runs", results=tmp_path / "results", docs=tmp_path / "docs",
+                       rounds=ROUNDS)
+    write_fake(fr, base)
+    own = [fr.Candidate(f"dturbo_own{i}", "dturbo", "dturbo", {**fr.DT_BASE, "dturbo.sparsity.warmup_rounds": i},
+                        f"{i} warm-up rounds") for i in (1, 3)]
+    monkeypatch.setattr(fr, "VARIANT_CANDIDATES", {"frontier_e2": own})
+    monkeypatch.setattr(fr, "VARIANT_FINALISTS", {"frontier_e2": 0.03})
+    monkeypatch.setattr(fr, "FINALISTS_WHY", {"frontier_e2": "Why: one seed is noise."})
+    for c in own:
+        monkeypatch.setitem(fr.BY_LABEL, c.label, c)
+    s = fr.Settings(runs_root=tmp_path / "runs_e", results=base.results, docs=base.docs, rounds=ROUNDS,
+                    local_epochs=2)
+    assert s.finalist_margin == 0.03 and base.finalist_margin is None
+
+    def val(v: float) -> list[float]:
+        return [0.5, 0.7, v]
+
+    seed0 = {"dturbo_base": 0.93, "dturbo_own1": 0.95, "dturbo_own3": 0.91}  # own3: 0.04 behind, not a finalist
+    write_fake(fr, s, {(lab, 0): (val(v), val(v), [1, 2, 3], 0.12, 1.0, 1.0) for lab, v in seed0.items()})
+    write_fake(fr, s, {(lab, 0): (val(0.9), val(0.9), [1, 2, 3], 1.0, 1.0, 1.0)
+                       for lab in ("fedavg32_lr2e-3", "fedavg16_lr1e-3")})
+    sel = fr.select(fr.load_runs(s, s.n_rounds), "val_accuracy", s.finalist_margin)
+    assert sel.finalists["dturbo"] == ["dturbo_own1", "dturbo_base"] and sel.chosen["dturbo"] == "dturbo_own1"
+    assert sel.pending == {"dturbo": ["dturbo_own1", "dturbo_base"]}
+    todo = {j.name for j in fr.horizon_jobs(s, "val_accuracy")[0] if j.status == "todo"}
+    assert {"dturbo_own1_s1", "dturbo_own1_s2", "dturbo_base_s1", "dturbo_base_s2"} <= todo
+    assert not any(n.startswith("dturbo_own3") for n in todo)
+    fr.report(base, "val_accuracy")
+    fr.report(s, "val_accuracy")
+    md = (s.results / "frontier_e2.md").read_text()
+    assert "Finalists still lacking seeds (D-Turbo-VBI): `dturbo_own1`, `dturbo_base`" in md
+    assert "| D-Turbo-VBI | `dturbo_own1` **chosen** | 1 warm-up rounds | 95.00 | pending |" in md
+
+    # Seeds 1, 2: the seed-0 leader falls behind on the mean (0.95, 0.80, 0.80 against 0.93, 0.92, 0.92).
+    write_fake(fr, s, {(lab, sd): (val(v), val(v), [1, 2, 3], 0.12, 1.0, 1.0)
+                       for lab, v in (("dturbo_own1", 0.80), ("dturbo_base", 0.92)) for sd in (1, 2)})
+    out = fr.report(s, "val_accuracy")
+    assert out["chosen"]["dturbo"] == "dturbo_base"
+    means = {t["label"]: t["mean_final_val_accuracy"] for t in out["selection"] if t["line"] == "dturbo"}
+    assert means == {"dturbo_base": pytest.approx((0.93 + 0.92 + 0.92) / 3),
+                     "dturbo_own1": pytest.approx((0.95 + 0.80 + 0.80) / 3), "dturbo_own3": None}
+    md = (s.results / "frontier_e2.md").read_text()
+    assert "| D-Turbo-VBI | `dturbo_base` **chosen** |" in md and "lacking seeds" not in md
+    assert "Why: one seed is noise." in md and "on its mean over seeds 0, 1, 2" in md
