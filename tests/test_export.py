@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from dturbo import export as ex
 from dturbo.cli import app
 from dturbo.config import Config
-from dturbo.kernels import CONV_KERNELS, KERNELS, PanelLinear, column_runs, make_linear
+from dturbo.kernels import CONV_KERNELS, KERNELS, PanelLinear, column_runs, direct_supported, make_linear
 from dturbo.nn.bayes import BayesianLayer
 from dturbo.nn.models import build_model
 
@@ -149,11 +149,14 @@ def test_shapes_shrink_across_layers_as_the_masks_dictate(alexnet_export):
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_exported_equals_masked_model_for_every_kernel(alexnet_run, alexnet_export, kernel, channels_last):
     ref = reference(alexnet_run, "alexnet-small")
-    conv = CONV_KERNELS[KERNELS.index(kernel) % 2]
+    conv = CONV_KERNELS[KERNELS.index(kernel) % len(CONV_KERNELS)]
+    if conv == "direct" and not direct_supported(torch.nn.Conv2d(1, 6, 7, padding=3)):
+        conv = "default"  # no native build on this machine (tests/test_native.py says why)
     model = ex.load(alexnet_export, kernels=kernel, channels_last=channels_last, compile=False, conv=conv)
     assert not model.training and model.channels_last == channels_last
     assert {model.kernels[n] for n in ("dense1", "dense2", "dense3")} == {kernel}
-    assert {model.kernels[f"conv{i}"] for i in range(1, 5)} == {conv}
+    assert model.kernels["conv1"] == conv  # the one layer with one input channel
+    assert {model.kernels[f"conv{i}"] for i in range(2, 5)} == {"default" if conv == "direct" else conv}
     assert max_err(model, ref, random_images()) <= TOL
     assert max_err(model, ref, random_images(1)) <= TOL  # batch 1 (after a call: the in-place bias maps kept)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -450,3 +453,25 @@ def test_pool_kernel_choice_is_recorded_and_exact(alexnet_run, alexnet_export):
         assert max_err(m, ref, x) <= TOL
     with pytest.raises(ValueError, match="pool must be"):
         ex.load(alexnet_export, pool="avg")
+
+
+@pytest.mark.skipif(not direct_supported(torch.nn.Conv2d(1, 6, 7, padding=3)), reason="no native kernels here")
+def test_conv1_fused_with_its_activation_and_pooling_is_exact(alexnet_run, alexnet_export):
+    from dturbo.export.runtime import _fuse_one_channel_blocks
+
+    ref = reference(alexnet_run, "alexnet-small")
+    m = ex.load(alexnet_export, batch_size=48, compile=False, channels_last=False, conv="default", pool="default")
+    assert m.fused == {} and "fusion" not in m.info  # explicit kernels: nothing fused
+    m.fuse("conv1", ["act1", "pool1"])
+    assert m.kernels["conv1"] == "direct" and m.pools["pool1"] == "fused" and m.fused == {"conv1": ["act1", "pool1"]}
+    assert isinstance(m.net.act1, torch.nn.Identity) and isinstance(m.net.pool1, torch.nn.Identity)
+    assert max_err(m, ref, random_images()) <= TOL
+    with pytest.raises(ValueError, match="fused with act1, pool1"):
+        m.set_conv_kernels({"conv1": "default"})
+    # The timed choice (auto): whichever wins, the choice is recorded and the outputs are the model's.
+    auto = ex.load(alexnet_export, batch_size=48, compile=False, channels_last=False, conv="default", pool="default")
+    _fuse_one_channel_blocks(auto, random_images())
+    info = auto.info["fusion"]["conv1"]
+    assert info["layers"] == ["act1", "pool1"] and set(info["times_ms"]) == {"layers", "fused"}
+    assert (auto.fused == {"conv1": ["act1", "pool1"]}) == info["fused"]
+    assert max_err(auto, ref, random_images()) <= TOL

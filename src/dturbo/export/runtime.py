@@ -13,11 +13,15 @@ from torch import nn
 from ..kernels import (
     CONV_KERNELS,
     KERNELS,
+    MARGIN,
     POOL_KERNELS,
     choose_conv_kernel,
     choose_linear_kernel,
     choose_pool_kernel,
     conv_as,
+    direct_supported,
+    fusable,
+    fuse_direct,
     make_linear,
     pool_as,
     separable_supported,
@@ -46,7 +50,8 @@ class InferenceModel(nn.Module):
         self.register_buffer("norm_mean", None, persistent=False)  # set by set_inputs when the export has them
         self.register_buffer("norm_std", None, persistent=False)
         self.kernels: dict[str, str] = {}
-        self.pools: dict[str, str] = {}  # max-pooling layer -> kernel (dturbo.kernels.POOL_KERNELS)
+        self.pools: dict[str, str] = {}  # max-pooling layer -> kernel (dturbo.kernels.POOL_KERNELS), or "fused"
+        self.fused: dict[str, list[str]] = {}  # direct conv -> the layers it computes too (left out of ``net``)
         self.channels_last = False
         self.compiled = False
         self.info: dict[str, Any] = {}
@@ -124,6 +129,9 @@ class InferenceModel(nn.Module):
         """Run convolution ``name`` with kernel ``kinds[name]`` (see :data:`dturbo.kernels.CONV_KERNELS`); the
         module of each kind is kept, so switching back needs no recompilation."""
         for name, kind in kinds.items():
+            if name in self.fused and kind != "direct":
+                raise ValueError(f"{name} is fused with {', '.join(self.fused[name])} into the direct kernel; "
+                                 f"it cannot run the {kind!r} kernel")
             variants = self._conv_variants.setdefault(name, {})
             current = getattr(self.net, name)
             variants.setdefault(self.kernels.get(name, "default"), current)
@@ -131,6 +139,21 @@ class InferenceModel(nn.Module):
                 variants[kind] = conv_as(kind, current)
             setattr(self.net, name, variants[kind])
             self.kernels[name] = kind
+
+    def fuse(self, name: str, layers: list[str]) -> None:
+        """Run convolution ``name`` and the ``layers`` after it (a leaky ReLU, then maybe a max-pooling) as one
+        direct kernel (:func:`dturbo.kernels.fuse_direct`); those layers become identities. For good: the
+        fused convolution keeps no other kernel (:meth:`set_conv_kernels` would drop the layers it computes)."""
+        mods = [getattr(self.net, n) for n in layers]
+        fused = fuse_direct(getattr(self.net, name), mods[0], mods[1] if len(mods) > 1 else None)
+        setattr(self.net, name, fused)
+        for n in layers:
+            setattr(self.net, n, nn.Identity())
+            if n in self.pools:
+                self.pools[n] = "fused"
+        self._conv_variants[name] = {"direct": fused}
+        self.kernels[name] = "direct"
+        self.fused[name] = list(layers)
 
     def set_compiled(self, on: bool) -> None:
         """Run ``net`` through ``torch.compile`` (compiled lazily at the first call; kept when switched off
@@ -158,9 +181,10 @@ def load(
             faster), ``True`` or ``False``.
         compile: ``None`` (auto: for networks with convolutions, compile with ``torch.compile`` and keep it if a
             timing shows it faster; falls back to eager when compilation fails), ``True`` or ``False``.
-        conv: ``"auto"`` (per convolution, time oneDNN against PyTorch's native CPU kernels on the layer's
-            real input, keep native only where faster: it is for thin layers), ``"default"`` (oneDNN on a
-            CPU) or ``"native"``.
+        conv: ``"auto"`` (per convolution, time oneDNN against PyTorch's native CPU kernels and, for
+            one-input-channel layers, dturbo's direct kernel (:mod:`dturbo.native`) on the layer's real input;
+            keep another than oneDNN only where faster: they are for thin layers), ``"default"`` (oneDNN on a
+            CPU), ``"native"`` or ``"direct"`` (where the layer has one input channel; oneDNN elsewhere).
         pool: ``"auto"`` (per max-pooling layer, time PyTorch's kernel against strided elementwise maxima on
             its real input, keep the faster; the values are identical), ``"default"`` or ``"separable"``
             (where the layer allows it: no padding, dilation or ceil mode).
@@ -218,6 +242,8 @@ def load(
         channels_last = _channels_last_faster(model, x) if has_conv else False
     model.set_channels_last(bool(channels_last))
     _choose_layer_kernels(model, x, conv, pool)
+    if conv == "auto" and pool == "auto":
+        _fuse_one_channel_blocks(model, x)
     if compile or (compile is None and has_conv):
         _settle_compile(model, x, auto=compile is None, conv=conv)
     return model
@@ -226,12 +252,13 @@ def load(
 @torch.no_grad()
 def _settle_compile(model: InferenceModel, x: torch.Tensor, *, auto: bool, conv: str) -> None:
     """Compile, or (``auto``) time eager against compiled and keep the faster. Inductor fuses oneDNN convolutions
-    with what follows while a native one breaks the graph, so where the per-layer choice picked native kernels
-    the compiled model is also timed with oneDNN everywhere."""
+    with what follows while a native or direct one breaks the graph, so where the per-layer choice picked such
+    kernels the compiled model is also timed with oneDNN everywhere."""
     convs = {n: k for n, k in model.kernels.items() if k in CONV_KERNELS}
     variants: list[tuple[str, dict[str, str], bool]] = [("compiled", convs, True)]
-    if conv == "auto" and "native" in convs.values():
-        variants.append(("compiled-default-convs", dict.fromkeys(convs, "default"), True))
+    if conv == "auto" and any(k != "default" for n, k in convs.items() if n not in model.fused):
+        variants.append(("compiled-default-convs", {n: k if n in model.fused else "default"
+                                                    for n, k in convs.items()}, True))
     if auto:
         variants.insert(0, ("eager", convs, False))
     timings: dict[str, float] = {}
@@ -261,15 +288,8 @@ def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, poo
     """Set each convolution's and max-pooling's kernel: ``conv`` / ``pool`` for all, or (``"auto"``) per layer
     by timing on its real input (recorded in one pass through ``net``; any layout of children: a sequence or
     a graph)."""
-    inputs: dict[str, torch.Tensor] = {}
     layers = [(name, m) for name, m in model.net.named_children() if isinstance(m, nn.Conv2d | nn.MaxPool2d)]
-    hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: inputs.setdefault(name, args[0]))
-             for name, m in layers]
-    try:
-        model.net(model.prepare(x))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    inputs = _record_inputs(model, x, [name for name, _ in layers])
     for name, m in layers:
         h = inputs.get(name)
         if h is None:  # not reached by the example input: default kernels
@@ -278,8 +298,8 @@ def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, poo
             if conv == "auto":
                 _, kind, times = choose_conv_kernel(m, h)
                 model.info["layers"][name] = {"kernel": kind, "times_ms": times}
-            else:
-                kind = conv
+            else:  # the direct kernel only where it applies (one input channel), like separable pooling
+                kind = conv if conv != "direct" or direct_supported(m) else "default"
             model.set_conv_kernels({name: kind})
         else:
             if pool == "auto":
@@ -290,6 +310,55 @@ def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, poo
                 m = pool_as(kind, m)
             setattr(model.net, name, m)
             model.pools[name] = kind
+
+
+def _record_inputs(model: InferenceModel, x: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """The input of each child layer in ``names`` at one pass of ``x`` through ``net``."""
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [model.net.get_submodule(name).register_forward_pre_hook(
+        lambda _m, args, name=name: inputs.setdefault(name, args[0])) for name in names]
+    try:
+        model.net(model.prepare(x))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return inputs
+
+
+@torch.no_grad()
+def _fuse_one_channel_blocks(model: InferenceModel, x: torch.Tensor) -> None:
+    """Where a convolution the direct kernel can run (one input channel) is followed by a leaky ReLU, and maybe
+    a max-pooling, in a sequential network: time those layers as chosen so far against the direct kernel doing
+    all of them in one pass (:func:`dturbo.kernels.fuse_direct`) on their real input, and keep the fused one
+    only where it is faster by :data:`dturbo.kernels.MARGIN`. Dense and exported networks alike."""
+    if not isinstance(model.net, nn.Sequential):
+        return  # a graph export: its layers are not a chain to fuse
+    names = [n for n, _ in model.net.named_children()]
+    blocks = []
+    for i, name in enumerate(names[:-1]):
+        conv, act = getattr(model.net, name), getattr(model.net, names[i + 1])
+        pool = getattr(model.net, names[i + 2]) if i + 2 < len(names) else None
+        if not isinstance(conv, nn.Conv2d) or not fusable(conv, act, None):
+            continue
+        layers = [names[i + 1]] + ([names[i + 2]] if isinstance(pool, nn.MaxPool2d) and fusable(conv, act, pool)
+                                   else [])
+        blocks.append((name, layers))
+    if not blocks:
+        return
+    inputs = _record_inputs(model, x, [name for name, _ in blocks])
+    for name, layers in blocks:
+        h = inputs.get(name)
+        if h is None:
+            continue
+        mods = [getattr(model.net, n) for n in [name, *layers]]
+        fused = fuse_direct(mods[0], mods[1], mods[2] if len(mods) > 2 else None)
+        chain = nn.Sequential(*mods)
+        times = {label: 1000 * time_call(lambda f=f, h=h: f(h), h.device, repeats=5, warmup=1)
+                 for label, f in (("layers", chain), ("fused", fused))}
+        chosen = times["fused"] < MARGIN * times["layers"]
+        model.info.setdefault("fusion", {})[name] = {"layers": layers, "times_ms": times, "fused": chosen}
+        if chosen:
+            model.fuse(name, layers)
 
 
 def _example_input(model: InferenceModel, batch_size: int, dev: torch.device) -> torch.Tensor:

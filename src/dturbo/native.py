@@ -1,0 +1,100 @@
+"""dturbo's native (C++) CPU kernels: built on first use with PyTorch's extension builder, loaded as torch ops.
+
+There is one: ``torch.ops.dturbo_kernels.conv_one_channel`` (``csrc/conv_one_channel.cpp``), a direct convolution
+for layers with one input channel, whose cost follows the output channels (oneDNN's does not: docs/inference.md),
+optionally fused with the leaky ReLU and max-pooling that follow it.
+Building needs a C++ compiler and ninja (a dependency); it takes about 20 s once, then the build is cached in
+PyTorch's extension folder (``TORCH_EXTENSIONS_DIR``). Where it cannot be built, :func:`available` is False with
+the reason in :func:`unavailable_reason`, and every caller runs PyTorch's kernels instead: nothing fails.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "conv_one_channel.cpp"
+# Set to 1 to never build (the kernels then count as unavailable, e.g. to compare against PyTorch's alone).
+DISABLE_ENV = "DTURBO_NO_NATIVE"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _arch_flags() -> list[str]:
+    """AVX2 + FMA where this CPU has them (the vector code then uses 256-bit registers); otherwise the compiler's
+    default target. Never ``-march=native``: the flags are part of the build's name, so a cache shared by machines
+    of other CPUs never loads code built for another."""
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
+        return ["-mavx2", "-mfma"]
+    return []
+
+
+@cache
+def _build() -> str | None:
+    """Build and load the kernels once per process; None on success, else why not."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"disabled by {DISABLE_ENV}"
+    if not SOURCE.exists():
+        return f"source missing: {SOURCE}"
+    try:
+        from torch.utils.cpp_extension import load
+    except ImportError as err:  # pragma: no cover (part of torch)
+        return f"torch.utils.cpp_extension: {err}"
+    if shutil.which("ninja") is None:  # the ninja wheel's binary, when its venv's bin/ is not on PATH
+        try:
+            import ninja  # type: ignore[import-untyped]
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass  # the builder then says that ninja is missing
+    arch = _arch_flags()
+    name = ("dturbo_kernels_" + ("avx2" if arch else "generic") + f"_torch{torch.__version__.split('+')[0]}"
+            ).replace(".", "_")
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+            print("dturbo: building the native conv kernel (once per machine, about 20 s)", file=sys.stderr,
+                  flush=True)
+    except Exception:  # noqa: BLE001 (a private helper: only the message depends on it)
+        pass
+    try:
+        load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *arch], is_python_module=False, verbose=False)
+    except Exception as err:  # noqa: BLE001 (a missing compiler or ninja surfaces as several kinds)
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+    return None
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (building them now if need be)."""
+    return _build() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels are not available (None when they are)."""
+    return _build()
+
+
+def conv_one_channel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, padding: int,
+                     slope: float | None = None, pool: tuple[int, int] | None = None) -> torch.Tensor:
+    """The direct one-input-channel convolution (stride 1, dilation 1, square kernel, zero padding on every
+    side), float32 on the CPU; then, fused, a leaky ReLU of negative ``slope`` and a max-pooling of ``pool`` =
+    (kernel, stride) without padding, where given. Raises RuntimeError when the kernels are not available."""
+    reason = _build()
+    if reason is not None:
+        raise RuntimeError(f"dturbo's native kernels are not available: {reason}")
+    pool_k, pool_s = pool if pool is not None else (0, 1)
+    return torch.ops.dturbo_kernels.conv_one_channel(x, weight, bias, padding, slope, pool_k, pool_s)

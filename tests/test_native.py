@@ -1,0 +1,138 @@
+"""dturbo's native direct convolution (dturbo.native, DirectConv2d): exact against PyTorch's convolution, the
+layers it refuses, and a machine without a compiler (PyTorch's kernels run instead, nothing fails)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dturbo import kernels, native
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+
+@needs_native
+@pytest.mark.parametrize("n,ch,k,pad,h,w", [
+    (5, 6, 7, 3, 28, 28),   # alexnet-small's conv1
+    (3, 3, 7, 3, 28, 28),   # ... cut to 3 channels
+    (2, 7, 5, 2, 40, 33),   # a row wider than one register block (32 columns), 7 = 3 + 3 + 1 channels
+    (4, 2, 3, 0, 13, 9),    # no padding
+    (1, 1, 1, 0, 8, 8),     # 1x1
+    (2, 4, 5, 4, 6, 5),     # padding wider than the image is allowed where the output exists
+])
+def test_direct_conv_equals_torch(n: int, ch: int, k: int, pad: int, h: int, w: int) -> None:
+    gen = torch.Generator().manual_seed(ch * 100 + k)
+    conv = torch.nn.Conv2d(1, ch, k, padding=pad)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen))
+        conv.bias.copy_(torch.randn(ch, generator=gen))
+    x = torch.randn(n, 1, h, w, generator=gen)
+    direct = kernels.conv_as("direct", conv)
+    assert isinstance(direct, kernels.DirectConv2d) and direct.weight is conv.weight
+    with torch.no_grad():
+        ref, out = conv(x), direct(x)
+    assert out.shape == ref.shape and out.is_contiguous()
+    # the same sums in another order: float32 rounding of sums of k*k terms of size ~|x||w|
+    assert torch.allclose(out, ref, rtol=0, atol=1e-5 * k * k)
+
+
+@needs_native
+def test_direct_conv_without_bias_channels_last_input_and_any_thread_count() -> None:
+    gen = torch.Generator().manual_seed(3)
+    conv = torch.nn.Conv2d(1, 5, 7, padding=3, bias=False)
+    x = torch.randn(9, 1, 28, 28, generator=gen)
+    direct = kernels.conv_as("direct", conv)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = direct(x)
+            torch.set_num_threads(2)
+            two = direct(x.contiguous(memory_format=torch.channels_last))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each image is computed whole by one thread: bit for bit
+    assert torch.allclose(one, conv(x).detach(), rtol=0, atol=1e-4)
+
+
+@needs_native
+def test_direct_conv_leaves_other_dtypes_to_torch_and_checks_its_input() -> None:
+    conv = kernels.conv_as("direct", torch.nn.Conv2d(1, 2, 3, padding=1)).double()
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    assert torch.equal(conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1))
+    with pytest.raises(RuntimeError, match=r"\(N, 1, H, W\)"):
+        native.conv_one_channel(torch.randn(2, 2, 8, 8), torch.randn(3, 1, 3, 3), torch.zeros(3), 1)
+    with pytest.raises(RuntimeError, match="kernel larger than the padded input"):
+        native.conv_one_channel(torch.randn(2, 1, 4, 4), torch.randn(3, 1, 7, 7), torch.zeros(3), 1)
+
+
+@pytest.mark.parametrize("conv", [
+    torch.nn.Conv2d(2, 4, 3, padding=1),            # two input channels
+    torch.nn.Conv2d(1, 4, 3, stride=2),             # stride
+    torch.nn.Conv2d(1, 4, 3, dilation=2),           # dilation
+    torch.nn.Conv2d(1, 4, (3, 5), padding=1),       # not square
+    torch.nn.Conv2d(1, 4, 3, padding=(1, 0)),       # uneven padding
+    torch.nn.Conv2d(1, 4, 3, padding="same"),       # padding given as a word
+    torch.nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect"),
+])
+def test_the_direct_kernel_refuses_what_it_cannot_compute(conv: torch.nn.Conv2d) -> None:
+    assert not kernels.direct_supported(conv)
+    with pytest.raises(ValueError, match="direct conv kernel cannot run"):
+        kernels.conv_as("direct", conv)
+    _, kind, times = kernels.choose_conv_kernel(conv, torch.randn(2, conv.in_channels, 9, 9))
+    assert "direct" not in times and kind in ("default", "native")
+
+
+def test_without_a_build_pytorch_s_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_build", lambda: "no C++ compiler (test)")
+    conv = torch.nn.Conv2d(1, 3, 7, padding=3)
+    assert not native.available() and native.unavailable_reason() == "no C++ compiler (test)"
+    assert not kernels.direct_supported(conv)
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        kernels.conv_as("direct", conv)
+    with pytest.raises(RuntimeError, match="not available: no C\\+\\+ compiler"):
+        native.conv_one_channel(torch.randn(1, 1, 8, 8), conv.weight, conv.bias, 3)
+    _, kind, times = kernels.choose_conv_kernel(conv, torch.randn(4, 1, 28, 28))
+    assert set(times) == {"default", "native"} and kind != "direct"
+
+
+def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.DISABLE_ENV, "1")
+    assert native._build.__wrapped__() == f"disabled by {native.DISABLE_ENV}"
+
+
+@needs_native
+@pytest.mark.parametrize("pool", [(3, 2), (2, 2), (3, 1), None])
+def test_fused_activation_and_pooling_equal_the_layers(pool: tuple[int, int] | None) -> None:
+    gen = torch.Generator().manual_seed(5)
+    conv, act = torch.nn.Conv2d(1, 4, 7, padding=3), torch.nn.LeakyReLU(0.1)
+    mp = None if pool is None else torch.nn.MaxPool2d(*pool)
+    x = torch.randn(6, 1, 28, 28, generator=gen)
+    x[0, 0, 10, 10] = float("nan")  # NaN spreads through the convolution and wins every max, as in torch
+    fused = kernels.fuse_direct(conv, act, mp)
+    assert fused.weight is conv.weight and "fused=[leaky_relu(0.1)" in repr(fused)
+    with torch.no_grad():
+        y = act(conv(x))
+        ref = y if mp is None else mp(y)
+        out = fused(x)
+    assert out.shape == ref.shape
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
+    ok = ~ref.isnan()
+    assert torch.allclose(out[ok], ref[ok], rtol=0, atol=1e-5 * 49)
+    with pytest.raises(ValueError, match="computes the layers after it too"):
+        kernels.conv_as("default", fused)
+    assert kernels.conv_as("direct", fused) is fused
+
+
+def test_only_a_leaky_relu_and_a_plain_square_max_pooling_are_fused() -> None:
+    conv, act = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.LeakyReLU(0.1)
+    two_inputs = torch.nn.Conv2d(2, 4, 3, padding=1)
+    assert not kernels.fusable(conv, torch.nn.ReLU(), None)  # only the leaky ReLU is in the kernel
+    assert not kernels.fusable(two_inputs, act, None)
+    for pool in (torch.nn.MaxPool2d(3, 2, padding=1), torch.nn.MaxPool2d((3, 2), 2), torch.nn.MaxPool2d(3, (2, 1)),
+                 torch.nn.MaxPool2d(3, 2, ceil_mode=True), torch.nn.AvgPool2d(2)):
+        assert not kernels.fusable(conv, act, pool)
+        with pytest.raises(ValueError, match="cannot fuse"):
+            kernels.fuse_direct(conv, act, pool)  # type: ignore[arg-type]
+    assert kernels.fusable(conv, act, torch.nn.MaxPool2d(3, 2)) == native.available()
