@@ -246,7 +246,7 @@ def measure(s: fr.Settings, threads: tuple[int, ...], sessions: int, compile_too
     ds = load_dataset("fashion-mnist", fr.PROTOCOL["data_path"], limit_test=samples, seed=0)
     x = torch.from_numpy(ds.x_test[:samples])
     runs = fr.load_runs(s)
-    sel = fr.select(runs)
+    sel = fr.select(runs, "val_accuracy", s.finalist_margin)
     ref_label = sel.chosen.get("fedavg32")
     ref_acc = [r.final_acc for r in runs if r.cand.label == ref_label]
     out_points = []
