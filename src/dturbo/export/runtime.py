@@ -331,8 +331,8 @@ def _fuse_one_channel_blocks(model: InferenceModel, x: torch.Tensor) -> None:
     a max-pooling, in a sequential network: time those layers as chosen so far against the direct kernel doing
     all of them in one pass (:func:`dturbo.kernels.fuse_direct`) on their real input, and keep the fused one
     only where it is faster by :data:`dturbo.kernels.MARGIN`. Dense and exported networks alike."""
-    if not isinstance(model.net, nn.Sequential):
-        return  # a graph export: its layers are not a chain to fuse
+    if not isinstance(model.net, nn.Sequential) or x.device.type != "cpu":
+        return  # a graph export's layers are not a chain to fuse; the kernel is the CPU's
     names = [n for n, _ in model.net.named_children()]
     blocks = []
     for i, name in enumerate(names[:-1]):
