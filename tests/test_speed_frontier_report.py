@@ -80,3 +80,15 @@ def test_points_timed_alone_replace_theirs_and_keep_the_others(sf: ModuleType) -
     # a timing with glibc's default allocator is not comparable (the dense network's page faults): refused
     with pytest.raises(SystemExit, match="allocator"):
         sf.merge({k: v for k, v in old.items() if k != "machine"}, new)
+
+
+def test_a_variant_s_own_points_are_timed_in_that_variant_only(sf: ModuleType, tmp_path: Path) -> None:
+    fr = sys.modules["frontier"]
+    base = fr.Settings(runs_root=tmp_path / "runs", results=tmp_path / "results", docs=tmp_path / "docs")
+    variant = fr.Settings(runs_root=tmp_path / "runs_v", results=tmp_path / "results", docs=tmp_path / "docs",
+                          horizon=30, local_epochs=2)
+    own = {c.label for c in sf.VARIANT_ONLY}
+    assert own and own <= set(sf.VARIANT_POINTS[variant.tag])
+    assert not own & {label for label, _, _ in sf.points(base)}
+    assert own <= {label for label, _, _ in sf.points(variant)}
+    assert all(sf.BY_LABEL[label].line == "speed" for label in own)
