@@ -693,6 +693,13 @@ def _final(r: Run, column: str) -> float:
     return float(r.m[column][-1]) if column in r.m else 0.0
 
 
+def _rank(rs: list[Run], metric: str) -> tuple[float, float, float]:
+    """The selection's order over runs of one setting (one seed, or its seeds' means): the final ``metric``, then
+    fewer bits, then the lower final validation loss; higher is better."""
+    return (_mean([_final(r, metric) for r in rs]), -_mean([r.total_bits for r in rs]),
+            -_mean([_final(r, "val_loss") for r in rs]))
+
+
 def select(runs: list[Run], metric: str = "val_accuracy", margin: float | None = None) -> Selection:
     """Per line, the seed-0 candidate with the highest final ``metric`` (never test accuracy, unless a smoke test
     without a validation split asks for it); D-Turbo-VBI among those with final density <= 15%. Ties (validation
@@ -725,34 +732,29 @@ def select(runs: list[Run], metric: str = "val_accuracy", margin: float | None =
             if not pool:
                 pool = cands
                 warn.append(f"dturbo: no candidate ends at <= {DENSITY_MAX:.0%} density: the best overall is taken")
-        best = max(pool, key=lambda r: (_final(r, metric), -r.total_bits, -_final(r, "val_loss")))
-        final = [best]
-        if margin is not None:
-            final = sorted((r for r in pool if _final(r, metric) >= _final(best, metric) - margin - 1e-12),
-                           key=lambda r: -_final(r, metric))
+        best = max(pool, key=lambda r: _rank([r], metric))
+        final = [best] if margin is None else sorted(
+            (r for r in pool if _final(r, metric) >= _final(best, metric) - margin - 1e-12),
+            key=lambda r: -_final(r, metric))
         finalists[line] = [r.cand.label for r in final]
-        missing = [r.cand.label for r in final if not set(SEEDS) <= set(by_seed[r.cand.label])]
-        means: dict[str, dict[str, float]] = {}
-        for r in final if len(final) > 1 else []:
-            if r.cand.label in missing:
-                continue
-            rs = [by_seed[r.cand.label][sd] for sd in SEEDS]
-            means[r.cand.label] = {k: _mean([_final(x, k) for x in rs]) for k in (metric, "val_loss")}
-            means[r.cand.label]["bits"] = _mean([x.total_bits for x in rs])
-            means[r.cand.label]["density"] = _mean([x.density for x in rs])
-        if len(final) > 1 and not missing:
-            ok = [r for r in final if line != "dturbo" or means[r.cand.label]["density"] <= DENSITY_MAX + DENSITY_TOL]
-            best = max(ok or final, key=lambda r: (means[r.cand.label][metric], -means[r.cand.label]["bits"],
-                                                   -means[r.cand.label]["val_loss"]))
-        elif len(final) > 1:
-            pending[line] = missing
+        seeded = {r.cand.label: [by_seed[r.cand.label][sd] for sd in SEEDS] for r in final
+                  if set(SEEDS) <= set(by_seed[r.cand.label])}
+        means: dict[str, float] = {}
+        if len(final) > 1:
+            means = {label: _rank(rs, metric)[0] for label, rs in seeded.items()}
+            missing = [r.cand.label for r in final if r.cand.label not in seeded]
+            if missing:
+                pending[line] = missing
+            else:
+                ok = [r for r in final if line != "dturbo"
+                      or _mean([x.density for x in seeded[r.cand.label]]) <= DENSITY_MAX + DENSITY_TOL]
+                best = max(ok or final, key=lambda r: _rank(seeded[r.cand.label], metric))
         chosen[line] = best.cand.label
         for r in cands:
-            mean = means.get(r.cand.label, {}).get(metric)
             table.append({"line": line, "label": r.cand.label, "note": r.cand.note, "final_val_accuracy":
                           _final(r, metric), "final_density": r.density, "total_bits": r.total_bits,
                           "chosen": r is best, "finalist": r.cand.label in finalists[line] and len(final) > 1,
-                          "mean_final_val_accuracy": mean})
+                          "mean_final_val_accuracy": means.get(r.cand.label)})
     for w in warn:
         print(f"WARNING: {w}")
     return Selection(chosen, table, warn, metric, finalists, pending, margin)
@@ -1326,7 +1328,7 @@ def horizon_jobs(s: Settings, metric: str) -> tuple[list[Job], str]:
         sel = select(runs, metric, s.finalist_margin)
         jobs += [plan_job(BY_LABEL[lab], seed, s) for ln in seeded if ln in sel.chosen
                  and all(lab in have0 for lab in plan.candidates[ln])
-                 for lab in dict.fromkeys([sel.chosen[ln], *sel.finalists[ln]]) for seed in SEEDS[1:]]
+                 for lab in sel.finalists[ln] for seed in SEEDS[1:]]  # the chosen one is among them
     return jobs, ""
 
 
