@@ -30,12 +30,15 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import native
+
+_Conv = TypeVar("_Conv", bound=nn.Conv2d)
 
 KERNELS = ("dense", "panel", "bsr", "csr")
 # Above this density (of the compacted weight) a sparse kernel is not even tried.
@@ -254,14 +257,11 @@ def fuse_direct(conv: nn.Conv2d, act: nn.LeakyReLU, pool: nn.MaxPool2d | None) -
     write of the pooled output instead of three passes over the convolution's."""
     if not fusable(conv, act, pool):
         raise ValueError(f"cannot fuse {conv}, {act} and {pool} into the direct conv kernel")
-    new = DirectConv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,  # type: ignore[arg-type]
-                       conv.padding, conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode,
-                       device="meta")
-    new.weight, new.bias = conv.weight, conv.bias
+    new = _rebuilt(DirectConv2d, conv)  # a new module even from a DirectConv2d: the fusion must not change it
     new.slope = float(act.negative_slope)
     if pool is not None:
         new.pool = (as_pair(pool.kernel_size)[0], as_pair(pool.stride or pool.kernel_size)[0])
-    return new.train(conv.training)
+    return new
 
 
 def direct_supported(conv: nn.Conv2d) -> bool:
@@ -292,8 +292,11 @@ def conv_as(kind: str, conv: nn.Conv2d) -> nn.Conv2d:
         why = native.unavailable_reason() or "it needs one input channel, stride 1, dilation 1, a square kernel"
         raise ValueError(f"the direct conv kernel cannot run {conv}: {why}")
     target = _CONV_CLASSES[kind]
-    if type(conv) is target:
-        return conv
+    return conv if type(conv) is target else _rebuilt(target, conv)
+
+
+def _rebuilt(target: type[_Conv], conv: nn.Conv2d) -> _Conv:
+    """A ``target`` module with ``conv``'s shape, sharing its parameters, in its train/eval mode."""
     new = target(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,  # type: ignore[arg-type]
                  conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta")
     new.weight, new.bias = conv.weight, conv.bias
