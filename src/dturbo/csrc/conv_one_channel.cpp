@@ -14,7 +14,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <optional>
 #include <cstring>
 #include <vector>
