@@ -155,8 +155,7 @@ def test_exported_equals_masked_model_for_every_kernel(alexnet_run, alexnet_expo
     model = ex.load(alexnet_export, kernels=kernel, channels_last=channels_last, compile=False, conv=conv)
     assert not model.training and model.channels_last == channels_last
     assert {model.kernels[n] for n in ("dense1", "dense2", "dense3")} == {kernel}
-    assert model.kernels["conv1"] == conv  # the one layer with one input channel
-    assert {model.kernels[f"conv{i}"] for i in range(2, 5)} == {"default" if conv == "direct" else conv}
+    assert {model.kernels[f"conv{i}"] for i in range(1, 5)} == {conv}  # every one: stride 1, a square kernel
     assert max_err(model, ref, random_images()) <= TOL
     assert max_err(model, ref, random_images(1)) <= TOL  # batch 1 (after a call: the in-place bias maps kept)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -456,22 +455,29 @@ def test_pool_kernel_choice_is_recorded_and_exact(alexnet_run, alexnet_export):
 
 
 @pytest.mark.skipif(not direct_supported(torch.nn.Conv2d(1, 6, 7, padding=3)), reason="no native kernels here")
-def test_conv1_fused_with_its_activation_and_pooling_is_exact(alexnet_run, alexnet_export):
-    from dturbo.export.runtime import _fuse_one_channel_blocks
+def test_conv_blocks_fused_with_bias_map_activation_and_pooling_are_exact(alexnet_run, alexnet_export):
+    from dturbo.export.runtime import _fuse_direct_blocks
 
     ref = reference(alexnet_run, "alexnet-small")
     m = ex.load(alexnet_export, batch_size=48, compile=False, channels_last=False, conv="default", pool="default")
     assert m.fused == {} and "fusion" not in m.info  # explicit kernels: nothing fused
+    assert isinstance(m.net.conv2_bias_map, ex.BiasMap)  # conv1's constant channel 2, folded by export
     m.fuse("conv1", ["act1", "pool1"])
-    assert m.kernels["conv1"] == "direct" and m.pools["pool1"] == "fused" and m.fused == {"conv1": ["act1", "pool1"]}
-    assert isinstance(m.net.act1, torch.nn.Identity) and isinstance(m.net.pool1, torch.nn.Identity)
+    m.fuse("conv2", ["conv2_bias_map", "act2", "pool2"])
+    assert m.kernels["conv1"] == "direct" and m.pools["pool1"] == "fused" and m.fused == {
+        "conv1": ["act1", "pool1"], "conv2": ["conv2_bias_map", "act2", "pool2"]}
+    assert all(isinstance(getattr(m.net, n), torch.nn.Identity) for n in ("act1", "pool1", "conv2_bias_map", "act2"))
     assert max_err(m, ref, random_images()) <= TOL
     with pytest.raises(ValueError, match="fused with act1, pool1"):
         m.set_conv_kernels({"conv1": "default"})
-    # The timed choice (auto): whichever wins, the choice is recorded and the outputs are the model's.
+    # The timed choice (auto), for every block the kernel can take: whichever wins, the choice is recorded and
+    # the outputs are the model's.
     auto = ex.load(alexnet_export, batch_size=48, compile=False, channels_last=False, conv="default", pool="default")
-    _fuse_one_channel_blocks(auto, random_images())
-    info = auto.info["fusion"]["conv1"]
-    assert info["layers"] == ["act1", "pool1"] and set(info["times_ms"]) == {"layers", "fused"}
-    assert (auto.fused == {"conv1": ["act1", "pool1"]}) == info["fused"]
+    _fuse_direct_blocks(auto, random_images())
+    info = auto.info["fusion"]
+    assert {n: v["layers"] for n, v in info.items()} == {
+        "conv1": ["act1", "pool1"], "conv2": ["conv2_bias_map", "act2", "pool2"], "conv3": ["act3"],
+        "conv4": ["conv4_bias_map", "act4", "pool4"]}
+    assert all(set(v["times_ms"]) == {"layers", "fused"} for v in info.values())
+    assert auto.fused == {n: v["layers"] for n, v in info.items() if v["fused"]}
     assert max_err(auto, ref, random_images()) <= TOL

@@ -1,7 +1,7 @@
 """Inference kernels for the layers of an exported model, and the timing that picks one per layer.
 
 Convolutions: ``default`` (oneDNN on a CPU), ``native`` (PyTorch's own CPU kernels, faster for thin
-layers) or ``direct`` (dturbo's kernel for one-input-channel layers, :mod:`dturbo.native`), see
+layers) or ``direct`` (dturbo's kernel for thin layers, :mod:`dturbo.native`), see
 :class:`NativeConv2d`, :class:`DirectConv2d` and :func:`choose_conv_kernel`. Max-pooling: ``default``
 (:class:`torch.nn.MaxPool2d`) or ``separable`` (strided elementwise maxima, the same values, much faster for
 few channels), see :class:`SeparableMaxPool2d` and :func:`choose_pool_kernel`. Linear layers, below.
@@ -212,38 +212,55 @@ class NativeConv2d(nn.Conv2d):
 
 
 class DirectConv2d(nn.Conv2d):
-    """A convolution with one input channel run by dturbo's direct kernel (:func:`dturbo.native.conv_one_channel`):
-    its cost follows the output channels, where oneDNN's stays that of a 6-channel layer when export has cut it
-    to 2 or 3 (docs/inference.md). The same sums in another order: outputs equal oneDNN's within float32
-    rounding. Only for one input channel, stride 1, dilation 1, a square kernel, the same zero padding on every
-    side, float32 on the CPU (:func:`direct_supported`); any other input runs oneDNN."""
+    """A convolution run by dturbo's direct kernel (:func:`dturbo.native.conv_direct`), for thin layers: its cost
+    follows the channels, where oneDNN's 7x7 conv1 stays that of a 6-channel layer when export has cut it to 2 or
+    3 (docs/inference.md). The same sums in another order: outputs equal oneDNN's within float32 rounding. Only
+    for stride 1, dilation 1, groups 1, a square kernel, the same zero padding on every side, float32 on the CPU
+    (:func:`direct_supported`); any other input runs PyTorch's convolution."""
 
-    # Fused with the layers that follow (:func:`fuse_direct`): a leaky ReLU's negative slope, a max-pooling's
-    # (kernel, stride); those layers are then left out of the network.
+    # Fused with the layers that follow (:func:`fuse_direct`): a per-position bias (C, H, W) added first, a leaky
+    # ReLU's negative slope, a max-pooling's (kernel, stride); those layers are then left out of the network.
+    bias_map: torch.Tensor | None
     slope: float | None = None
     pool: tuple[int, int] | None = None
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 (nn.Conv2d's)
+        super().__init__(*args, **kwargs)
+        self.register_buffer("bias_map", None)
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
             y = super().forward(x)
+            if self.bias_map is not None:
+                y = y + self.bias_map
             if self.slope is not None:
                 y = F.leaky_relu(y, self.slope)
             return y if self.pool is None else F.max_pool2d(y, self.pool[0], self.pool[1])
         bias = self.bias if self.bias is not None else self.weight.new_zeros(self.out_channels)
-        return native.conv_one_channel(x, self.weight, bias, as_pair(self.padding)[0],  # type: ignore[arg-type]
-                                       self.slope, self.pool)
+        return native.conv_direct(x, self.weight, bias, as_pair(self.padding)[0],  # type: ignore[arg-type]
+                                  bias_map=self.bias_map, slope=self.slope, pool=self.pool)
+
+    @property
+    def is_fused(self) -> bool:
+        """Whether it computes layers after the convolution too."""
+        return self.bias_map is not None or self.slope is not None or self.pool is not None
 
     def extra_repr(self) -> str:
-        fused = ([f"leaky_relu({self.slope})"] if self.slope is not None else []) + (
+        fused = (["bias_map"] if self.bias_map is not None else []) + (
+            [f"leaky_relu({self.slope})"] if self.slope is not None else []) + (
             [f"max_pool(kernel={self.pool[0]}, stride={self.pool[1]})"] if self.pool else [])
         return super().extra_repr() + (f", fused=[{', '.join(fused)}]" if fused else "")
 
 
-def fusable(conv: nn.Conv2d, act: nn.Module, pool: nn.Module | None) -> bool:
-    """Whether :func:`fuse_direct` can take ``conv`` (:func:`direct_supported`), ``act`` (a leaky ReLU) and
-    ``pool`` (a max-pooling with a square kernel and stride, no padding, dilation, ceil mode or indices; or None)."""
+def fusable(conv: nn.Conv2d, act: nn.Module, pool: nn.Module | None, bias_map: torch.Tensor | None = None) -> bool:
+    """Whether :func:`fuse_direct` can take ``conv`` (:func:`direct_supported`), ``bias_map`` (None, or one value
+    per output channel and position: ``(C, H, W)`` or ``(1, C, H, W)``), ``act`` (a leaky ReLU) and ``pool`` (a
+    max-pooling with a square kernel and stride, no padding, dilation, ceil mode or indices; or None)."""
     if not isinstance(act, nn.LeakyReLU) or not direct_supported(conv):
+        return False
+    if bias_map is not None and (bias_map.dim() not in (3, 4) or bias_map.shape[-3] != conv.out_channels
+                                 or bias_map.numel() != conv.out_channels * bias_map.shape[-2] * bias_map.shape[-1]):
         return False
     if pool is None:
         return True
@@ -251,13 +268,16 @@ def fusable(conv: nn.Conv2d, act: nn.Module, pool: nn.Module | None) -> bool:
             and len(set(as_pair(pool.kernel_size))) == 1 and len(set(as_pair(pool.stride or pool.kernel_size))) == 1)
 
 
-def fuse_direct(conv: nn.Conv2d, act: nn.LeakyReLU, pool: nn.MaxPool2d | None) -> DirectConv2d:
-    """``conv`` (parameters shared) run by the direct kernel with ``act`` and then ``pool`` applied in the same
-    pass (:func:`fusable`): the same values as the three layers (the pooling's maxima of the same floats), one
-    write of the pooled output instead of three passes over the convolution's."""
-    if not fusable(conv, act, pool):
+def fuse_direct(conv: nn.Conv2d, act: nn.LeakyReLU, pool: nn.MaxPool2d | None,
+                bias_map: torch.Tensor | None = None) -> DirectConv2d:
+    """``conv`` (parameters shared) run by the direct kernel with ``bias_map`` added, ``act`` and then ``pool``
+    applied in the same pass (:func:`fusable`): the same values as the layers (the pooling's maxima of the same
+    floats), one write of the pooled output instead of a pass over the convolution's output per layer."""
+    if not fusable(conv, act, pool, bias_map):
         raise ValueError(f"cannot fuse {conv}, {act} and {pool} into the direct conv kernel")
     new = _rebuilt(DirectConv2d, conv)  # a new module even from a DirectConv2d: the fusion must not change it
+    if bias_map is not None:
+        new.bias_map = bias_map.detach().reshape(bias_map.shape[-3:]).contiguous()
     new.slope = float(act.negative_slope)
     if pool is not None:
         new.pool = (as_pair(pool.kernel_size)[0], as_pair(pool.stride or pool.kernel_size)[0])
@@ -265,17 +285,28 @@ def fuse_direct(conv: nn.Conv2d, act: nn.LeakyReLU, pool: nn.MaxPool2d | None) -
 
 
 def direct_supported(conv: nn.Conv2d) -> bool:
-    """Whether :class:`DirectConv2d` computes ``conv``: its shape (one input channel, stride 1, dilation 1,
-    groups 1, a square kernel, equal integer zero padding) and the native kernels built on this machine."""
+    """Whether :class:`DirectConv2d` computes ``conv``: its shape (stride 1, dilation 1, groups 1, a square
+    kernel, equal integer zero padding) and the native kernels built on this machine."""
     (kh, kw), pad = as_pair(conv.kernel_size), conv.padding
-    shape_ok = (conv.in_channels == 1 and conv.groups == 1 and kh == kw and as_pair(conv.stride) == (1, 1)
+    shape_ok = (conv.groups == 1 and kh == kw and as_pair(conv.stride) == (1, 1)
                 and as_pair(conv.dilation) == (1, 1) and conv.padding_mode == "zeros"
                 and not isinstance(pad, str) and len(set(as_pair(pad))) == 1)
     return shape_ok and native.available()
 
 
+# The direct kernel is timed only for layers of at most this many input and output channels: on wider ones
+# oneDNN's blocking wins, and timing a slow kernel there would only slow loading.
+DIRECT_MAX_CHANNELS = 64
+
+
+def direct_worth_timing(conv: nn.Conv2d) -> bool:
+    """Whether the automatic choices time the direct kernel for ``conv``: :func:`direct_supported`, and thin
+    (at most :data:`DIRECT_MAX_CHANNELS` input and output channels)."""
+    return max(conv.in_channels, conv.out_channels) <= DIRECT_MAX_CHANNELS and direct_supported(conv)
+
+
 # "default": PyTorch's own choice (oneDNN on a CPU, cuDNN on CUDA); "native": PyTorch's CPU kernels, no oneDNN;
-# "direct": dturbo's kernel for one-input-channel layers (DirectConv2d).
+# "direct": dturbo's kernel for thin layers (DirectConv2d).
 CONV_KERNELS = ("default", "native", "direct")
 _CONV_CLASSES: dict[str, type[nn.Conv2d]] = {"default": nn.Conv2d, "native": NativeConv2d, "direct": DirectConv2d}
 
@@ -284,12 +315,12 @@ def conv_as(kind: str, conv: nn.Conv2d) -> nn.Conv2d:
     """``conv`` (its parameters shared) as the conv kernel ``kind`` (one of :data:`CONV_KERNELS`)."""
     if kind not in CONV_KERNELS:
         raise ValueError(f"unknown conv kernel {kind!r}; choose one of {', '.join(CONV_KERNELS)}")
-    if isinstance(conv, DirectConv2d) and (conv.slope is not None or conv.pool is not None):
+    if isinstance(conv, DirectConv2d) and conv.is_fused:
         if kind == "direct":
             return conv
         raise ValueError(f"{conv} computes the layers after it too: it cannot run the {kind!r} kernel")
     if kind == "direct" and not direct_supported(conv):
-        why = native.unavailable_reason() or "it needs one input channel, stride 1, dilation 1, a square kernel"
+        why = native.unavailable_reason() or "it needs stride 1, dilation 1, groups 1, a square kernel"
         raise ValueError(f"the direct conv kernel cannot run {conv}: {why}")
     target = _CONV_CLASSES[kind]
     return conv if type(conv) is target else _rebuilt(target, conv)
@@ -305,14 +336,14 @@ def _rebuilt(target: type[_Conv], conv: nn.Conv2d) -> _Conv:
 
 @torch.no_grad()
 def choose_conv_kernel(conv: nn.Conv2d, x: torch.Tensor) -> tuple[nn.Conv2d, str, dict[str, float]]:
-    """Time ``conv`` on its input ``x`` with the default kernel (oneDNN), PyTorch's native CPU kernels and,
-    where it applies, dturbo's direct kernel; keep the fastest other than default only where it is faster by
-    :data:`MARGIN`. Off the CPU (or without oneDNN) nothing is timed."""
+    """Time ``conv`` on its input ``x`` with the default kernel (oneDNN), PyTorch's native CPU kernels and, for a
+    thin layer (:func:`direct_worth_timing`), dturbo's direct kernel; keep the fastest other than default only
+    where it is faster by :data:`MARGIN`. Off the CPU (or without oneDNN) nothing is timed."""
     if x.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return conv_as("default", conv), "default", {}
     times: dict[str, float] = {}
     for kind in CONV_KERNELS:
-        if kind == "direct" and (not direct_supported(conv) or x.dtype != torch.float32):
+        if kind == "direct" and (not direct_worth_timing(conv) or x.dtype != torch.float32):
             continue
         layer = conv_as(kind, conv)
         times[kind] = 1000 * time_call(lambda layer=layer: layer(x), x.device, repeats=5, warmup=1)

@@ -1,8 +1,8 @@
 """dturbo's native (C++) CPU kernels: built on first use with PyTorch's extension builder, loaded as torch ops.
 
-There is one: ``torch.ops.dturbo_kernels.conv_one_channel`` (``csrc/conv_one_channel.cpp``), a direct convolution
-for layers with one input channel, whose cost follows the output channels (oneDNN's does not: docs/inference.md),
-optionally fused with the leaky ReLU and max-pooling that follow it.
+There is one: ``torch.ops.dturbo_kernels.conv_direct`` (``csrc/conv_direct.cpp``), a direct convolution for thin
+layers (few input and output channels), whose cost follows the channels (oneDNN's does not: docs/inference.md),
+optionally fused with the per-position bias export adds, the leaky ReLU and the max-pooling that follow it.
 Building needs a C++ compiler and ninja (a dependency); it takes about 20 s once, then the build is cached in
 PyTorch's extension folder (``TORCH_EXTENSIONS_DIR``). Where it cannot be built, :func:`available` is False with
 the reason in :func:`unavailable_reason`, and every caller runs PyTorch's kernels instead: nothing fails.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "conv_one_channel.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "conv_direct.cpp"
 # Set to 1 to never build (the kernels then count as unavailable, e.g. to compare against PyTorch's alone).
 DISABLE_ENV = "DTURBO_NO_NATIVE"
 
@@ -33,13 +33,17 @@ def _cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def _arch_flags() -> list[str]:
-    """AVX2 + FMA where this CPU has them (the vector code then uses 256-bit registers); otherwise the compiler's
-    default target. Never ``-march=native``: the flags are part of the build's name, so a cache shared by machines
-    of other CPUs never loads code built for another."""
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
-        return ["-mavx2", "-mfma"]
-    return []
+def _arch() -> tuple[str, list[str]]:
+    """The build's target and its flags: AVX-512 where this CPU has it (16-float vectors, 32 registers; 2x the
+    multiply-adds a cycle of AVX2 on a CPU with full-width units, e.g. AMD Zen 5), else AVX2 + FMA (8-float
+    vectors), else the compiler's default target. Never ``-march=native``: the target is part of the build's
+    name, so a cache shared by machines of other CPUs never loads code built for another."""
+    flags = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
+    if {"avx512f", "avx2", "fma"} <= flags:
+        return "avx512", ["-mavx512f", "-mavx2", "-mfma"]
+    if {"avx2", "fma"} <= flags:
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
 
 
 @cache
@@ -60,9 +64,8 @@ def _build() -> str | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass  # the builder then says that ninja is missing
-    arch = _arch_flags()
-    name = ("dturbo_kernels_" + ("avx2" if arch else "generic") + f"_torch{torch.__version__.split('+')[0]}"
-            ).replace(".", "_")
+    target, arch = _arch()
+    name = f"dturbo_kernels_{target}_torch{torch.__version__.split('+')[0]}".replace(".", "_")
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
@@ -95,13 +98,16 @@ def unavailable_reason() -> str | None:
     return _build()
 
 
-def conv_one_channel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, padding: int,
-                     slope: float | None = None, pool: tuple[int, int] | None = None) -> torch.Tensor:
-    """The direct one-input-channel convolution (stride 1, dilation 1, square kernel, zero padding on every
-    side), float32 on the CPU; then, fused, a leaky ReLU of negative ``slope`` and a max-pooling of ``pool`` =
-    (kernel, stride) without padding, where given. Raises RuntimeError when the kernels are not available."""
+def conv_direct(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, padding: int, *,
+                bias_map: torch.Tensor | None = None, slope: float | None = None,
+                pool: tuple[int, int] | None = None) -> torch.Tensor:
+    """The direct convolution (stride 1, dilation 1, square kernel, zero padding on every side), float32 on the
+    CPU; then, fused, a per-position ``bias_map`` (``(C, H_out, W_out)`` before pooling, added before the
+    activation, as :class:`dturbo.export.ops.BiasMap`), a leaky ReLU of negative ``slope`` and a max-pooling of
+    ``pool`` = (kernel, stride) without padding, where given. Raises RuntimeError when the kernels are not
+    available or a shape does not fit."""
     reason = _build()
     if reason is not None:
         raise RuntimeError(f"dturbo's native kernels are not available: {reason}")
     pool_k, pool_s = pool if pool is not None else (0, 1)
-    return torch.ops.dturbo_kernels.conv_one_channel(x, weight, bias, padding, slope, pool_k, pool_s)
+    return torch.ops.dturbo_kernels.conv_direct(x, weight, bias, bias_map, padding, slope, pool_k, pool_s)

@@ -20,6 +20,7 @@ from ..kernels import (
     choose_pool_kernel,
     conv_as,
     direct_supported,
+    direct_worth_timing,
     fusable,
     fuse_direct,
     make_linear,
@@ -141,11 +142,11 @@ class InferenceModel(nn.Module):
             self.kernels[name] = kind
 
     def fuse(self, name: str, layers: list[str]) -> None:
-        """Run convolution ``name`` and the ``layers`` after it (a leaky ReLU, then maybe a max-pooling) as one
-        direct kernel (:func:`dturbo.kernels.fuse_direct`); those layers become identities. For good: the
-        fused convolution keeps no other kernel (:meth:`set_conv_kernels` would drop the layers it computes)."""
-        mods = [getattr(self.net, n) for n in layers]
-        fused = fuse_direct(getattr(self.net, name), mods[0], mods[1] if len(mods) > 1 else None)
+        """Run convolution ``name`` and the ``layers`` after it (maybe a :class:`BiasMap`, a leaky ReLU, then
+        maybe a max-pooling) as one direct kernel (:func:`dturbo.kernels.fuse_direct`); those layers become
+        identities. For good: the fused convolution keeps no other kernel (:meth:`set_conv_kernels` would drop
+        the layers it computes)."""
+        fused = _fused(getattr(self.net, name), [getattr(self.net, n) for n in layers])
         setattr(self.net, name, fused)
         for n in layers:
             setattr(self.net, n, nn.Identity())
@@ -181,10 +182,12 @@ def load(
             faster), ``True`` or ``False``.
         compile: ``None`` (auto: for networks with convolutions, compile with ``torch.compile`` and keep it if a
             timing shows it faster; falls back to eager when compilation fails), ``True`` or ``False``.
-        conv: ``"auto"`` (per convolution, time oneDNN against PyTorch's native CPU kernels and, for
-            one-input-channel layers, dturbo's direct kernel (:mod:`dturbo.native`) on the layer's real input;
-            keep another than oneDNN only where faster: they are for thin layers), ``"default"`` (oneDNN on a
-            CPU), ``"native"`` or ``"direct"`` (where the layer has one input channel; oneDNN elsewhere).
+        conv: ``"auto"`` (per convolution, time oneDNN against PyTorch's native CPU kernels and, for thin
+            layers, dturbo's direct kernel (:mod:`dturbo.native`) on the layer's real input; keep another than
+            oneDNN only where faster: they are for thin layers; then, with ``pool="auto"`` too, fuse a
+            convolution with the bias map, leaky ReLU and max-pooling after it where the direct kernel doing
+            all of them is faster), ``"default"`` (oneDNN on a CPU), ``"native"`` or ``"direct"`` (where the
+            layer has stride 1 and a square kernel; oneDNN elsewhere).
         pool: ``"auto"`` (per max-pooling layer, time PyTorch's kernel against strided elementwise maxima on
             its real input, keep the faster; the values are identical), ``"default"`` or ``"separable"``
             (where the layer allows it: no padding, dilation or ceil mode).
@@ -243,7 +246,7 @@ def load(
     model.set_channels_last(bool(channels_last))
     _choose_layer_kernels(model, x, conv, pool)
     if conv == "auto" and pool == "auto":
-        _fuse_one_channel_blocks(model, x)
+        _fuse_direct_blocks(model, x)
     if compile or (compile is None and has_conv):
         _settle_compile(model, x, auto=compile is None, conv=conv)
     return model
@@ -298,7 +301,7 @@ def _choose_layer_kernels(model: InferenceModel, x: torch.Tensor, conv: str, poo
             if conv == "auto":
                 _, kind, times = choose_conv_kernel(m, h)
                 model.info["layers"][name] = {"kernel": kind, "times_ms": times}
-            else:  # the direct kernel only where it applies (one input channel), like separable pooling
+            else:  # the direct kernel only where it applies (stride 1, a square kernel), like separable pooling
                 kind = conv if conv != "direct" or direct_supported(m) else "default"
             model.set_conv_kernels({name: kind})
         else:
@@ -325,24 +328,44 @@ def _record_inputs(model: InferenceModel, x: torch.Tensor, names: list[str]) -> 
     return inputs
 
 
+def _fused(conv: nn.Conv2d, layers: list[nn.Module]) -> nn.Conv2d:
+    """``conv`` and ``layers`` (maybe a :class:`BiasMap`, a leaky ReLU, maybe a max-pooling) as one direct
+    kernel."""
+    bias_map = layers[0].bias_map if isinstance(layers[0], BiasMap) else None
+    act, *pool = layers[bias_map is not None:]
+    return fuse_direct(conv, act, pool[0] if pool else None, bias_map)
+
+
+def _fusable_block(net: nn.Sequential, names: list[str], i: int) -> list[str]:
+    """The layers after ``names[i]`` that the direct kernel can compute with it: [bias map,] leaky ReLU[, max
+    pooling]; [] where it cannot."""
+    conv = getattr(net, names[i])
+    if not isinstance(conv, nn.Conv2d):
+        return []
+    after = names[i + 1: i + 4]
+    bias_map = None
+    if after and isinstance(getattr(net, after[0]), BiasMap):
+        bias_map = getattr(net, after[0]).bias_map
+    layers = after[: 1 + (bias_map is not None)]
+    act = getattr(net, layers[-1]) if layers else None
+    if act is None or not direct_worth_timing(conv) or not fusable(conv, act, None, bias_map):
+        return []
+    pool = after[len(layers)] if len(after) > len(layers) else None
+    if pool is not None and isinstance(getattr(net, pool), nn.MaxPool2d) and fusable(conv, act, getattr(net, pool)):
+        layers.append(pool)
+    return layers
+
+
 @torch.no_grad()
-def _fuse_one_channel_blocks(model: InferenceModel, x: torch.Tensor) -> None:
-    """Where a convolution the direct kernel can run (one input channel) is followed by a leaky ReLU, and maybe
-    a max-pooling, in a sequential network: time those layers as chosen so far against the direct kernel doing
-    all of them in one pass (:func:`dturbo.kernels.fuse_direct`) on their real input, and keep the fused one
-    only where it is faster by :data:`dturbo.kernels.MARGIN`. Dense and exported networks alike."""
+def _fuse_direct_blocks(model: InferenceModel, x: torch.Tensor) -> None:
+    """Where a convolution the direct kernel can run is followed by a leaky ReLU (maybe after export's bias map),
+    and maybe a max-pooling, in a sequential network: time those layers as chosen so far against the direct
+    kernel doing all of them in one pass (:func:`dturbo.kernels.fuse_direct`) on their real input, and keep the
+    fused one only where it is faster by :data:`dturbo.kernels.MARGIN`. Dense and exported networks alike."""
     if not isinstance(model.net, nn.Sequential) or x.device.type != "cpu":
         return  # a graph export's layers are not a chain to fuse; the kernel is the CPU's
     names = [n for n, _ in model.net.named_children()]
-    blocks = []
-    for i, name in enumerate(names[:-1]):
-        conv, act = getattr(model.net, name), getattr(model.net, names[i + 1])
-        pool = getattr(model.net, names[i + 2]) if i + 2 < len(names) else None
-        if not isinstance(conv, nn.Conv2d) or not fusable(conv, act, None):
-            continue
-        layers = [names[i + 1]] + ([names[i + 2]] if isinstance(pool, nn.MaxPool2d) and fusable(conv, act, pool)
-                                   else [])
-        blocks.append((name, layers))
+    blocks = [(name, layers) for i, name in enumerate(names) if (layers := _fusable_block(model.net, names, i))]
     if not blocks:
         return
     inputs = _record_inputs(model, x, [name for name, _ in blocks])
@@ -351,8 +374,8 @@ def _fuse_one_channel_blocks(model: InferenceModel, x: torch.Tensor) -> None:
         if h is None:
             continue
         mods = [getattr(model.net, n) for n in [name, *layers]]
-        fused = fuse_direct(mods[0], mods[1], mods[2] if len(mods) > 2 else None)
-        chain = nn.Sequential(*mods)
+        fused = _fused(mods[0], mods[1:])
+        chain = nn.Sequential(*mods)  # the bias map adds in place to the convolution's fresh output: no harm
         times = {label: 1000 * time_call(lambda f=f, h=h: f(h), h.device, repeats=5, warmup=1)
                  for label, f in (("layers", chain), ("fused", fused))}
         chosen = times["fused"] < MARGIN * times["layers"]

@@ -1,0 +1,231 @@
+// A direct convolution for thin layers (few input and output channels), stride 1, dilation 1, square kernel.
+// oneDNN's cost for such layers hardly follows their channels (docs/inference.md): a 7x7 conv1 cost the same
+// with 2, 3 or 6 output channels, so removing channels from it bought nothing; this kernel's cost follows them.
+// Built on first use by dturbo.native.
+//
+// out[n, c, h, q] = b[c] + map[c, h, q] + sum_{ci, i, j} w[c, ci, i, j] * xpad[n, ci, h + i, q + j]
+//
+// map is the optional per-position bias export folds in for removed constant channels (dturbo.export.ops.BiasMap).
+// Optionally fused with what follows: a leaky ReLU and a max-pooling (no padding), applied while the image's
+// convolution is still in cache, so that the output written is the pooled one.
+//
+// Register blocking: CB output channels x P output rows x R vectors of a row's columns live in registers (R from
+// the row's width, CB from R, P = 2 where CB * R alone leaves too few independent accumulators to hide the FMA
+// latency, e.g. a 3-channel conv1); every input vector is loaded once for the CB channels, every weight once for
+// the P rows and R vectors. Vectors are 16 floats where built for AVX-512 (32
+// registers), else 8 (AVX2, 16 registers). Images are split across the intra-op threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// GCC/Clang vector extensions: the compiler emits the widest instructions the build targets.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+typedef float vec __attribute__((vector_size(64)));
+// Output channels per pass over the input rows, by vectors per row: 16 accumulators of the 32 registers.
+constexpr int channels_for(int r) { return r == 1 ? 16 : r == 2 ? 8 : r == 3 ? 5 : 4; }
+#else
+constexpr int64_t kLanes = 8;
+typedef float vec __attribute__((vector_size(32)));
+// 8 to 12 accumulators of the 16 registers.
+constexpr int channels_for(int r) { return r == 1 ? 8 : r == 2 ? 4 : r == 3 ? 4 : 3; }
+#endif
+constexpr int kMaxVectors = 4;  // vectors of one output row held at once
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned
+  return v;
+}
+
+// max as torch's max-pooling takes it: a NaN wins (once m is NaN, std::max keeps it). Written so that the
+// compiler emits a max instruction: a branch on v > m mispredicts half the time on real activations.
+inline float nan_max(float m, float v) { return v != v ? v : std::max(m, v); }
+
+struct Rows {             // where one register block reads and writes
+  const float* img;       // the padded image at its first channel, at the block's first input row and column
+  int64_t ld_img, plane;  // floats between input rows, between input channels
+  int64_t cin, k;
+  const float* w;         // w[c0, 0, 0, 0]
+  const float* init;      // bias (+ map) of channel c0 at the block's output row and column, as conv's layout
+  float* out;             // conv's channel c0 at the block's output row and column
+  int64_t ld_row, ld_out; // floats between rows, between channels of init and out
+  bool act;
+  float slope;
+};
+
+// R vectors of columns of P output rows for CB channels. With act, the leaky ReLU (x if x > 0 else slope * x, as
+// torch's) is applied in registers.
+template <int CB, int R, int P>
+void row_block(const Rows& a) {
+  const int64_t kk = a.k * a.k, ldw = a.cin * kk;
+  vec acc[CB][P][R];
+  for (int c = 0; c < CB; ++c)
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < R; ++r) acc[c][p][r] = load(a.init + c * a.ld_out + p * a.ld_row + r * kLanes);
+  for (int64_t ci = 0; ci < a.cin; ++ci) {
+    for (int64_t i = 0; i < a.k; ++i) {
+      const float* src = a.img + ci * a.plane + i * a.ld_img;
+      const float* wr = a.w + ci * kk + i * a.k;
+      for (int64_t j = 0; j < a.k; ++j) {
+        vec v[P][R];
+        for (int p = 0; p < P; ++p)
+          for (int r = 0; r < R; ++r) v[p][r] = load(src + p * a.ld_img + j + r * kLanes);
+        for (int c = 0; c < CB; ++c) {
+          const float wv = wr[c * ldw + j];
+          for (int p = 0; p < P; ++p)
+            for (int r = 0; r < R; ++r) acc[c][p][r] += wv * v[p][r];
+        }
+      }
+    }
+  }
+  for (int c = 0; c < CB; ++c)
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < R; ++r) {
+        if (a.act) acc[c][p][r] = acc[c][p][r] > 0.f ? acc[c][p][r] : acc[c][p][r] * a.slope;
+        std::memcpy(a.out + c * a.ld_out + p * a.ld_row + r * kLanes, &acc[c][p][r], sizeof(vec));
+      }
+}
+
+// Two rows at once only where one leaves fewer than 8 accumulators (2 FMA units x 4 cycles of latency).
+constexpr bool pairs_pay(int cb, int r) { return cb * r < 8; }
+
+// row_block<cb, R, 1 or 2> for a run-time cb <= CB (the last channels of a layer whose count CB does not divide).
+template <int R, int CB = channels_for(R)>
+void row_block_any(int64_t cb, bool two_rows, const Rows& a) {
+  if constexpr (CB >= 1) {
+    if (cb != CB) return row_block_any<R, CB - 1>(cb, two_rows, a);
+    if constexpr (pairs_pay(CB, R))
+      if (two_rows) return row_block<CB, R, 2>(a);
+    return row_block<CB, R, 1>(a);
+  }
+}
+
+// Output rows one block computes: 2 where that pays and the layer has another row.
+int64_t rows_per_block(int64_t vectors, int64_t cb) {
+  return pairs_pay(static_cast<int>(cb), static_cast<int>(vectors)) ? 2 : 1;
+}
+
+void run_block(int64_t vectors, int64_t cb, bool two_rows, const Rows& a) {
+  switch (vectors) {
+    case 1: return row_block_any<1>(cb, two_rows, a);
+    case 2: return row_block_any<2>(cb, two_rows, a);
+    case 3: return row_block_any<3>(cb, two_rows, a);
+    default: return row_block_any<4>(cb, two_rows, a);
+  }
+}
+
+at::Tensor conv_direct(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& b_in,
+                       const std::optional<at::Tensor>& map_in, int64_t pad, std::optional<double> slope,
+                       int64_t pool_k, int64_t pool_s) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 4,
+              "conv_direct: x must be a float32 CPU tensor (N, C_in, H, W), got ", x_in.sizes());
+  TORCH_CHECK(w_in.scalar_type() == at::kFloat && w_in.dim() == 4 && w_in.size(1) == x_in.size(1) &&
+                  w_in.size(2) == w_in.size(3),
+              "conv_direct: w must be float32 (C, C_in, K, K) with x's C_in = ", x_in.size(1), ", got ",
+              w_in.sizes());
+  TORCH_CHECK(b_in.scalar_type() == at::kFloat && b_in.dim() == 1 && b_in.size(0) == w_in.size(0),
+              "conv_direct: b must be float32 (C,), got ", b_in.sizes());
+  TORCH_CHECK(pad >= 0, "conv_direct: padding must be >= 0");
+  TORCH_CHECK(pool_k >= 0 && (pool_k == 0 || pool_s >= 1), "conv_direct: pooling needs kernel >= 1, stride >= 1");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = b_in.contiguous();
+  const int64_t n_img = x.size(0), cin = x.size(1), h_in = x.size(2), w_in_ = x.size(3);
+  const int64_t ch = w.size(0), k = w.size(2);
+  const int64_t h_conv = h_in + 2 * pad - k + 1, w_conv = w_in_ + 2 * pad - k + 1;
+  TORCH_CHECK(h_conv > 0 && w_conv > 0, "conv_direct: kernel larger than the padded input");
+  if (map_in.has_value())
+    TORCH_CHECK(map_in->scalar_type() == at::kFloat && map_in->numel() == ch * h_conv * w_conv,
+                "conv_direct: the bias map must be float32 (C, H_out, W_out) = (", ch, ", ", h_conv, ", ", w_conv,
+                "), got ", map_in->sizes());
+  // Max-pooling without padding (floor mode), as torch.nn.MaxPool2d(pool_k, pool_s).
+  const int64_t h_out = pool_k ? (h_conv - pool_k) / pool_s + 1 : h_conv;
+  const int64_t w_out = pool_k ? (w_conv - pool_k) / pool_s + 1 : w_conv;
+  TORCH_CHECK(h_out > 0 && w_out > 0, "conv_direct: pooling window larger than the convolution's output");
+  const int64_t vectors = std::min<int64_t>(kMaxVectors, (w_conv + kLanes - 1) / kLanes);
+  const int64_t cols = vectors * kLanes, blocks = (w_conv + cols - 1) / cols, w_round = blocks * cols;
+  const int64_t cb_max = channels_for(static_cast<int>(vectors));
+  const int64_t ld_img = w_round + k - 1, h_pad = h_in + 2 * pad;  // wide enough for the last block's loads
+  const int64_t ld_conv = h_conv * w_round;                        // floats between channels of conv and init
+  // Each output's starting value, bias plus map, in the convolution's padded layout (read by every image).
+  std::vector<float> init(ch * ld_conv, 0.f);
+  {
+    const float* bs = b.data_ptr<float>();
+    const at::Tensor map = map_in.has_value() ? map_in->contiguous() : at::Tensor();
+    const float* ms = map.defined() ? map.data_ptr<float>() : nullptr;
+    for (int64_t c = 0; c < ch; ++c)
+      for (int64_t h = 0; h < h_conv; ++h)
+        for (int64_t q = 0; q < w_conv; ++q)
+          init[c * ld_conv + h * w_round + q] = bs[c] + (ms ? ms[(c * h_conv + h) * w_conv + q] : 0.f);
+  }
+  const bool act = slope.has_value();
+  const float neg = act ? static_cast<float>(*slope) : 1.f;
+  at::Tensor out = at::empty({n_img, ch, h_out, w_out}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* ws = w.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, n_img, 8, [&](int64_t n0, int64_t n1) {
+    std::vector<float> img(cin * h_pad * ld_img, 0.f);  // the zero-padded image; its border stays zero
+    std::vector<float> conv(ch * ld_conv);               // one image's convolution (rows padded to blocks)
+    std::vector<float> rows(w_round);                    // maxima over one pooling window's rows
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t ci = 0; ci < cin; ++ci)
+        for (int64_t h = 0; h < h_in; ++h) {
+          const float* row = xs + ((n * cin + ci) * h_in + h) * w_in_;
+          std::copy(row, row + w_in_, img.data() + (ci * h_pad + h + pad) * ld_img + pad);
+        }
+      for (int64_t c0 = 0; c0 < ch; c0 += cb_max) {
+        const int64_t cb = std::min(cb_max, ch - c0);
+        const int64_t step = rows_per_block(vectors, cb);
+        for (int64_t h = 0; h < h_conv; h += step)
+          for (int64_t blk = 0; blk < blocks; ++blk) {
+            const int64_t at = c0 * ld_conv + h * w_round + blk * cols;
+            const Rows a{img.data() + h * ld_img + blk * cols, ld_img, h_pad * ld_img, cin, k,
+                         ws + c0 * cin * k * k, init.data() + at, conv.data() + at, w_round, ld_conv, act, neg};
+            run_block(vectors, cb, step == 2 && h + 1 < h_conv, a);
+          }
+      }
+      // The pooling while the image's convolution is still in cache (the separate layers would each pass over it
+      // in memory again): the maxima over the window's rows first (contiguous, vectorised), then along the row.
+      for (int64_t c = 0; c < ch; ++c) {
+        const float* cv = conv.data() + c * ld_conv;
+        float* o = os + (n * ch + c) * h_out * w_out;
+        if (!pool_k) {
+          for (int64_t h = 0; h < h_out; ++h) std::copy(cv + h * w_round, cv + h * w_round + w_out, o + h * w_out);
+          continue;
+        }
+        for (int64_t ph = 0; ph < h_out; ++ph) {
+          const float* first = cv + ph * pool_s * w_round;
+          for (int64_t q = 0; q < w_round; q += kLanes) {
+            vec m = load(first + q);
+            for (int64_t i = 1; i < pool_k; ++i) {
+              const vec v = load(first + i * w_round + q);
+              m = (v > m) | (v != v) ? v : m;  // a NaN wins, as in torch's max-pooling
+            }
+            std::memcpy(rows.data() + q, &m, sizeof(vec));
+          }
+          for (int64_t pw = 0; pw < w_out; ++pw) {
+            float m = rows[pw * pool_s];
+            for (int64_t j = 1; j < pool_k; ++j) m = nan_max(m, rows[pw * pool_s + j]);
+            o[ph * w_out + pw] = m;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dturbo_kernels, m) {
+  m.def("conv_direct(Tensor x, Tensor w, Tensor b, Tensor? bias_map, int pad, float? slope=None, int pool_k=0, "
+        "int pool_s=1) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(dturbo_kernels, CPU, m) { m.impl("conv_direct", conv_direct); }
