@@ -112,6 +112,7 @@ def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
 @needs_native
 @pytest.mark.parametrize("cin,k,hw,pool,with_map", [
     (1, 7, 28, (3, 2), False), (1, 7, 28, (2, 2), False), (1, 7, 28, (3, 1), True), (1, 7, 28, None, False),
+    (1, 3, 40, (5, 3), False),  # a wider window, a row in several register blocks
     (3, 5, 13, (3, 2), True),   # alexnet-small's conv2 block after export: bias map, leaky ReLU, pooling
     (3, 5, 13, None, True),
 ])

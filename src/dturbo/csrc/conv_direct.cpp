@@ -45,9 +45,8 @@ inline vec load(const float* p) {
   return v;
 }
 
-// max as torch's max-pooling takes it: a NaN wins (once m is NaN, std::max keeps it). Written so that the
-// compiler emits a max instruction: a branch on v > m mispredicts half the time on real activations.
-inline float nan_max(float m, float v) { return v != v ? v : std::max(m, v); }
+// max as torch's max-pooling takes it, lane by lane: a NaN wins (once m is NaN, neither test replaces it).
+inline vec nan_max(vec m, vec v) { return (v > m) | (v != v) ? v : m; }
 
 struct Rows {             // where one register block reads and writes
   const float* img;       // the padded image at its first channel, at the block's first input row and column
@@ -61,20 +60,21 @@ struct Rows {             // where one register block reads and writes
   float slope;
 };
 
-// R vectors of columns of P output rows for CB channels. With act, the leaky ReLU (x if x > 0 else slope * x, as
-// torch's) is applied in registers.
-template <int CB, int R, int P>
+// R vectors of columns of P output rows for CB channels, for a kernel of K x K taps (K = 0: a.k, known at run
+// time; the common sizes are compiled apart so that the tap loops unroll). With act, the leaky ReLU (x if x > 0
+// else slope * x, as torch's) is applied in registers.
+template <int CB, int R, int P, int K>
 void row_block(const Rows& a) {
-  const int64_t kk = a.k * a.k, ldw = a.cin * kk;
+  const int64_t k = K ? K : a.k, kk = k * k, ldw = a.cin * kk;
   vec acc[CB][P][R];
   for (int c = 0; c < CB; ++c)
     for (int p = 0; p < P; ++p)
       for (int r = 0; r < R; ++r) acc[c][p][r] = load(a.init + c * a.ld_out + p * a.ld_row + r * kLanes);
   for (int64_t ci = 0; ci < a.cin; ++ci) {
-    for (int64_t i = 0; i < a.k; ++i) {
+    for (int64_t i = 0; i < k; ++i) {
       const float* src = a.img + ci * a.plane + i * a.ld_img;
-      const float* wr = a.w + ci * kk + i * a.k;
-      for (int64_t j = 0; j < a.k; ++j) {
+      const float* wr = a.w + ci * kk + i * k;
+      for (int64_t j = 0; j < k; ++j) {
         vec v[P][R];
         for (int p = 0; p < P; ++p)
           for (int r = 0; r < R; ++r) v[p][r] = load(src + p * a.ld_img + j + r * kLanes);
@@ -97,14 +97,24 @@ void row_block(const Rows& a) {
 // Two rows at once only where one leaves fewer than 8 accumulators (2 FMA units x 4 cycles of latency).
 constexpr bool pairs_pay(int cb, int r) { return cb * r < 8; }
 
+template <int CB, int R, int P>
+void row_block_k(const Rows& a) {
+  switch (a.k) {
+    case 3: return row_block<CB, R, P, 3>(a);
+    case 5: return row_block<CB, R, P, 5>(a);
+    case 7: return row_block<CB, R, P, 7>(a);
+    default: return row_block<CB, R, P, 0>(a);
+  }
+}
+
 // row_block<cb, R, 1 or 2> for a run-time cb <= CB (the last channels of a layer whose count CB does not divide).
 template <int R, int CB = channels_for(R)>
 void row_block_any(int64_t cb, bool two_rows, const Rows& a) {
   if constexpr (CB >= 1) {
     if (cb != CB) return row_block_any<R, CB - 1>(cb, two_rows, a);
     if constexpr (pairs_pay(CB, R))
-      if (two_rows) return row_block<CB, R, 2>(a);
-    return row_block<CB, R, 1>(a);
+      if (two_rows) return row_block_k<CB, R, 2>(a);
+    return row_block_k<CB, R, 1>(a);
   }
 }
 
@@ -172,8 +182,9 @@ at::Tensor conv_direct(const at::Tensor& x_in, const at::Tensor& w_in, const at:
   float* os = out.data_ptr<float>();
   at::parallel_for(0, n_img, 8, [&](int64_t n0, int64_t n1) {
     std::vector<float> img(cin * h_pad * ld_img, 0.f);  // the zero-padded image; its border stays zero
-    std::vector<float> conv(ch * ld_conv);               // one image's convolution (rows padded to blocks)
-    std::vector<float> rows(w_round);                    // maxima over one pooling window's rows
+    std::vector<float> conv(ch * ld_conv + pool_k, 0.f); // one image's convolution (rows padded to blocks; + the
+                                                         // pooling's loads past the last row's end)
+    std::vector<float> wins(w_round);                     // maxima over the pooling window at every column
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t ci = 0; ci < cin; ++ci)
         for (int64_t h = 0; h < h_in; ++h) {
@@ -192,7 +203,8 @@ at::Tensor conv_direct(const at::Tensor& x_in, const at::Tensor& w_in, const at:
           }
       }
       // The pooling while the image's convolution is still in cache (the separate layers would each pass over it
-      // in memory again): the maxima over the window's rows first (contiguous, vectorised), then along the row.
+      // in memory again): the maxima over the window's rows, then over its columns at every column (both
+      // vectorised), then every pool_s-th of those kept.
       for (int64_t c = 0; c < ch; ++c) {
         const float* cv = conv.data() + c * ld_conv;
         float* o = os + (n * ch + c) * h_out * w_out;
@@ -202,19 +214,16 @@ at::Tensor conv_direct(const at::Tensor& x_in, const at::Tensor& w_in, const at:
         }
         for (int64_t ph = 0; ph < h_out; ++ph) {
           const float* first = cv + ph * pool_s * w_round;
+          // Straight from the convolution (stored long before: no store-to-load forwarding stall, as reading
+          // back a row of maxima just stored would). Columns past the convolution's width only reach windows
+          // past the output's: never kept.
           for (int64_t q = 0; q < w_round; q += kLanes) {
             vec m = load(first + q);
-            for (int64_t i = 1; i < pool_k; ++i) {
-              const vec v = load(first + i * w_round + q);
-              m = (v > m) | (v != v) ? v : m;  // a NaN wins, as in torch's max-pooling
-            }
-            std::memcpy(rows.data() + q, &m, sizeof(vec));
+            for (int64_t i = 0; i < pool_k; ++i)
+              for (int64_t j = 0; j < pool_k; ++j) m = nan_max(m, load(first + i * w_round + q + j));
+            std::memcpy(wins.data() + q, &m, sizeof(vec));
           }
-          for (int64_t pw = 0; pw < w_out; ++pw) {
-            float m = rows[pw * pool_s];
-            for (int64_t j = 1; j < pool_k; ++j) m = nan_max(m, rows[pw * pool_s + j]);
-            o[ph * w_out + pw] = m;
-          }
+          for (int64_t pw = 0; pw < w_out; ++pw) o[ph * w_out + pw] = wins[pw * pool_s];
         }
       }
     }
