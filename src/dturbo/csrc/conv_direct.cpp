@@ -12,8 +12,8 @@
 // Register blocking: CB output channels x P output rows x R vectors of a row's columns live in registers (R from
 // the row's width, CB from R, P = 2 where CB * R alone leaves too few independent accumulators to hide the FMA
 // latency, e.g. a 3-channel conv1); every input vector is loaded once for the CB channels, every weight once for
-// the P rows and R vectors. Vectors are 16 floats where built for AVX-512 (32
-// registers), else 8 (AVX2, 16 registers). Images are split across the intra-op threads.
+// the P rows and R vectors. Vectors are 16 floats where built for AVX-512 (32 registers), else 8 (AVX2, 16
+// registers). Images are split across the intra-op threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
