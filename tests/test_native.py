@@ -4,6 +4,8 @@ and a machine without a compiler (PyTorch's kernels run instead, nothing fails).
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -164,3 +166,47 @@ def test_the_automatic_choice_times_the_direct_kernel_only_for_thin_layers() -> 
     assert kernels.direct_worth_timing(torch.nn.Conv2d(16, 32, 3, padding=1)) == native.available()
     _, _, times = kernels.choose_conv_kernel(wide, torch.randn(1, 96, 4, 4))
     assert "direct" not in times
+
+
+def test_an_unknown_or_unrunnable_target_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.TARGET_ENV, "avx1024")
+    reason = native._build.__wrapped__()
+    assert reason is not None and "DTURBO_NATIVE_TARGET='avx1024'" in reason and "targets: avx512, avx2" in reason
+
+
+# The same checks in a fresh process built for each narrower target this CPU runs: the vector width (16 or 8
+# floats, or the compiler's own) changes the register blocks, the pairs of rows and the remainders.
+_OTHER_TARGET_CHECK = """
+import torch, torch.nn.functional as F
+from dturbo import native
+assert native.available(), native.unavailable_reason()
+gen = torch.Generator().manual_seed(0)
+for n, cin, ch, k, pad, h, w, pool in [(3, 1, 3, 7, 3, 28, 28, (3, 2)), (2, 1, 7, 5, 2, 40, 33, None),
+                                       (4, 1, 2, 3, 0, 13, 9, (2, 2)), (3, 3, 8, 5, 2, 13, 13, (3, 2)),
+                                       (2, 5, 19, 3, 1, 11, 70, None), (2, 16, 32, 3, 1, 6, 6, (3, 2))]:
+    x, wt = torch.randn(n, cin, h, w, generator=gen), torch.randn(ch, cin, k, k, generator=gen)
+    b, m = torch.randn(ch, generator=gen), torch.randn(ch, h + 2 * pad - k + 1, w + 2 * pad - k + 1, generator=gen)
+    ref = F.leaky_relu(F.conv2d(x, wt, b, padding=pad) + m, 0.1)
+    ref = ref if pool is None else F.max_pool2d(ref, *pool)
+    out = native.conv_direct(x, wt, b, pad, bias_map=m, slope=0.1, pool=pool)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-5 * cin * k * k), (cin, ch, k, (out - ref).abs().max())
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("target", [t for t in native.TARGETS if t != "avx512"])
+def test_the_kernel_built_for_a_narrower_target_equals_torch(target: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    needs, _ = native.TARGETS[target]
+    if not needs <= native._cpu_flags():
+        pytest.skip(f"this CPU cannot run {target}")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    env = {**os.environ, native.TARGET_ENV: target}
+    env.pop(native.DISABLE_ENV, None)
+    done = subprocess.run([sys.executable, "-c", _OTHER_TARGET_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

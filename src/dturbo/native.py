@@ -22,6 +22,14 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "conv_direct.cpp"
 # Set to 1 to never build (the kernels then count as unavailable, e.g. to compare against PyTorch's alone).
 DISABLE_ENV = "DTURBO_NO_NATIVE"
+# Set to one of TARGETS to build for a narrower target than this CPU's widest (to test or time the others).
+TARGET_ENV = "DTURBO_NATIVE_TARGET"
+# Build targets, widest first, with the CPU flags each needs and its compiler flags.
+TARGETS: dict[str, tuple[set[str], list[str]]] = {
+    "avx512": ({"avx512f", "avx2", "fma"}, ["-mavx512f", "-mavx2", "-mfma"]),
+    "avx2": ({"avx2", "fma"}, ["-mavx2", "-mfma"]),
+    "generic": (set(), []),
+}
 
 
 def _cpu_flags() -> set[str]:
@@ -36,14 +44,21 @@ def _cpu_flags() -> set[str]:
 def _arch() -> tuple[str, list[str]]:
     """The build's target and its flags: AVX-512 where this CPU has it (16-float vectors, 32 registers; 2x the
     multiply-adds a cycle of AVX2 on a CPU with full-width units, e.g. AMD Zen 5), else AVX2 + FMA (8-float
-    vectors), else the compiler's default target. Never ``-march=native``: the target is part of the build's
-    name, so a cache shared by machines of other CPUs never loads code built for another."""
+    vectors), else the compiler's default target; or the one :data:`TARGET_ENV` names. Never ``-march=native``:
+    the target is part of the build's name, so a cache shared by machines of other CPUs never loads code built
+    for another.
+
+    Raises:
+        ValueError: :data:`TARGET_ENV` names an unknown target, or one this CPU cannot run.
+    """
     flags = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
-    if {"avx512f", "avx2", "fma"} <= flags:
-        return "avx512", ["-mavx512f", "-mavx2", "-mfma"]
-    if {"avx2", "fma"} <= flags:
-        return "avx2", ["-mavx2", "-mfma"]
-    return "generic", []
+    runnable = [t for t, (needs, _) in TARGETS.items() if needs <= flags]
+    forced = os.environ.get(TARGET_ENV, "")
+    if forced and forced not in runnable:
+        raise ValueError(f"{TARGET_ENV}={forced!r}: this CPU runs {', '.join(runnable)}"
+                         + ("" if forced in TARGETS else f" (targets: {', '.join(TARGETS)})"))
+    target = forced or runnable[0]
+    return target, TARGETS[target][1]
 
 
 @cache
@@ -64,7 +79,10 @@ def _build() -> str | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass  # the builder then says that ninja is missing
-    target, arch = _arch()
+    try:
+        target, arch = _arch()
+    except ValueError as err:
+        return str(err)
     name = f"dturbo_kernels_{target}_torch{torch.__version__.split('+')[0]}".replace(".", "_")
     try:
         from torch.utils.cpp_extension import _get_build_directory
