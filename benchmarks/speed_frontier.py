@@ -128,6 +128,8 @@ CANDIDATES.append(fr.Candidate(
      "dturbo.sparsity.layer_targets": {"conv1": 0.5, "conv2": 0.5, "conv3": 0.75, "conv4": 0.75}},
     "whole conv channels where the time is: conv1 3 of 6, conv2 50%, conv3-4 75%; the dense layers share the "
     "rest of 50%; lr 0.003"))
+# The 28% channels (conv1 2 of 6, conv2-4 28%, dense3 whole, lr 0.005): the base of stop 30's points below.
+_THIN = next(c.overrides for c in CANDIDATES if c.label == "speed_channels_thin_edges_lr5e-3")
 # Points of a variant only (never on the protocol), fixed before their runs. Stop 29: with the direct conv1 kernel
 # (dturbo.native) conv1's cost follows its channels, so conv1 at 2 of 6 with the half channels elsewhere: between
 # the half channels (within 1.5 points in the variant) and the thin ones (2 of 6 in conv1, 28% elsewhere).
@@ -142,8 +144,7 @@ VARIANT_ONLY = [fr.Candidate(
     # channels with the 50% budget, i.e. dense1-2 at ~63%.
     fr.Candidate(
         "speed_channels_thin_d50_edges_lr5e-3", "speed", "dturbo",
-        {**_CHANNELS, "train.lr": 0.005, "dturbo.sparsity.target_density": 0.5,
-         "dturbo.sparsity.layer_targets": {"conv1": 0.34, "conv2": 0.28, "conv3": 0.28, "conv4": 0.28, "dense3": 1.0}},
+        {**_THIN, "dturbo.sparsity.target_density": 0.5},
         "whole conv channels: conv1 2 of 6, conv2-4 28%; dense3 whole, dense1-2 share the rest of 50%; lr 0.005"),
     # Stop 30, after the point above (86.10%, against 86.01%: the dense budget does not carry the accuracy): the
     # other lever that costs no inference time. The communication frontier chose on validation a learning rate
@@ -151,8 +152,7 @@ VARIANT_ONLY = [fr.Candidate(
     # 0.005. So: the 28% channels with the rate decayed from round 15 (their ramp ends there) to 0.0005.
     fr.Candidate(
         "speed_channels_thin_edges_lr5e-3_cos15", "speed", "dturbo",
-        {**_CHANNELS, "train.lr": 0.005, **fr.COSINE, "train.lr_decay_start": 15,
-         "dturbo.sparsity.layer_targets": {"conv1": 0.34, "conv2": 0.28, "conv3": 0.28, "conv4": 0.28, "dense3": 1.0}},
+        {**_THIN, **fr.COSINE, "train.lr_decay_start": 15},
         "whole conv channels: conv1 2 of 6, conv2-4 28%; dense3 whole, dense1-2 share the rest of 25%; lr 0.005 "
         "decayed by a cosine from round 15 to 0.0005"),
     # Stop 30, after the point above (validation +0.60 / +0.67 points on its 2 seeds, test 86.61%): the rest of the
@@ -160,9 +160,7 @@ VARIANT_ONLY = [fr.Candidate(
     # round 12 and the decay from there), i.e. 3 more rounds at the final channels.
     fr.Candidate(
         "speed_channels_thin_edges_lr5e-3_w2_cos12", "speed", "dturbo",
-        {**_CHANNELS, "train.lr": 0.005, **fr.COSINE, "train.lr_decay_start": 12,
-         "dturbo.sparsity.warmup_rounds": 2,
-         "dturbo.sparsity.layer_targets": {"conv1": 0.34, "conv2": 0.28, "conv3": 0.28, "conv4": 0.28, "dense3": 1.0}},
+        {**_THIN, **fr.COSINE, "train.lr_decay_start": 12, "dturbo.sparsity.warmup_rounds": 2},
         "whole conv channels: conv1 2 of 6, conv2-4 28%; dense3 whole, dense1-2 share the rest of 25%; 2 dense "
         "warm-up rounds (the ramp ends at round 12); lr 0.005 decayed by a cosine from round 12 to 0.0005")]
 BY_LABEL = {c.label: c for c in [*CANDIDATES, *VARIANT_ONLY]}

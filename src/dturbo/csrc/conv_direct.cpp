@@ -203,8 +203,8 @@ at::Tensor conv_direct(const at::Tensor& x_in, const at::Tensor& w_in, const at:
           }
       }
       // The pooling while the image's convolution is still in cache (the separate layers would each pass over it
-      // in memory again): the maxima over the window's rows, then over its columns at every column (both
-      // vectorised), then every pool_s-th of those kept.
+      // in memory again): the maximum over the whole window at every column (vectorised over the columns), then
+      // every pool_s-th of those kept.
       for (int64_t c = 0; c < ch; ++c) {
         const float* cv = conv.data() + c * ld_conv;
         float* o = os + (n * ch + c) * h_out * w_out;
