@@ -39,7 +39,7 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,10 +48,29 @@ from dturbo.kernels import choose_linear_kernel, keep_freed_memory, sync
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DENSE_RUN = Path(__file__).resolve().parents[1] / "runs" / "fmnist_compare" / "fedavg"
-# name: (channels_last, compile, conv kernels, pooling kernels); "eager" is PyTorch's defaults; compile None: kept
-# where the load's timing finds it faster.
-SETTINGS = {"eager": (False, False, "default", "default"), "channels_last": (True, False, "auto", "auto"),
-            "best": (True, None, "auto", "auto")}
+
+
+class Setting(NamedTuple):
+    """How a network is loaded for timing (:func:`dturbo.export.load`'s arguments of the same names)."""
+
+    channels_last: bool | None
+    compile: bool | None  # None: kept where the load's timing finds it faster
+    conv: str
+    pool: str
+    cuda_graph: bool = False  # a GPU only: the whole pass as one CUDA graph replay
+
+
+# "eager" is PyTorch's defaults; "cuda_graph" runs on a GPU only (the memory format timed at load).
+SETTINGS = {"eager": Setting(False, False, "default", "default"), "channels_last": Setting(True, False, "auto", "auto"),
+            "best": Setting(True, None, "auto", "auto"), "cuda_graph": Setting(None, False, "auto", "auto", True)}
+
+
+def settings_for(dev: torch.device, compile_too: bool) -> list[str]:
+    """The settings timed on ``dev``: torch.compile's only with ``compile_too``, CUDA graphs only on a GPU."""
+    return [k for k, v in SETTINGS.items()
+            if (compile_too or v.compile is False) and (dev.type == "cuda" or not v.cuda_graph)]
+
+
 NETS = ("exported", "dense", "unstructured", "channel_pruned", "channel_uniform")
 WHAT_IF = ("channel_pruned", "channel_uniform")
 
@@ -147,11 +166,8 @@ def per_layer_ms(model: InferenceModel, x: torch.Tensor, device: torch.device, r
     return out
 
 
-def load_as(model_dir: Path, kernels: str, batch: int, setting: tuple[bool, bool, str], dev: torch.device
-            ) -> InferenceModel:
-    cl, comp, conv, pool = setting
-    return load(model_dir, batch_size=batch, kernels=kernels, channels_last=cl, compile=comp, conv=conv, pool=pool,
-                device=dev)
+def load_as(model_dir: Path, kernels: str, batch: int, setting: Setting, dev: torch.device) -> InferenceModel:
+    return load(model_dir, batch_size=batch, kernels=kernels, device=dev, **setting._asdict())
 
 
 def reuse_memory() -> str:
@@ -166,7 +182,10 @@ def reuse_memory() -> str:
 def machine(allocator: str) -> dict[str, Any]:
     return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "allocator": allocator,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            # PyTorch's defaults on a GPU: convolutions in TF32 (the matrix units' 10-bit mantissa), matmuls not
+            **({"cuda_tf32": {"cudnn": torch.backends.cudnn.allow_tf32,
+                              "matmul": torch.backends.cuda.matmul.allow_tf32}} if torch.cuda.is_available() else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,21 +245,22 @@ def main(argv: list[str] | None = None) -> int:
         save(exports[n], tmp / n)
     kernels = {n: "dense" if n == "dense" else "auto" for n in NETS}
 
-    settings = {k: v for k, v in SETTINGS.items() if not (args.no_compile and v[1] is not False)}
+    settings = {k: SETTINGS[k] for k in settings_for(dev, not args.no_compile)}
     results: dict[str, Any] = {"settings": {}}
     per_layer: dict[str, dict[str, dict[str, float]]] = {}
     chosen: dict[str, dict[str, str]] = {}
     checks: dict[str, dict[str, float]] = {}
     accuracy: dict[str, float] = {}
     for sname, setting in settings.items():
-        cl, comp, conv, pool = setting
+        cl, comp, conv, pool, graph = setting
         torch._dynamo.reset()
         t0 = time.perf_counter()
         models = {n: load_as(tmp / n, kernels[n], batch, setting, dev) for n in NETS}
         load_s = time.perf_counter() - t0
         ms = interleaved(models, x, args.repeats, dev)
         entry: dict[str, Any] = {
-            "channels_last": cl, "compile": "auto" if comp is None else comp, "conv": conv, "pool": pool,
+            "channels_last": "auto" if cl is None else cl, "compile": "auto" if comp is None else comp, "conv": conv,
+            "pool": pool, "cuda_graph": graph, "graphed": {n: m.graphed for n, m in models.items()},
             "load_and_choose_s": round(load_s, 2), "pools": {n: dict(m.pools) for n, m in models.items()},
             "kernels": {n: dict(m.kernels) for n, m in models.items()},
             "compiled": {n: m.compiled for n, m in models.items()},
@@ -259,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 checks.setdefault(n, {})[sname] = float((out - ref_out).abs().max())
             chosen.setdefault(n, {}).update({k: v for k, v in m.kernels.items()})
-        if comp is False:
+        if comp is False and not graph:
             per_layer[sname] = {n: per_layer_ms(models[n], x, dev) for n in ("exported", "dense", *WHAT_IF)}
         results["settings"][sname] = entry
         print(f"{sname:>14}: " + "  ".join(f"{n} {v:.1f} ms" for n, v in ms.items())

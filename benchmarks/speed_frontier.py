@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE))
 
 import frontier as fr  # noqa: E402
 import torch  # noqa: E402
-from bench_inference import SETTINGS, interleaved, load_as, machine, reuse_memory  # noqa: E402
+from bench_inference import SETTINGS, interleaved, load_as, machine, reuse_memory, settings_for  # noqa: E402
 
 from dturbo.export import export_run  # noqa: E402
 
@@ -162,7 +162,18 @@ VARIANT_ONLY = [fr.Candidate(
         "speed_channels_thin_edges_lr5e-3_w2_cos12", "speed", "dturbo",
         {**_THIN, **fr.COSINE, "train.lr_decay_start": 12, "dturbo.sparsity.warmup_rounds": 2},
         "whole conv channels: conv1 2 of 6, conv2-4 28%; dense3 whole, dense1-2 share the rest of 25%; 2 dense "
-        "warm-up rounds (the ramp ends at round 12); lr 0.005 decayed by a cosine from round 12 to 0.0005")]
+        "warm-up rounds (the ramp ends at round 12); lr 0.005 decayed by a cosine from round 12 to 0.0005"),
+    # Stop 31: the 28% channels are short of capacity, not of training (their training loss still falls at round 30:
+    # 0.214 with the decayed rate, against 0.219 for the half channels at a constant rate). Of the two widenings
+    # measured, conv1's third channel bought more accuracy per ms of inference (c1two -> half: +1.18 points for
+    # about 2.2 ms) than conv2-4 at 50% instead of 28% (thin -> c1two: +1.05 points for about 3.1 ms). So: the
+    # 28% channels with the decay from round 15 and conv1 at 3 of 6.
+    fr.Candidate(
+        "speed_channels_thin_c1three_edges_lr5e-3_cos15", "speed", "dturbo",
+        {**_THIN, **fr.COSINE, "train.lr_decay_start": 15,
+         "dturbo.sparsity.layer_targets": {**_THIN["dturbo.sparsity.layer_targets"], "conv1": 0.5}},
+        "whole conv channels: conv1 3 of 6, conv2-4 28%; dense3 whole, dense1-2 share the rest of 25%; lr 0.005 "
+        "decayed by a cosine from round 15 to 0.0005")]
 BY_LABEL = {c.label: c for c in [*CANDIDATES, *VARIANT_ONLY]}
 # A variant of the protocol (frontier.py --horizon / --local-epochs) times the variant's chosen D-Turbo-VBI setting
 # and these settings only (fixed before any of their runs in the variant: the two nearest the 2x goal on the
@@ -171,7 +182,8 @@ BY_LABEL = {c.label: c for c in [*CANDIDATES, *VARIANT_ONLY]}
 VARIANT_POINTS = {"frontier30_e2": ["speed_channels_half_edges_lr5e-3", "speed_channels_thin_edges_lr5e-3",
                                     "speed_channels_thinner_edges_lr5e-3", "speed_channels_half_c1two_edges_lr5e-3",
                                     "speed_channels_thin_d50_edges_lr5e-3", "speed_channels_thin_edges_lr5e-3_cos15",
-                                    "speed_channels_thin_edges_lr5e-3_w2_cos12"]}
+                                    "speed_channels_thin_edges_lr5e-3_w2_cos12",
+                                    "speed_channels_thin_c1three_edges_lr5e-3_cos15"]}
 
 
 def chosen_dturbo(s: fr.Settings) -> str | None:
@@ -213,19 +225,18 @@ def train_jobs(s: fr.Settings) -> list[fr.Job]:
 
 
 # --------------------------------------------------------------------------------------------------- timing
-def time_model(run_dir: Path, x: torch.Tensor, threads: tuple[int, ...], sessions: int, compile_too: bool
-               ) -> dict[str, Any]:
+def time_model(run_dir: Path, x: torch.Tensor, threads: tuple[int, ...], sessions: int, compile_too: bool,
+               dev: torch.device) -> dict[str, Any]:
     """Dense vs exported ms at every batch size, setting and thread count, interleaved, in ``sessions``
     independent timing sessions (both networks loaded afresh each time: kernel choice, allocation and thread
     placement are redone); the speedups of each session and their median.
 
     Why sessions: on this 2-core machine the dense network's two-thread time varies by a third from one load to
     the next while the median within one session is stable (docs/inference.md), so one session is one sample."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tmp = Path(tempfile.mkdtemp(prefix="speed_frontier_"))
     exported = export_run(run_dir, tmp / "exported")
     export_run(run_dir, tmp / "dense", compaction=False)  # the same weights, nothing removed
-    settings = [k for k in SETTINGS if compile_too or k != "best"]
+    settings = settings_for(dev, compile_too)
     # ms[threads][batch][setting][net]: one median per session
     ms: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {
         str(t): {str(b): {k: {"dense": [], "exported": []} for k in settings} for b in BATCHES} for t in threads}
@@ -270,8 +281,9 @@ def time_model(run_dir: Path, x: torch.Tensor, threads: tuple[int, ...], session
 
 
 def measure(s: fr.Settings, threads: tuple[int, ...], sessions: int, compile_too: bool, samples: int,
-            only: set[str] | None = None) -> dict[str, Any]:
-    """Time every point (``only``: the points of these labels) on this machine now."""
+            only: set[str] | None = None, dev: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    """Time every point (``only``: the points of these labels) on this machine now, on ``dev`` (on a GPU with
+    CUDA events; ``threads`` then only sets the host's torch threads)."""
     from dturbo.data import load_dataset
 
     allocator = reuse_memory()
@@ -298,7 +310,7 @@ def measure(s: fr.Settings, threads: tuple[int, ...], sessions: int, compile_too
                 print(f"  {label}: {name} has no model (run --stage train first); skipped", flush=True)
                 continue
             t0 = time.perf_counter()
-            rec = time_model(run_dir, x, threads, sessions, compile_too)
+            rec = time_model(run_dir, x, threads, sessions, compile_too, dev)
             m = fr.read_csv(s.runs_csv / f"{name}.csv")
             rec.update({"seed": seed, **{k: float(m[k][-1]) for k in ("accuracy", "val_accuracy", "density")}})
             per_seed.append(rec)
@@ -329,9 +341,10 @@ def measure(s: fr.Settings, threads: tuple[int, ...], sessions: int, compile_too
     return {
         "dense_reference": dense_ref, "points": out_points,
         "protocol": {**fr.PROTOCOL, "rounds": s.n_rounds, "local_epochs": s.n_epochs}, "timing": {
-            "samples": samples, "batches": list(BATCHES), "repeats": REPEATS, "threads": list(threads),
+            "device": dev.type, "samples": samples, "batches": list(BATCHES), "repeats": REPEATS,
+            "threads": list(threads),
             "sessions": sessions,
-            "settings": [k for k in SETTINGS if compile_too or k != "best"],
+            "settings": settings_for(dev, compile_too),
             "rule": (f"in each of {sessions} timing sessions (both networks loaded afresh), the median of interleaved "
                      f"passes; a seed's speedup = the median over sessions of dense / exported, each in its best "
                      f"setting; a point's = the mean over seeds")},
@@ -343,9 +356,10 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``new``'s points (timed with ``--points``) in place of ``old``'s of the same labels, the others kept in
     ``old``'s order, new labels last. A speedup is a ratio timed within one session, so points timed on
     different days stay comparable; each point records when it was timed."""
-    if old["timing"] != json.loads(json.dumps(new["timing"])):  # as read back: JSON's keys are text
-        raise SystemExit("--points: the timing settings differ from speed_frontier.json's (threads, sessions, "
-                         "samples, compile); time every point again instead")
+    # As read back (JSON's keys are text); a file from before the device was recorded was timed on the CPU.
+    if {"device": "cpu", **old["timing"]} != json.loads(json.dumps(new["timing"])):
+        raise SystemExit("--points: the timing settings differ from the results file's (device, threads, "
+                         "sessions, samples, compile); time every point again instead")
     was, now = old.get("machine", {}).get("allocator"), new["machine"]["allocator"]
     if was != now:
         raise SystemExit(f"--points: speed_frontier.json was timed with allocator {was!r}, this timing with {now!r}; "
@@ -394,6 +408,13 @@ def check_goals(ref: dict[str, Any], pts: list[dict[str, Any]]) -> list[dict[str
 
 
 # --------------------------------------------------------------------------------------------------- report
+def timed_on(res: dict[str, Any]) -> str:
+    """Where a timing ran, in words: the CPU and its threads, or the GPU (timed with CUDA events)."""
+    if res["timing"].get("device", "cpu") == "cuda":
+        return f"GPU: {res['machine']['cuda']}, CUDA events"
+    return f"CPU, {res['timing']['threads'][0]} threads"
+
+
 def figure(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -417,8 +438,7 @@ def figure(res: dict[str, Any], path: Path) -> None:
             ax.plot([speed, speed], [100 * ref - gap, 100 * ref], color="tab:green", lw=3, alpha=0.5)
             ax.annotate(f"goal: >= {speed}x, within {gap} pts", (speed, 100 * ref - gap), fontsize=8,
                         xytext=(4, -10), textcoords="offset points", color="tab:green")
-    threads = res["timing"]["threads"][0]
-    ax.set_xlabel(f"speedup of the exported model over the same weights dense\n(3000 images, CPU, {threads} threads, "
+    ax.set_xlabel(f"speedup of the exported model over the same weights dense\n(3000 images, {timed_on(res)}, "
                   "best setting each; bars: accuracy std, speedup range over seeds)")
     ax.set_ylabel("test accuracy (%), mean of seeds")
     ax.set_xscale("log", base=2)
@@ -441,7 +461,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"Dense reference: FedAvg 32-bit (`{ref['setting']}`), {100 * ref['accuracy']:.2f}% "
              f"(mean of {ref['seeds']} seeds).", "",
              f"| point | setting | nonzero | test accuracy (seeds) | vs FedAvg 32 | **speedup** (3000, best, "
-             f"{res['timing']['threads'][0]} threads) | range over seeds x sessions | "
+             f"{timed_on(res)}) | range over seeds x sessions | "
              + "".join(f"{t} thread(s) | " for t in more)
              + "eager | batch 64 | batch 1 | batch-1 latency (ms) exported / dense |",
              "|---|---|---|---|---|---|---|" + "---|" * len(more) + "---|---|---|---|"]
@@ -481,6 +501,9 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=3, help="independent timing sessions per model (median)")
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (slow to load on 2 cores)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="time on this device; cuda: with CUDA events, in its own files speed_<...>_cuda.* beside the "
+                         "CPU ones (one thread count: the first of --threads)")
     ap.add_argument("--points", nargs="+", metavar="LABEL",
                     help="time stage: time only these points and merge them into speed_frontier.json")
     ap.add_argument("--horizon", type=int, metavar="ROUNDS",
@@ -492,7 +515,11 @@ def main() -> None:
     s = replace(s, runs_root=fr.ROOT / "runs" / s.tag)
     if s.variant and s.tag not in VARIANT_POINTS:
         ap.error(f"no speed points for the variant {s.flags} (VARIANT_POINTS: {', '.join(VARIANT_POINTS)})")
-    name = "speed_frontier" if not s.variant else f"speed_{s.tag}"
+    name = ("speed_frontier" if not s.variant else f"speed_{s.tag}") + ("_cuda" if args.device == "cuda" else "")
+    dev = torch.device(args.device)
+    threads = tuple(args.threads[:1] if dev.type == "cuda" else args.threads)
+    if dev.type == "cuda" and args.stage in ("time", "all") and not torch.cuda.is_available():
+        ap.error("--device cuda: PyTorch sees no CUDA device on this machine")
     results, figure_path = RESULTS / f"{name}.json", FIGURE.with_name(f"{name}.png")
     jobs = train_jobs(s)
     if args.dry_run:
@@ -505,7 +532,7 @@ def main() -> None:
             raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(j.name for j in failed)}")
     if args.stage in ("time", "all"):
         only = set(args.points) if args.points else None
-        res = measure(s, tuple(args.threads), args.sessions, args.compile, args.samples, only)
+        res = measure(s, threads, args.sessions, args.compile, args.samples, only, dev)
         if only is not None:
             res = merge(json.loads(results.read_text()), res)
         res = derive(res)
@@ -517,14 +544,15 @@ def main() -> None:
         md = markdown(res)
         results.with_suffix(".md").write_text(md)
         figure(res, figure_path)
-        command = " ".join(["speed_frontier.py", s.flags]).strip()
+        command = " ".join(filter(None, ["speed_frontier.py", s.flags, "--device cuda" if dev.type == "cuda" else ""]))
         title = ("Measured: the speed-accuracy frontier (issue 13)" if not s.variant else
                  f"Measured: the speed-accuracy frontier over {s.n_rounds} rounds, {fr._local_epochs(s.n_epochs)} a "
-                 "round (issue 13)")
+                 "round (issue 13)") + (", on a GPU" if dev.type == "cuda" else "")
         fr.replace_section(DOC, f"`python benchmarks/{command}` "
                                 f"([results](../benchmarks/results/{name}.md), figure below).\n\n"
                                 f"![accuracy vs speedup](results/{name}.png)\n\n{md}",
-                           name="speed-frontier" if not s.variant else f"speed-{s.tag}", title=title)
+                           name=("speed-frontier" if not s.variant else f"speed-{s.tag}")
+                           + ("-cuda" if dev.type == "cuda" else ""), title=title)
         print(md)
 
 

@@ -256,6 +256,46 @@ def test_compiled_model_matches(tmp_path, monkeypatch):
     assert max_err(m, reference(run, "mlp", hidden=[16]), random_images(16)) <= TOL
 
 
+def test_cuda_graph_arguments_are_checked(alexnet_export):
+    with pytest.raises(ValueError, match="cuda_graph=True needs device='cuda'"):
+        ex.load(alexnet_export, cuda_graph=True, compile=False)
+    m = ex.load(alexnet_export, compile=False, channels_last=False)  # on a CPU, auto means no graph
+    assert not m.graphed
+    with pytest.raises(ValueError, match="needs a model and inputs on a CUDA device"):
+        m.set_graphed(random_images(4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_equals_eager(alexnet_run, alexnet_export, monkeypatch):
+    """The replayed graph computes the same function as the eager pass (same kernels: bit for bit), on fresh
+    inputs each time (not the captured ones); other batch sizes run eagerly; each call's result is its own."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 convolutions, for TOL
+    with pytest.raises(ValueError, match="choose one"):
+        ex.load(alexnet_export, device="cuda", cuda_graph=True, compile=True)
+    m = ex.load(alexnet_export, batch_size=16, device="cuda", compile=False, channels_last=False, cuda_graph=True)
+    assert m.graphed
+    ref = reference(alexnet_run, "alexnet-small").cuda()
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        first = None
+        for n in (16, 16, 5):
+            x = (torch.randn(n, *SHAPE, generator=gen) * 2).cuda()
+            out = m(x)
+            m._graph, graph = None, m._graph
+            eager = m(x)
+            m._graph = graph
+            assert torch.equal(out, eager)
+            assert float((out - ref(x)).abs().max()) <= TOL
+            if first is None:
+                first, first_copy = out, out.clone()
+        assert torch.equal(first, first_copy)  # not overwritten by the later replays
+    m.set_graphed(None)
+    assert not m.graphed
+    m.set_graphed(x)
+    m.set_channels_last(True)  # a new memory format: the captured graph is dropped, not replayed stale
+    assert not m.graphed and float((m(x) - ref(x)).abs().max()) <= TOL
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 def test_panel_runs_and_kernels_on_clustered_weights():
     assert column_runs([False, True, True, False, False, True, False], max_gap=1) == [(1, 3), (5, 6)]

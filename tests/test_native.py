@@ -25,7 +25,11 @@ needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel
     (2, 1, 4, 5, 4, 6, 5),      # padding wider than the image is allowed where the output exists
     (3, 3, 8, 5, 2, 13, 13),    # alexnet-small's conv2 cut to 3 -> 8 channels (odd rows: a last single row)
     (2, 5, 19, 3, 1, 11, 70),   # several input channels, channels and columns in several blocks
-    (2, 16, 32, 3, 1, 6, 6),    # conv4's shape: a row narrower than a vector
+    (2, 16, 32, 3, 1, 6, 6),    # conv4's shape: computed flat (rows end to end), 3 vectors for 36 outputs
+    (3, 8, 17, 3, 1, 6, 6),     # ... cut to 8 -> 17 channels (a remainder channel block)
+    (2, 4, 5, 5, 2, 7, 3),      # flat with a kernel wider than the image
+    (2, 3, 6, 3, 0, 9, 5),      # flat without padding (rows of 3 outputs in a stride of 5)
+    (1, 2, 3, 3, 1, 3, 12),     # flat over 2 vectors
 ])
 def test_direct_conv_equals_torch(n: int, cin: int, ch: int, k: int, pad: int, h: int, w: int) -> None:
     gen = torch.Generator().manual_seed(ch * 100 + k)
@@ -117,6 +121,9 @@ def test_the_build_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     (1, 3, 40, (5, 3), False),  # a wider window, a row in several register blocks
     (3, 5, 13, (3, 2), True),   # alexnet-small's conv2 block after export: bias map, leaky ReLU, pooling
     (3, 5, 13, None, True),
+    (8, 3, 6, (3, 2), True),    # alexnet-small's conv4 block (computed flat) with a bias map
+    (4, 3, 6, None, False),     # conv3's, no pooling
+    (2, 3, 7, (2, 1), True),    # flat, a window at every position
 ])
 def test_fused_bias_map_activation_and_pooling_equal_the_layers(cin: int, k: int, hw: int,
                                                                 pool: tuple[int, int] | None, with_map: bool) -> None:
@@ -126,7 +133,7 @@ def test_fused_bias_map_activation_and_pooling_equal_the_layers(cin: int, k: int
     bias_map = torch.randn(1, 4, hw, hw, generator=gen).contiguous(memory_format=torch.channels_last) \
         if with_map else None
     x = torch.randn(6, cin, hw, hw, generator=gen)
-    x[0, 0, 10, 10] = float("nan")  # NaN spreads through the convolution and wins every max, as in torch
+    x[0, 0, hw // 2, hw // 2] = float("nan")  # NaN spreads through the convolution and wins every max, as in torch
     fused = kernels.fuse_direct(conv, act, mp, bias_map)
     assert fused.weight is conv.weight and "leaky_relu(0.1)" in repr(fused)
     assert ("bias_map" in repr(fused)) == with_map

@@ -69,14 +69,17 @@ def test_points_timed_alone_replace_theirs_and_keep_the_others(sf: ModuleType) -
     machine = {"allocator": "kept"}
     old = json.loads(json.dumps({"points": [_point("a", [0.8], [2.0]), _point("b", [0.8], [3.0])],
                                  "timing": timing, "date": "day 1", "machine": machine}))
-    new = {"points": [_point("b", [0.9], [3.3]), _point("c", [0.7], [4.0])], "timing": timing, "date": "day 2",
-           "dense_reference": {"accuracy": 0.88}, "machine": machine}
+    # measure() records the device; a file from before it did was timed on the CPU
+    new = {"points": [_point("b", [0.9], [3.3]), _point("c", [0.7], [4.0])], "timing": {**timing, "device": "cpu"},
+           "date": "day 2", "dense_reference": {"accuracy": 0.88}, "machine": machine}
     out = sf.merge(old, new)
     assert [p["label"] for p in out["points"]] == ["a", "b", "c"]
     assert [p["speedup"] for p in out["points"]] == [2.0, 3.3, 4.0]
     assert out["date"] == "day 1; b, c: day 2" and out["dense_reference"] == new["dense_reference"]
     with pytest.raises(SystemExit, match="timing settings differ"):
-        sf.merge(old, {**new, "timing": {**timing, "sessions": 1}})
+        sf.merge(old, {**new, "timing": {**new["timing"], "sessions": 1}})
+    with pytest.raises(SystemExit, match="timing settings differ"):  # GPU times beside CPU ones: refused
+        sf.merge(old, {**new, "timing": {**new["timing"], "device": "cuda"}})
     # a timing with glibc's default allocator is not comparable (the dense network's page faults): refused
     with pytest.raises(SystemExit, match="allocator"):
         sf.merge({k: v for k, v in old.items() if k != "machine"}, new)
@@ -92,3 +95,21 @@ def test_a_variant_s_own_points_are_timed_in_that_variant_only(sf: ModuleType, t
     assert not own & {label for label, _, _ in sf.points(base)}
     assert own <= {label for label, _, _ in sf.points(variant)}
     assert all(sf.BY_LABEL[label].line == "speed" for label in own)
+
+
+def test_gpu_settings_and_words(sf: ModuleType) -> None:
+    """CUDA graphs are a GPU setting only, torch.compile's only when asked; a GPU timing says so in its table."""
+    import torch
+
+    bi = sys.modules["bench_inference"]
+    assert bi.settings_for(torch.device("cpu"), False) == ["eager", "channels_last"]
+    assert bi.settings_for(torch.device("cpu"), True) == ["eager", "channels_last", "best"]
+    assert bi.settings_for(torch.device("cuda"), False) == ["eager", "channels_last", "cuda_graph"]
+    res = {"dense_reference": {"label": "fedavg32", "setting": "f", "accuracy": 0.88, "seeds": 3},
+           "points": [_point("p", [0.87, 0.87], [1.4, 1.5])],
+           "timing": {"device": "cuda", "samples": 3000, "batches": [3000, 64, 1], "threads": [2],
+                      "settings": ["eager"], "rule": "r", "sessions": 3, "repeats": {}},
+           "machine": {"platform": "p", "torch": "t", "cuda": "NVIDIA H200"}, "date": "d"}
+    md = sf.markdown(sf.derive(res))
+    assert "GPU: NVIDIA H200, CUDA events" in md and "threads)" not in md
+    assert sf.timed_on({**res, "timing": {"threads": [2]}}) == "CPU, 2 threads"

@@ -56,6 +56,8 @@ class InferenceModel(nn.Module):
         self.channels_last = False
         self.compiled = False
         self.info: dict[str, Any] = {}
+        # (graph, static input, static output) of the forward pass captured at one input shape (set_graphed)
+        self._graph: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self._compiled_fn: Any = None
         self._compiled_cache: Any = None
         self._conv_variants: dict[str, dict[str, nn.Module]] = {}
@@ -112,13 +114,52 @@ class InferenceModel(nn.Module):
                             f"inputs normalised as the dataset reader does); for raw data (e.g. uint8 pixels) load "
                             f"it with dturbo.export.load(..., inputs='raw')")
         x = self.prepare(x)
+        if self._graph is not None and self._graph[1].shape == x.shape and self._graph[1].device == x.device:
+            graph, static_in, static_out = self._graph
+            static_in.copy_(x)
+            graph.replay()
+            # A copy: the next replay overwrites the static output, and a caller may hold two results.
+            return static_out.clone()
         if self._compiled_fn is not None:
             return self._compiled_fn(x)
         return self.net(x)
 
+    @property
+    def graphed(self) -> bool:
+        """Whether inputs of the captured shape run as one CUDA graph replay (:meth:`set_graphed`)."""
+        return self._graph is not None
+
+    @torch.no_grad()
+    def set_graphed(self, x: torch.Tensor | None) -> None:
+        """Capture the forward pass at ``x``'s shape as one CUDA graph (``None``: drop it). A small network's
+        GPU time is mostly kernel launches: a replay launches them all at once. Inputs of another shape run
+        as before. Changing the kernels, the memory format or compilation drops it (it holds the kernels of
+        its capture): capture again after."""
+        if x is None:
+            self._graph = None
+            return
+        if x.device.type != "cuda":
+            raise ValueError(f"a CUDA graph needs a model and inputs on a CUDA device, got inputs on {x.device}")
+        if self._compiled_fn is not None:
+            raise ValueError("a compiled model makes its own CUDA graphs (torch.compile's mode "
+                             "'reduce-overhead'); set_compiled(False) first")
+        self._graph = None
+        static_in = self.prepare(x).clone()
+        side = torch.cuda.Stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires (cuDNN's choices)
+            for _ in range(3):
+                self.net(static_in)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = self.net(static_in)
+        self._graph = (graph, static_in, static_out)
+
     def set_channels_last(self, on: bool) -> None:
         """Convert the conv weights (and the inputs at each call) to channels_last, or back."""
         fmt = torch.channels_last if on else torch.contiguous_format
+        self._graph = None
         for m in self.net.modules():
             if isinstance(m, nn.Conv2d):
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
@@ -129,6 +170,7 @@ class InferenceModel(nn.Module):
     def set_conv_kernels(self, kinds: dict[str, str]) -> None:
         """Run convolution ``name`` with kernel ``kinds[name]`` (see :data:`dturbo.kernels.CONV_KERNELS`); the
         module of each kind is kept, so switching back needs no recompilation."""
+        self._graph = None
         for name, kind in kinds.items():
             if name in self.fused and kind != "direct":
                 raise ValueError(f"{name} is fused with {', '.join(self.fused[name])} into the direct kernel; "
@@ -146,6 +188,7 @@ class InferenceModel(nn.Module):
         maybe a max-pooling) as one direct kernel (:func:`dturbo.kernels.fuse_direct`); those layers become
         identities. For good: the fused convolution keeps no other kernel (:meth:`set_conv_kernels` would drop
         the layers it computes)."""
+        self._graph = None
         fused = _fused(getattr(self.net, name), [getattr(self.net, n) for n in layers])
         setattr(self.net, name, fused)
         for n in layers:
@@ -159,6 +202,7 @@ class InferenceModel(nn.Module):
     def set_compiled(self, on: bool) -> None:
         """Run ``net`` through ``torch.compile`` (compiled lazily at the first call; kept when switched off
         and on again), or eagerly."""
+        self._graph = None
         if on and self._compiled_cache is None:
             # object.__setattr__: not registered as a submodule (it wraps ``net``, already one)
             object.__setattr__(self, "_compiled_cache", torch.compile(self.net))
@@ -169,7 +213,7 @@ class InferenceModel(nn.Module):
 def load(
     model_dir: str | Path, *, batch_size: int = 256, kernels: str = "auto", channels_last: bool | None = None,
     compile: bool | None = None, conv: str = "auto", pool: str = "auto", device: str | torch.device = "cpu",
-    inputs: str = "normalised",
+    inputs: str = "normalised", cuda_graph: bool | None = None,
 ) -> InferenceModel:
     """Load an exported model as an :class:`InferenceModel` (a ``torch.nn.Module``) in eval mode.
 
@@ -199,9 +243,12 @@ def load(
             float .npz arrays; shape ``(N, *input_shape)`` (channels first; ``(N, H, W)`` is taken for
             one-channel images); the model applies the normalisation stored at export (format version 3,
             ``input_norm`` in model.json). Older exports store none and take normalised inputs only.
+        cuda_graph: on a CUDA device, run inputs of ``batch_size`` rows as one CUDA graph replay
+            (:meth:`InferenceModel.set_graphed`): ``None`` (auto: capture on a GPU and keep it if a timing shows
+            it faster; never with ``compile``), ``True`` or ``False``. Inputs of other sizes run eagerly.
 
-    The choices are in the returned model's ``kernels``, ``pools``, ``channels_last``, ``compiled`` and
-    ``info``.
+    The choices are in the returned model's ``kernels``, ``pools``, ``channels_last``, ``compiled``,
+    ``graphed`` and ``info``.
 
     Raises:
         ExportError: the folder, its JSON or its tensors are missing, corrupt or inconsistent.
@@ -216,6 +263,11 @@ def load(
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     dev = torch.device(device)
+    if cuda_graph and dev.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs device='cuda', got device={str(dev)!r}")
+    if cuda_graph and compile:
+        raise ValueError("cuda_graph=True and compile=True together: torch.compile makes its own CUDA graphs "
+                         "(mode 'reduce-overhead'); choose one")
     spec, tensors = read_spec(model_dir)
     if spec["version"] == GRAPH_VERSION:
         from .graph import build_graph_net
@@ -249,7 +301,23 @@ def load(
         _fuse_direct_blocks(model, x)
     if compile or (compile is None and has_conv):
         _settle_compile(model, x, auto=compile is None, conv=conv)
+    if dev.type == "cuda" and not model.compiled and cuda_graph is not False:
+        _settle_graph(model, x, auto=cuda_graph is None)
     return model
+
+
+@torch.no_grad()
+def _settle_graph(model: InferenceModel, x: torch.Tensor, *, auto: bool) -> None:
+    """Capture the CUDA graph, or (``auto``) time eager against the replay and keep the faster."""
+    model.set_graphed(x)
+    if auto:
+        timings = {}
+        for label, graph in (("eager", None), ("graph", model._graph)):
+            model._graph = graph
+            timings[label] = 1000 * time_call(lambda: model(x), x.device, repeats=5, warmup=1)
+        chosen = timings["graph"] < timings["eager"]
+        model._graph = graph if chosen else None
+        model.info["cuda_graph"] = {"times_ms": timings, "chosen": chosen}
 
 
 @torch.no_grad()
