@@ -202,7 +202,10 @@ at::Tensor conv_direct(const at::Tensor& x_in, const at::Tensor& w_in, const at:
     std::vector<float> img(cin * h_pad * ld_img + kLanes + k, 0.f);
     // One image's convolution (rows padded to blocks; + the pooling's loads past the last row's end).
     std::vector<float> conv(ch * ld_conv + kLanes + pool_k, 0.f);
-    std::vector<float> wins(row_vectors * kLanes);  // maxima over the pooling window at every column
+    // Maxima over the pooling window's rows at every column, one row per pooled row (+ the columns' loads past
+    // a row's end), then over its columns.
+    const int64_t ld_tall = (row_vectors + 1) * kLanes;
+    std::vector<float> tall(h_out * ld_tall + pool_k, 0.f), wins(row_vectors * kLanes);
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t ci = 0; ci < cin; ++ci)
         for (int64_t h = 0; h < h_in; ++h) {
@@ -223,8 +226,10 @@ at::Tensor conv_direct(const at::Tensor& x_in, const at::Tensor& w_in, const at:
         }
       }
       // The pooling while the image's convolution is still in cache (the separate layers would each pass over it
-      // in memory again): the maximum over the whole window at every column (vectorised over the columns), then
-      // every pool_s-th of those kept.
+      // in memory again), separable and vectorised over the columns: the maximum over the window's rows at every
+      // column, for every pooled row; then over the window's columns; every pool_s-th of those kept. The second
+      // pass reads back rows stored a whole pass earlier: no store-to-load forwarding stall, as reading a row just
+      // stored would cost. Columns past the convolution's width only reach windows past the output's: never kept.
       for (int64_t c = 0; c < ch; ++c) {
         const float* cv = conv.data() + c * ld_conv;
         float* o = os + (n * ch + c) * h_out * w_out;
@@ -234,13 +239,17 @@ at::Tensor conv_direct(const at::Tensor& x_in, const at::Tensor& w_in, const at:
         }
         for (int64_t ph = 0; ph < h_out; ++ph) {
           const float* first = cv + ph * pool_s * ld_row;
-          // Straight from the convolution (stored long before: no store-to-load forwarding stall, as reading
-          // back a row of maxima just stored would). Columns past the convolution's width only reach windows
-          // past the output's: never kept.
           for (int64_t q = 0; q < w_conv; q += kLanes) {
             vec m = load(first + q);
-            for (int64_t i = 0; i < pool_k; ++i)
-              for (int64_t j = 0; j < pool_k; ++j) m = nan_max(m, load(first + i * ld_row + q + j));
+            for (int64_t i = 1; i < pool_k; ++i) m = nan_max(m, load(first + i * ld_row + q));
+            std::memcpy(tall.data() + ph * ld_tall + q, &m, sizeof(vec));
+          }
+        }
+        for (int64_t ph = 0; ph < h_out; ++ph) {
+          const float* row = tall.data() + ph * ld_tall;
+          for (int64_t q = 0; q < w_conv; q += kLanes) {
+            vec m = load(row + q);
+            for (int64_t j = 1; j < pool_k; ++j) m = nan_max(m, load(row + q + j));
             std::memcpy(wins.data() + q, &m, sizeof(vec));
           }
           for (int64_t pw = 0; pw < w_out; ++pw) o[ph * w_out + pw] = wins[pw * pool_s];
