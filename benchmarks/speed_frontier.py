@@ -25,7 +25,10 @@ Runs live in ``runs/frontier/<label>_s<seed>`` (the frontier's, reused: the same
 metrics in ``benchmarks/results/frontier_runs/``. Writes ``benchmarks/results/speed_frontier.{json,md}``,
 ``docs/results/speed_frontier.png`` and the speed-frontier section of ``docs/inference.md``.
 
-Usage: .venv/bin/python benchmarks/speed_frontier.py [--stage train|time|all] [--jobs 2] [--dry-run]
+On a GPU (``--device cuda``): the same timing with CUDA events (and a third setting, the whole pass replayed as one
+CUDA graph), written beside the CPU's as ``speed_<...>_cuda.{json,md}``, its figure and docs section.
+
+Usage: .venv/bin/python benchmarks/speed_frontier.py [--stage train|time|all] [--device cpu|cuda] [--jobs 2] [--dry-run]
 """
 
 from __future__ import annotations
