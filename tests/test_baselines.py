@@ -240,6 +240,14 @@ def test_round_lr_is_torchs_cosine_annealing_and_constant_by_default():
     late = parse_config(base_config("fedavg", experiment={"name": "t", "rounds": rounds + s},
                                     train={"lr": lr, "lr_schedule": "cosine", "lr_final": f, "lr_decay_start": s}))
     assert np.allclose([round_lr(late, t) for t in range(rounds + s)], [lr] * s + expected, rtol=1e-12)
+    # a warm-up: the first w rounds' rates rise linearly to the schedule's (lr/3, 2 lr/3), the schedule otherwise
+    warm = parse_config(base_config("fedavg", experiment={"name": "t", "rounds": rounds + s},
+                                    train={"lr": lr, "lr_schedule": "cosine", "lr_final": f, "lr_decay_start": s,
+                                           "lr_warmup_rounds": 2}))
+    assert np.allclose([round_lr(warm, t) for t in range(rounds + s)],
+                       [lr / 3, 2 * lr / 3] + [lr] * (s - 2) + expected, rtol=1e-12)
+    constant = parse_config(base_config("fedavg", train={"lr": lr, "lr_warmup_rounds": 1}))
+    assert [round_lr(constant, t) for t in range(3)] == [lr / 2, lr, lr]
 
 
 def test_a_cosine_round_trains_at_its_own_rate(fed):

@@ -119,6 +119,10 @@ class TrainConfig(_Section):
     lr_decay_start: int = Field(0, ge=0, description=(
         "cosine: rounds trained at lr before the decay starts (e.g. D-Turbo-VBI's warm-up + ramp rounds, so the "
         "decay begins once the support has settled)"))
+    lr_warmup_rounds: int = Field(0, ge=0, description=(
+        "the first rounds' rate rises linearly: round t (0-based) < w trains at its rate x (t + 1) / (w + 1). Every "
+        "client starts the first round from one shared random model; at a high rate their first local epochs on "
+        "skewed shards can drift so far apart that their average is no model"))
 
     @model_validator(mode="after")
     def _some_work(self) -> TrainConfig:

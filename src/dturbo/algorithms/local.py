@@ -34,15 +34,18 @@ def round_lr(cfg: Config, round_idx: int) -> float:
     """The learning rate of round ``round_idx`` (0-based) of R = ``cfg.experiment.rounds``: ``train.lr``, or with
     ``train.lr_schedule = "cosine"`` lr for the first s = ``train.lr_decay_start`` rounds, then
     ``lr * (f + (1 - f) * (1 + cos(pi * (t - s) / (R - 1 - s))) / 2)`` with f = ``train.lr_final``: f * lr in the
-    last round. A function of the round alone, so a resumed run and a Flower client (which learns the round from
-    its downlink) train at the same rate."""
+    last round; times ``(t + 1) / (w + 1)`` in the first w = ``train.lr_warmup_rounds`` rounds. A function of the
+    round alone, so a resumed run and a Flower client (which learns the round from its downlink) train at the same
+    rate."""
     lr = _lr(cfg.train)
+    w = cfg.train.lr_warmup_rounds
+    warm = (round_idx + 1) / (w + 1) if round_idx < w else 1.0
     rounds, start = cfg.experiment.rounds, cfg.train.lr_decay_start
     if cfg.train.lr_schedule == "constant" or round_idx <= start or start >= rounds - 1:
-        return lr
+        return lr * warm
     f = cfg.train.lr_final
     t = (min(round_idx, rounds - 1) - start) / (rounds - 1 - start)
-    return lr * (f + (1.0 - f) * 0.5 * (1.0 + math.cos(math.pi * t)))
+    return lr * warm * (f + (1.0 - f) * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
 def _lr(train: TrainConfig) -> float:
