@@ -274,6 +274,9 @@ def test_cuda_graph_replay_equals_eager(alexnet_run, alexnet_export, monkeypatch
         ex.load(alexnet_export, device="cuda", cuda_graph=True, compile=True)
     m = ex.load(alexnet_export, batch_size=16, device="cuda", compile=False, channels_last=False, cuda_graph=True)
     assert m.graphed
+    # asked for, the graph is captured: torch.compile's automatic choice is not tried instead
+    auto = ex.load(alexnet_export, batch_size=16, device="cuda", channels_last=False, cuda_graph=True)
+    assert auto.graphed and not auto.compiled
     ref = reference(alexnet_run, "alexnet-small").cuda()
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():

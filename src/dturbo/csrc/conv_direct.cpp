@@ -12,8 +12,8 @@
 // Register blocking: CB output channels x P output rows x R vectors of a row's columns live in registers (R from
 // the row's width, CB from R, P = 3 or 4 where CB * R alone leaves too few independent accumulators to hide the
 // FMA latency, e.g. a 2- or 3-channel conv1: 3-7% faster than 2 rows there); every input vector is loaded once for
-// the CB channels, every weight once for the P rows and R vectors. Vectors are 16 floats where built for AVX-512 (32 registers), else 8 (AVX2, 16
-// registers). Images are split across the intra-op threads.
+// the CB channels, every weight once for the P rows and R vectors. Vectors are 16 floats where built for AVX-512
+// (32 registers), else 8 (AVX2, 16 registers). Images are split across the intra-op threads.
 //
 // Small images (a 6x6 conv3/conv4 after two poolings fills 6 of a vector's 16 lanes row by row) are computed
 // flat: the padded image's rows laid end to end (row stride w + 2 * pad, no more), and the whole output as one
@@ -36,7 +36,8 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 typedef float vec __attribute__((vector_size(64)));
-// Output channels per pass over the input rows, by vectors per row: 16 accumulators of the 32 registers.
+// Output channels per pass over the input rows, by vectors per row: 16-18 accumulators of the 32 registers (18 for
+// rows of 3 vectors: 17 channels then take 3 passes instead of 4).
 constexpr int channels_for(int r) { return r == 1 ? 16 : r == 2 ? 8 : r == 3 ? 6 : 4; }
 #else
 constexpr int64_t kLanes = 8;

@@ -245,7 +245,8 @@ def load(
             ``input_norm`` in model.json). Older exports store none and take normalised inputs only.
         cuda_graph: on a CUDA device, run inputs of ``batch_size`` rows as one CUDA graph replay
             (:meth:`InferenceModel.set_graphed`): ``None`` (auto: capture on a GPU and keep it if a timing shows
-            it faster; never with ``compile``), ``True`` or ``False``. Inputs of other sizes run eagerly.
+            it faster; never with ``compile``), ``True`` (captured; ``compile=None`` then leaves torch.compile
+            off instead of timing it) or ``False``. Inputs of other sizes run eagerly.
 
     The choices are in the returned model's ``kernels``, ``pools``, ``channels_last``, ``compiled``,
     ``graphed`` and ``info``.
@@ -299,7 +300,7 @@ def load(
     _choose_layer_kernels(model, x, conv, pool)
     if conv == "auto" and pool == "auto":
         _fuse_direct_blocks(model, x)
-    if compile or (compile is None and has_conv):
+    if compile or (compile is None and has_conv and not cuda_graph):
         _settle_compile(model, x, auto=compile is None, conv=conv)
     if dev.type == "cuda" and not model.compiled and cuda_graph is not False:
         _settle_graph(model, x, auto=cuda_graph is None)
@@ -310,14 +311,15 @@ def load(
 def _settle_graph(model: InferenceModel, x: torch.Tensor, *, auto: bool) -> None:
     """Capture the CUDA graph, or (``auto``) time eager against the replay and keep the faster."""
     model.set_graphed(x)
-    if auto:
-        timings = {}
-        for label, graph in (("eager", None), ("graph", model._graph)):
-            model._graph = graph
-            timings[label] = 1000 * time_call(lambda: model(x), x.device, repeats=5, warmup=1)
-        chosen = timings["graph"] < timings["eager"]
-        model._graph = graph if chosen else None
-        model.info["cuda_graph"] = {"times_ms": timings, "chosen": chosen}
+    if not auto:
+        return
+    captured, model._graph = model._graph, None
+    timings = {"eager": 1000 * time_call(lambda: model(x), x.device, repeats=5, warmup=1)}
+    model._graph = captured
+    timings["graph"] = 1000 * time_call(lambda: model(x), x.device, repeats=5, warmup=1)
+    chosen = timings["graph"] < timings["eager"]
+    model._graph = captured if chosen else None
+    model.info["cuda_graph"] = {"times_ms": timings, "chosen": chosen}
 
 
 @torch.no_grad()
