@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from dturbo import codec  # noqa: E402
 from dturbo.algorithms.registry import build_algorithm  # noqa: E402
+from dturbo.coding.values import decode_symbols, encode_symbols  # noqa: E402
 from dturbo.config import parse_config  # noqa: E402
 from dturbo.federation import build_federation  # noqa: E402
 from dturbo.testing import mutate  # noqa: E402
@@ -50,6 +51,7 @@ def valid_payloads() -> list[bytes]:
         codec.encode_sparse(np.eye(6)),
         codec.encode_sparse(np.where(rng.random(300) < 0.05, 1.0, 0.0)),
         codec.encode_quantized(np.arange(40) % 7, 7, [1.5]),
+        encode_symbols(np.clip(np.round(rng.normal(8, 2, 300)), 0, 15).astype(int), 16, [0.5]),
         codec.encode_message("k", [("f", b"\x01\x02"), ("g", codec.encode_values(np.ones(3)))]),
     ]
 
@@ -57,7 +59,7 @@ def valid_payloads() -> list[bytes]:
 def fuzz_decoders(cases: int) -> dict:
     payloads = valid_payloads()
     decoders = [codec.decode_grid, codec.decode_values, codec.decode_dense, codec.decode_sparse,
-                codec.decode_quantized, codec.decode_message]
+                codec.decode_quantized, decode_symbols, codec.decode_message]
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
 

@@ -28,6 +28,7 @@ from dturbo.codec import (
     encode_values,
     payload_bits,
 )
+from dturbo.coding.values import decode_symbols, encode_symbols
 from dturbo.testing import mutate
 
 
@@ -569,8 +570,11 @@ VALID = [
     encode_sparse(np.where(np.random.default_rng(9).random(300) < 0.05, 1.0, 0.0)),
     encode_message("k", [("f", b"\x01\x02"), ("g", encode_values(np.ones(3)))]),
     codec.encode_quantized(np.arange(40) % 7, 7, [1.5]),
+    encode_symbols(np.clip(np.round(np.random.default_rng(10).normal(8, 2, 300)), 0, 15).astype(int), 16, [0.5]),
+    encode_symbols(np.arange(40) % 7, 7, [1.5]),  # short: the fixed-length code inside
 ]
-DECODERS = [decode_grid, decode_values, decode_dense, decode_sparse, decode_message, codec.decode_quantized]
+DECODERS = [decode_grid, decode_values, decode_dense, decode_sparse, decode_message, codec.decode_quantized,
+            decode_symbols]
 LIMIT = 5000
 
 

@@ -1067,7 +1067,8 @@ def decode_quantized(data: bytes, *, max_elements: int | None = None) -> tuple[n
 
 
 # ================================================================== accounting
-PAYLOAD_LAYOUTS = ("header", "values", "dense", "sparse", "grid", "quantized", "support", "support_delta", "mask")
+PAYLOAD_LAYOUTS = ("header", "values", "dense", "sparse", "grid", "quantized", "coded", "support", "support_delta",
+                   "mask")
 
 
 def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
@@ -1114,11 +1115,15 @@ def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
         head = 8 * r.pos
         values = 8 * dt.itemsize + count
         return {"headers": head, "positions": total - head - values, "values": values}
-    elif layout == "quantized":
+    elif layout in ("quantized", "coded"):
+        # the counts are headers; the parameters (e.g. the quantiser's float32 scale) count as values
         r.varint(limit=_MAX_LEVELS)
-        r.varint(limit=8 * r.left)
-        r.varint(limit=_MAX_PARAMS)
+        r.varint(limit=_MAX_DIM if layout == "coded" else 8 * r.left)
+        n_params = r.varint(limit=_MAX_PARAMS)
         head = 8 * r.pos
+        if layout == "coded":  # range-coded symbols (coding/values.py): the model byte and, but for the
+            r.take(4 * n_params)  # fixed-length code (2), its two float32 numbers
+            head += 8 * (1 if r.byte() == 2 else 9)
     elif layout == "mask":
         # FedPM's range-coded mask (coding/masks.py): a model byte, for model 1 a varint count of ones, then
         # the coder's words. The words count as "values", not "positions": the mask is FedPM's trained quantity

@@ -225,6 +225,10 @@ class TransmissionConfig(_Section):
         "2**down_bits levels per layer (stochastic rounding), so the rounding error of one downlink is sent again in "
         "the next; needs positions = 'delta' (the server knows what each client holds) and down_bits < 16 "
         "(docs/communication.md)"))
+    values_code: Literal["fixed", "range"] = Field("fixed", description=(
+        "how quantised values (up_bits / down_bits < 16) are written: fixed, bits bits each; range, range-coded under "
+        "a discretised Gaussian or Laplace fitted per layer (lossless: the same values, fewer bits; "
+        "dturbo.coding.values, docs/communication.md)"))
 
     @model_validator(mode="after")
     def _bits(self) -> TransmissionConfig:
@@ -235,6 +239,9 @@ class TransmissionConfig(_Section):
             raise ValueError("down_mu = 'update' needs positions = 'delta' (the server must know which weights each "
                              f"client holds) and down_bits in 1..12; got positions = '{self.positions}', down_bits = "
                              f"{self.down_bits}")
+        if self.values_code == "range" and self.up_bits == 16 and self.down_bits == 16:
+            raise ValueError("values_code = 'range' codes quantised values, and up_bits and down_bits are both 16 "
+                             "(float16): set one of them to 1..12, or values_code = 'fixed'")
         return self
 
 
@@ -268,6 +275,16 @@ class FedPaqConfig(_Section):
     levels: int = Field(32767, ge=0, le=2**31 - 1, description="QSGD s; 0 = no quantisation (dtype values)")
     dtype: Literal["float16", "float32"] = Field("float16", description="download, and the upload when levels = 0")
     weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
+    values_code: Literal["fixed", "range"] = Field("fixed", description=(
+        "how the QSGD symbols are written: fixed, ceil(log2(2s + 1)) bits each; range, range-coded under a "
+        "discretised Gaussian or Laplace fitted per layer (lossless, as QSGD's own Elias coding; "
+        "dturbo.coding.values)"))
+
+    @model_validator(mode="after")
+    def _coded_levels(self) -> FedPaqConfig:
+        if self.values_code == "range" and not 1 <= self.levels <= 32767:
+            raise ValueError(f"values_code = 'range' codes QSGD symbols with levels in 1..32767, got {self.levels}")
+        return self
 
 
 class DssmConfig(_Section):

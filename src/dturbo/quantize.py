@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .codec import CodecError, decode_quantized, encode_quantized
+from .coding.values import decode_symbols, encode_symbols
 
 MIN_BITS, MAX_BITS = 1, 12
 
@@ -46,16 +47,18 @@ def dequantize(symbols: np.ndarray, bits: int, scale: float) -> np.ndarray:
     return float(scale) * (2.0 * np.asarray(symbols, dtype=np.float64) - (levels - 1)) / (levels - 1)
 
 
-def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator) -> bytes:
-    """``values`` as ``bits``-bit symbols plus one float32 scale (codec layout ``quantized``)."""
+def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator, coded: bool = False) -> bytes:
+    """``values`` as ``bits``-bit symbols plus one float32 scale: written at ``bits`` bits each (codec layout
+    ``quantized``), or range-coded (``coded``: layout ``coded``, :mod:`dturbo.coding.values`; the same symbols, so
+    the same decoded values, in fewer bytes)."""
     symbols, scale = quantize(values, bits, rng)
-    return encode_quantized(symbols, _levels(bits), [scale])
+    return (encode_symbols if coded else encode_quantized)(symbols, _levels(bits), [scale])
 
 
-def decode_stochastic(payload: bytes, bits: int, count: int) -> np.ndarray:
+def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False) -> np.ndarray:
     """Inverse of :func:`encode_stochastic` (up to the rounding): exactly ``count`` values on 2**bits levels with
-    a finite, non-negative scale, or CodecError."""
-    symbols, levels, params = decode_quantized(payload, max_elements=count)
+    a finite, non-negative scale, or CodecError. ``coded`` must be what the sender used."""
+    symbols, levels, params = (decode_symbols if coded else decode_quantized)(payload, max_elements=count)
     if levels != _levels(bits):
         raise CodecError(f"quantised payload has {levels} levels, expected {_levels(bits)} ({bits} bits)")
     if params.shape != (1,) or not np.isfinite(params[0]) or params[0] < 0:

@@ -17,6 +17,8 @@ writes or reads their bytes: the server and the client hand it typed records (:c
   downlink's rounding error is sent again in the next (:meth:`DturboMessages.encode_update`).
 * up: per layer, mu on S in float16 (canonical row-major order, no positions), or with ``up_bits`` < 16 the update
   from the weights received on 2**bits levels; sigma on S; the biases; then n_t and the training figures.
+* ``values_code = "range"``: every quantised mu (down and up) is range-coded, layout ``coded`` instead of
+  ``quantized`` (:mod:`dturbo.coding.values`): the same symbols, so the same values on both sides, in fewer bits.
 
 sigma travels as one float32 for a layer with one sigma (it costs nothing), else as its values on S in float16.
 """
@@ -162,15 +164,17 @@ class DturboMessages:
         self.n_bias = [0 if layer.bias is None else int(layer.bias.numel()) for layer in bayes]
         self.delta = self.tr.positions == "delta"
         self.update = self.tr.down_mu == "update"
+        self.coded = self.tr.values_code == "range"
+        quantized = "coded" if self.coded else "quantized"
         down = {"meta": "header", "sigma": "values", "bias": "dense"}
         if self.tr.down_bits == 16 and not self.delta:
             down["mu"] = "grid"
         else:  # S travels apart, then mu_G on S quantised (or float16 with positions = "delta")
             down["support"] = "support_delta" if self.delta else "support"
-            down["mu"] = "quantized" if self.tr.down_bits < 16 else "values"
+            down["mu"] = quantized if self.tr.down_bits < 16 else "values"
         if self.tr.prior_std == "sent":
             down["prior_std"] = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
-        up = {"meta": "header", "mu": "values" if self.tr.up_bits == 16 else "quantized", "sigma": "values",
+        up = {"meta": "header", "mu": "values" if self.tr.up_bits == 16 else quantized, "sigma": "values",
               "bias": "dense", "metrics": "header"}
         self.down, self.up = MessageSpec(DOWN_KIND, down), MessageSpec(UP_KIND, up)
         # The uplink's size bound: 4x the float16 bytes of every grid and the float32 bytes of every bias.
@@ -195,7 +199,7 @@ class DturboMessages:
                 fields[f"{n}.mu"] = encode_grid(layer.mu)
             else:
                 fields[f"{n}.support"] = encode_support(layer.support, value_bits=self.tr.down_bits)
-                fields[f"{n}.mu"] = encode_stochastic(layer.mu[layer.support], self.tr.down_bits, rng)
+                fields[f"{n}.mu"] = encode_stochastic(layer.mu[layer.support], self.tr.down_bits, rng, self.coded)
             fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             if layer.prior_std is not None:
                 fields[f"{n}.prior_std"] = encode_prior_std(layer.prior_std, self.cfg.dturbo.prior_std_dtype)
@@ -219,7 +223,7 @@ class DturboMessages:
             whole.append(encode_support(layer.support, value_bits=self.tr.down_bits))
             mu = layer.mu[layer.support]
             f = {} if self.update else {
-                f"{n}.mu": encode_stochastic(mu, self.tr.down_bits, rng) if self.tr.down_bits < 16 else
+                f"{n}.mu": encode_stochastic(mu, self.tr.down_bits, rng, self.coded) if self.tr.down_bits < 16 else
                 encode_values(mu.astype(np.float32), dtype="float16")}
             f[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             if layer.prior_std is not None:
@@ -254,9 +258,9 @@ class DturboMessages:
         steps, after = [], []
         for i, layer in enumerate(msg.layers):
             held = np.zeros(layer.support.shape, np.float32) if weights is None else weights[i]
-            step = encode_stochastic(layer.mu[layer.support] - held[layer.support], self.tr.down_bits, rng)
+            step = encode_stochastic(layer.mu[layer.support] - held[layer.support], self.tr.down_bits, rng, self.coded)
             steps.append(step)
-            decoded = decode_stochastic(step, self.tr.down_bits, int(layer.support.sum()))
+            decoded = decode_stochastic(step, self.tr.down_bits, int(layer.support.sum()), self.coded)
             after.append(updated_weights(held, layer.support, decoded))
         return steps, after
 
@@ -283,11 +287,11 @@ class DturboMessages:
                 mu = np.zeros(mask.shape)
                 k = int(mask.sum())
                 if self.update:
-                    step = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k)
+                    step = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k, self.coded)
                     mu = updated_weights(self._held_weights(info, i, round_idx, base, weights), mask, step)
                     mu = mu.astype(np.float64)
                 elif self.tr.down_bits < 16:
-                    mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k)
+                    mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k, self.coded)
                 else:
                     on_s = decode_values(need(fields, f"{n}.mu"), max_elements=k)
                     if on_s.shape != (k,):
@@ -354,7 +358,7 @@ class DturboMessages:
             if self.tr.up_bits == 16:
                 fields[f"{n}.mu"] = encode_values(layer.mu.astype(np.float32), dtype="float16")
             else:
-                fields[f"{n}.mu"] = encode_stochastic(layer.mu, self.tr.up_bits, rng)
+                fields[f"{n}.mu"] = encode_stochastic(layer.mu, self.tr.up_bits, rng, self.coded)
             fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             fields[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
         fields |= plain_fields
@@ -375,7 +379,7 @@ class DturboMessages:
             if self.tr.up_bits == 16:
                 mu = decode_values(need(fields, f"{n}.mu"), max_elements=k)
             else:  # the update on S, quantised
-                mu = decode_stochastic(need(fields, f"{n}.mu"), self.tr.up_bits, k)
+                mu = decode_stochastic(need(fields, f"{n}.mu"), self.tr.up_bits, k, self.coded)
             if mu.shape != (k,):
                 raise MessageError(f"{n}.mu has {mu.size} values, the support has {k}")
             sig_len = 1 if scalar else k

@@ -5,7 +5,9 @@ levels (per layer); the server adds the mean quantised update; the download is u
 QSGD: Q_i(v) = ||v|| sign(v_i) xi_i / s with xi_i = l + 1 with probability s|v_i|/||v|| - l, else l, where
 l = floor(s|v_i|/||v||): unbiased. On the wire, per layer, the float32 norm and one symbol ``s + sign * xi`` in
 ``0..2s`` per coordinate at ceil(log2(2s + 1)) bits (fixed-length: s = 1 costs 2 bits, s = 32767 costs 16 bits,
-the paper's "16-bit transmission"). ``levels = 0`` sends the update unquantised in ``fedpaq.dtype``.
+the paper's "16-bit transmission"), or range-coded with ``values_code = "range"`` (layout ``coded``,
+:mod:`dturbo.coding.values`: the same symbols in fewer bits, as QSGD's own Elias coding of its levels). ``levels = 0``
+sends the update unquantised in ``fedpaq.dtype``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..codec import decode_dense, decode_quantized, encode_dense, encode_quantized
+from ..coding.values import decode_symbols, encode_symbols
 from ..config import Config
 from .base import MessageError
 from .point import PointClient, PointLayer, PointMessages, PointServer
@@ -39,7 +42,9 @@ class FedPaqMessages(PointMessages):
 
     @property
     def up_layout(self) -> str:  # type: ignore[override]
-        return "quantized" if self.cfg.fedpaq.levels > 0 else "dense"
+        if self.cfg.fedpaq.levels == 0:
+            return "dense"
+        return "coded" if self.cfg.fedpaq.values_code == "range" else "quantized"
 
     @property
     def dtype(self) -> str:
@@ -51,13 +56,15 @@ class FedPaqMessages(PointMessages):
         if s == 0:
             return encode_dense(update, dtype=self.cfg.fedpaq.dtype)
         symbols, norm = qsgd_encode(update, s, rng)
-        return encode_quantized(symbols, 2 * s + 1, [norm])
+        encode = encode_symbols if self.cfg.fedpaq.values_code == "range" else encode_quantized
+        return encode(symbols, 2 * s + 1, [norm])
 
     def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
         s = self.cfg.fedpaq.levels
         if s == 0:
             return decode_dense(payload, max_elements=info.size).reshape(-1)
-        symbols, levels, params = decode_quantized(payload, max_elements=info.size)
+        decode = decode_symbols if self.cfg.fedpaq.values_code == "range" else decode_quantized
+        symbols, levels, params = decode(payload, max_elements=info.size)
         if levels != 2 * s + 1 or params.shape != (1,):
             raise MessageError(f"{info.name}: expected QSGD with {2 * s + 1} levels and one norm")
         norm = float(params[0])
