@@ -79,10 +79,6 @@ def _words(sym: np.ndarray, levels: int, kind: int, centre: float, scale: float)
     return enc.get_compressed().astype("<u4").tobytes()
 
 
-def _head(levels: int, n: int, params: np.ndarray) -> bytes:
-    return _varint(levels) + _varint(n) + _varint(params.size) + params.astype("<f4").tobytes()
-
-
 def _head_size(levels: int, n: int, n_params: int) -> int:
     """Bytes of the fixed-length layout's head (:func:`dturbo.codec.encode_quantized`), the model byte's offset."""
     return len(_varint(levels)) + len(_varint(n)) + len(_varint(n_params)) + 4 * n_params
