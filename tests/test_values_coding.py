@@ -96,6 +96,7 @@ def test_hostile_payloads_raise_codec_errors():
         "count above the limit": bytes([16, 0x80, 0x80, 0x80, 0x01, 0]) + good[8:],
         "one level": bytes([1, 1, 0, 0]) + bytes(8) + good[17:],
         "empty with words": encode_symbols(np.zeros(0, np.int64), 16) + good[17:],
+        "empty under a model": bytes([16, 0, 0]) + good[8:21],  # one word; found by benchmarks/fuzz_decoders.py
         "no words": good[:17],
     }
     for what, data in bad.items():

@@ -121,6 +121,8 @@ def decode_symbols(data: bytes, *, max_elements: int | None = None) -> tuple[np.
         raise CodecError(f"unknown value model {kind} (known: {', '.join(MODELS)})")
     if kind == _FIXED:  # the fixed-length layout with the model byte taken out
         return decode_quantized(data[: r.pos - 1] + data[r.pos :], max_elements=bound)
+    if not n:
+        raise CodecError("no symbols under a range-coded model (an empty payload is written at fixed length)")
     centre, scale = (float(x) for x in np.frombuffer(r.take(8), "<f4"))
     words = r.take(r.left)
     # constriction panics on a model it cannot build: check its numbers first
