@@ -317,7 +317,8 @@ VARIANT_WHY = {"frontier30_e2": (
     "a round later, on a better model): the half-rate first round on cos12. Stop 32: quantised values range-coded "
     "(`values_code = \"range\"`, dturbo.coding.values), a lossless change of the codec, so the same training and "
     "validation accuracy in fewer bits (ties go to fewer bits); FedPAQ, the peer whose upload is quantised, "
-    "gets the same codec.")}
+    "gets the same codec. Then cos12 range-coded: the one finalist whose three seeds all reached T (not choosable "
+    "by its validation, which range coding leaves as it was: measured for how far from 1/5 it lands).")}
 # Their base: the setting chosen there at stop 27; the two levers, alone and together.
 _COS12 = next(c.overrides for c in CANDIDATES if c.label == "dturbo_t15_edges_lr5e-3_cos12")
 _W1 = {"dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11}  # the decay still starts as the ramp ends
@@ -343,6 +344,9 @@ VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
     Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_rc", "dturbo", "dturbo",
               {**_COS12, **_W1, "dturbo.transmission.values_code": "range"},
               "the chosen setting with its quantised values range-coded (lossless: the same values, fewer bits)"),
+    Candidate("dturbo_t15_edges_lr5e-3_cos12_rc", "dturbo", "dturbo",
+              {**_COS12, "dturbo.transmission.values_code": "range"},
+              "the cos12 setting with its quantised values range-coded (lossless)"),
     # The same codec for the peer whose upload is quantised (QSGD's own paper Elias-codes its levels): FedPAQ is
     # compared on the codec D-Turbo-VBI gets.
     Candidate("fedpaq_s7_lr5e-3_cos_rc", "fedpaq", "fedpaq",
