@@ -4,8 +4,8 @@ whose training is the fixed-length run's, bit for bit, in fewer bits."""
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -139,21 +139,15 @@ def toy(make_toy) -> Path:
     return make_toy(600)
 
 
-def _metrics(cfg: dict, out: Path) -> list[dict[str, str]]:
-    Simulator(parse_config(cfg), out).run()
-    with open(out / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.parametrize("down_mu", ["values", "update"])
 def test_a_range_coded_run_trains_exactly_as_the_fixed_one_in_fewer_bits(tmp_path, toy, tiny_config, down_mu):
-    def run(code: str) -> list[dict[str, str]]:
+    def run(code: str) -> list[dict[str, Any]]:
         tr = {"up_bits": 4, "down_bits": 6, "prior_std": "rebuilt", "positions": "delta", "down_mu": down_mu,
               "values_code": code}
         cfg = tiny_config(4, data={"name": "npz", "path": str(toy)}, model={"hidden": [256, 128]},
                           train={"local_steps": 15}, dturbo={"beta": 0.1, "transmission": tr, "sparsity": {
                               "target_density": 0.3, "warmup_rounds": 1, "ramp_rounds": 2}})
-        return _metrics(cfg, tmp_path / code)
+        return Simulator(parse_config(cfg), tmp_path / code).run()
 
     fixed, coded = run("fixed"), run("range")
     for a, b in zip(fixed, coded, strict=True):
@@ -167,11 +161,11 @@ def test_a_range_coded_run_trains_exactly_as_the_fixed_one_in_fewer_bits(tmp_pat
 
 def test_fedpaq_range_coded_trains_exactly_as_fixed_in_fewer_upload_bits(tmp_path, toy, tiny_config):
     """QSGD's symbols (mostly s, s +- 1) code far below ceil(log2(2s + 1)) bits; the training is unchanged."""
-    def run(code: str) -> list[dict[str, str]]:
+    def run(code: str) -> list[dict[str, Any]]:
         cfg = tiny_config(2, experiment={"algorithm": "fedpaq"}, data={"name": "npz", "path": str(toy)},
                           model={"hidden": [64]}, train={"local_steps": 10},
                           fedpaq={"levels": 7, "values_code": code})
-        return _metrics(cfg, tmp_path / code)
+        return Simulator(parse_config(cfg), tmp_path / code).run()
 
     fixed, coded = run("fixed"), run("range")
     for a, b in zip(fixed, coded, strict=True):

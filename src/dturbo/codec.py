@@ -1066,6 +1066,12 @@ def decode_quantized(data: bytes, *, max_elements: int | None = None) -> tuple[n
     return sym, levels, params
 
 
+# The ``coded`` layout (dturbo.coding.values, which writes and reads it): the fixed-length head above, then a model
+# byte; every model but CODED_FIXED (the fixed-length bits follow) carries CODED_MODEL_BYTES of float32 numbers.
+CODED_FIXED = 2
+CODED_MODEL_BYTES = 8
+
+
 # ================================================================== accounting
 PAYLOAD_LAYOUTS = ("header", "values", "dense", "sparse", "grid", "quantized", "coded", "support", "support_delta",
                    "mask")
@@ -1121,9 +1127,9 @@ def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
         r.varint(limit=_MAX_DIM if layout == "coded" else 8 * r.left)
         n_params = r.varint(limit=_MAX_PARAMS)
         head = 8 * r.pos
-        if layout == "coded":  # range-coded symbols (coding/values.py): the model byte and, but for the
-            r.take(4 * n_params)  # fixed-length code (2), its two float32 numbers
-            head += 8 * (1 if r.byte() == 2 else 9)
+        if layout == "coded":  # range-coded symbols: the model byte and its numbers are headers too
+            r.take(4 * n_params)
+            head += 8 * (1 if r.byte() == CODED_FIXED else 1 + CODED_MODEL_BYTES)
     elif layout == "mask":
         # FedPM's range-coded mask (coding/masks.py): a model byte, for model 1 a varint count of ones, then
         # the coder's words. The words count as "values", not "positions": the mask is FedPM's trained quantity

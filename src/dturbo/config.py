@@ -18,6 +18,8 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Probability = float
+# how quantised values are written (dturbo.coding.values): fixed-length, or range-coded (lossless, fewer bits)
+ValuesCode = Literal["fixed", "range"]
 
 
 class ConfigError(ValueError):
@@ -225,7 +227,7 @@ class TransmissionConfig(_Section):
         "2**down_bits levels per layer (stochastic rounding), so the rounding error of one downlink is sent again in "
         "the next; needs positions = 'delta' (the server knows what each client holds) and down_bits < 16 "
         "(docs/communication.md)"))
-    values_code: Literal["fixed", "range"] = Field("fixed", description=(
+    values_code: ValuesCode = Field("fixed", description=(
         "how quantised values (up_bits / down_bits < 16) are written: fixed, bits bits each; range, range-coded under "
         "a discretised Gaussian or Laplace fitted per layer (lossless: the same values, fewer bits; "
         "dturbo.coding.values, docs/communication.md)"))
@@ -275,7 +277,7 @@ class FedPaqConfig(_Section):
     levels: int = Field(32767, ge=0, le=2**31 - 1, description="QSGD s; 0 = no quantisation (dtype values)")
     dtype: Literal["float16", "float32"] = Field("float16", description="download, and the upload when levels = 0")
     weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
-    values_code: Literal["fixed", "range"] = Field("fixed", description=(
+    values_code: ValuesCode = Field("fixed", description=(
         "how the QSGD symbols are written: fixed, ceil(log2(2s + 1)) bits each; range, range-coded under a "
         "discretised Gaussian or Laplace fitted per layer (lossless, as QSGD's own Elias coding; "
         "dturbo.coding.values)"))

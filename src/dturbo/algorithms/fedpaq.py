@@ -41,10 +41,14 @@ class FedPaqMessages(PointMessages):
     update."""
 
     @property
+    def coded(self) -> bool:
+        return self.cfg.fedpaq.values_code == "range"
+
+    @property
     def up_layout(self) -> str:  # type: ignore[override]
         if self.cfg.fedpaq.levels == 0:
             return "dense"
-        return "coded" if self.cfg.fedpaq.values_code == "range" else "quantized"
+        return "coded" if self.coded else "quantized"
 
     @property
     def dtype(self) -> str:
@@ -56,15 +60,13 @@ class FedPaqMessages(PointMessages):
         if s == 0:
             return encode_dense(update, dtype=self.cfg.fedpaq.dtype)
         symbols, norm = qsgd_encode(update, s, rng)
-        encode = encode_symbols if self.cfg.fedpaq.values_code == "range" else encode_quantized
-        return encode(symbols, 2 * s + 1, [norm])
+        return (encode_symbols if self.coded else encode_quantized)(symbols, 2 * s + 1, [norm])
 
     def decode_theta(self, payload: bytes, info: PointLayer) -> np.ndarray:
         s = self.cfg.fedpaq.levels
         if s == 0:
             return decode_dense(payload, max_elements=info.size).reshape(-1)
-        decode = decode_symbols if self.cfg.fedpaq.values_code == "range" else decode_quantized
-        symbols, levels, params = decode(payload, max_elements=info.size)
+        symbols, levels, params = (decode_symbols if self.coded else decode_quantized)(payload, max_elements=info.size)
         if levels != 2 * s + 1 or params.shape != (1,):
             raise MessageError(f"{info.name}: expected QSGD with {2 * s + 1} levels and one norm")
         norm = float(params[0])

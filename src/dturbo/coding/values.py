@@ -34,7 +34,16 @@ from collections.abc import Sequence
 import constriction
 import numpy as np
 
-from ..codec import DEFAULT_MAX_ELEMENTS, CodecError, _Reader, _varint, decode_quantized, encode_quantized
+from ..codec import (
+    CODED_FIXED,
+    CODED_MODEL_BYTES,
+    DEFAULT_MAX_ELEMENTS,
+    CodecError,
+    _Reader,
+    _varint,
+    decode_quantized,
+    encode_quantized,
+)
 
 __all__ = ["MAX_CODED_LEVELS", "MODELS", "decode_symbols", "encode_symbols"]
 
@@ -52,8 +61,7 @@ _MIN_SCALE = 0.25
 _MIN_BITS_PER_SYMBOL = 0.017
 
 _Model = constriction.stream.model
-MODELS = ("gaussian", "laplace", "fixed")
-_FIXED = 2
+MODELS = ("gaussian", "laplace", "fixed")  # by the model byte; "fixed" is CODED_FIXED
 
 
 def _model(kind: int, levels: int) -> constriction.stream.model.Model:
@@ -93,8 +101,8 @@ def encode_symbols(symbols: np.ndarray, levels: int, params: Sequence[float] = (
     fixed = encode_quantized(symbols, levels, params)  # checks the symbols and params
     sym = np.asarray(symbols).reshape(-1)
     h = _head_size(int(levels), sym.size, np.asarray(params).size)
-    best = bytes([_FIXED]) + fixed[h:]
-    for kind in range(_FIXED) if sym.size else ():
+    best = bytes([CODED_FIXED]) + fixed[h:]
+    for kind in range(CODED_FIXED) if sym.size else ():
         centre, scale = _fit(sym, kind)
         body = bytes([kind]) + np.array([centre, scale], "<f4").tobytes() + _words(sym, levels, kind, centre, scale)
         if len(body) < len(best):  # ties to the fixed-length code
@@ -119,11 +127,11 @@ def decode_symbols(data: bytes, *, max_elements: int | None = None) -> tuple[np.
     kind = r.byte()
     if kind >= len(MODELS):
         raise CodecError(f"unknown value model {kind} (known: {', '.join(MODELS)})")
-    if kind == _FIXED:  # the fixed-length layout with the model byte taken out
+    if kind == CODED_FIXED:  # the fixed-length layout with the model byte taken out
         return decode_quantized(data[: r.pos - 1] + data[r.pos :], max_elements=bound)
     if not n:
         raise CodecError("no symbols under a range-coded model (an empty payload is written at fixed length)")
-    centre, scale = (float(x) for x in np.frombuffer(r.take(8), "<f4"))
+    centre, scale = (float(x) for x in np.frombuffer(r.take(CODED_MODEL_BYTES), "<f4"))
     words = r.take(r.left)
     # constriction panics on a model it cannot build: check its numbers first
     if not (np.isfinite(centre) and np.isfinite(scale) and scale >= _MIN_SCALE and 0 <= centre <= levels - 1):
