@@ -4,7 +4,10 @@ the path)."""
 from __future__ import annotations
 
 import csv
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from dturbo.config import parse_config
 from dturbo.sim import Simulator
@@ -41,3 +44,15 @@ def flower_and_simulator(cfg: dict, tmp_path: Path) -> tuple[Path, Path]:
     Simulator(parse_config(cfg), tmp_path / "sim").run()
     run_inprocess(path, tmp_path / "flower")
     return tmp_path / "sim", tmp_path / "flower"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` (not a package) as module ``name``, registered in ``sys.modules``:
+    dataclasses look their module up by name, and one benchmark may import another (speed_frontier: frontier)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

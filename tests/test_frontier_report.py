@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from run_helpers import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 3
 
 
 @pytest.fixture(scope="module")
 def fr() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("frontier", ROOT / "benchmarks" / "frontier.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["frontier"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("frontier")
 
 
 # (label, seed): test accuracy, validation accuracy, cumulative bits (Mbit), final density, up / down bits a

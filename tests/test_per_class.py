@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
+from run_helpers import load_benchmark
 
 from dturbo.config import load_config, parse_config
 from dturbo.sim import Simulator
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def pc() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("per_class", ROOT / "benchmarks" / "per_class.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("per_class")
 
 
 @pytest.fixture(scope="module")

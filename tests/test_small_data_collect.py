@@ -3,25 +3,17 @@ not on this disk (a fresh clone, or a machine that ran only some stages): a repo
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from run_helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sd() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("small_data", ROOT / "benchmarks" / "small_data.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["small_data"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("small_data")
 
 
 def _run_on_disk(runs: Path, dataset: str, name: str, accuracy: float) -> None:

@@ -3,7 +3,6 @@ summaries and goals derived again from the per-seed records, no training and no 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,19 +10,13 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from run_helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sf() -> ModuleType:
-    for name in ("frontier", "speed_frontier"):
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses look their module up by name; speed_frontier imports frontier
-        spec.loader.exec_module(mod)
-    return mod
+    load_benchmark("frontier")  # speed_frontier imports it
+    return load_benchmark("speed_frontier")
 
 
 def _point(label: str, accs: list[float], speedups: list[float]) -> dict:
