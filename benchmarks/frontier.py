@@ -844,6 +844,16 @@ def _mbit(b: float | None) -> str:
     return "never" if b is None else f"{b / 1e6:,.1f}"
 
 
+def _finalist_bits_to(label: str, runs: list[Run], target: float) -> str:
+    """A finalist's mean bits to ``target`` over SEEDS, "never (k/n)" when only k of its n seeds reach it, or
+    "pending" before it has them all."""
+    bits = [r.bits_to(target) for r in runs if r.cand.label == label and r.seed in SEEDS]
+    if len(bits) < len(SEEDS):
+        return "pending"
+    reached = [b for b in bits if b is not None]
+    return _mbit(_mean(reached)) if len(reached) == len(bits) else f"never ({len(reached)}/{len(bits)})"
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or b is None or b == 0 else f"{a / b:.3f}"
 
@@ -1186,6 +1196,10 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
             mean = t.get("mean_final_val_accuracy")
             row.insert(4, f"{100 * mean:.2f}" if mean is not None else ("pending" if t["finalist"] else "-"))
         head.insert(4, f"mean over seeds {', '.join(map(str, SEEDS))} (finalists, %)")
+        if target is not None:  # reported beside the choice, never used by it: test accuracy
+            for row, t in zip(srows, sel.table, strict=True):
+                row.append(_finalist_bits_to(t["label"], runs, target) if t["finalist"] else "-")
+            head.append(f"Mbit to T = {100 * target:.1f}% (test; finalists, mean over seeds)")
     md += _md_table(head, srows)
     md += [""] + [f"Warning: {w}" for w in sel.warnings]
     for ln, xs in sel.pending.items():

@@ -322,3 +322,9 @@ def test_a_variant_with_finalists_chooses_on_the_mean_over_seeds(fr: ModuleType,
     md = (s.results / "frontier_e2.md").read_text()
     assert "| D-Turbo-VBI | `dturbo_base` **chosen** |" in md and "lacking seeds" not in md
     assert "Why: one seed is noise." in md and "on its mean over seeds 0, 1, 2" in md
+    # Beside the choice, never used by it: each finalist's test bits to T (FedAvg-16's 0.90 - 1 point), reached by
+    # every seed of dturbo_base in round 3 (3 Mbit) and by one seed of dturbo_own1; dturbo_own3 is no finalist.
+    rows = {ln.split("|")[2].strip(): ln for ln in md.splitlines() if ln.startswith("| D-Turbo-VBI | `dturbo_")}
+    assert "Mbit to T = 89.0% (test; finalists, mean over seeds) |" in md
+    assert rows["`dturbo_base` **chosen**"].endswith("| 3.0 |") and rows["`dturbo_own1`"].endswith("| never (1/3) |")
+    assert rows["`dturbo_own3`"].endswith("| - |")
