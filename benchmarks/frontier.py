@@ -356,7 +356,8 @@ VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
     Candidate("dturbo_t15_edges_lr5e-3_cos12_rc", "dturbo", "dturbo",
               {**_COS12, **_RC},
               "the cos12 setting with its quantised values range-coded (lossless)"),
-    # Stop 33: around the chosen setting (range-coded), the three training levers chosen at 1 local epoch.
+    # Stop 33: around the chosen setting (range-coded), the training levers chosen at 1 local epoch (lr 0.003
+    # added once lr 0.004's seeds were in).
     Candidate("dturbo_t15_edges_lr4e-3_cos11_w1_rc", "dturbo", "dturbo",
               {**_COS12, **_W1, **_RC, "train.lr": 0.004},
               "the chosen setting at lr 0.004 (decayed from round 11 by a cosine to 0.0004)"),
@@ -844,14 +845,14 @@ def _mbit(b: float | None) -> str:
     return "never" if b is None else f"{b / 1e6:,.1f}"
 
 
-def _finalist_bits_to(label: str, runs: list[Run], target: float) -> str:
-    """A finalist's mean bits to ``target`` over SEEDS, "never (k/n)" when only k of its n seeds reach it, or
-    "pending" before it has them all."""
-    bits = [r.bits_to(target) for r in runs if r.cand.label == label and r.seed in SEEDS]
-    if len(bits) < len(SEEDS):
+def _finalist_bits_to(line: str, label: str, runs: list[Run], target: float) -> str:
+    """A finalist's mean bits to ``target`` over SEEDS (as a Line's), "never (k/n)" when only k of its n seeds
+    reach it, or "pending" before it has them all."""
+    fin = Line(line, [r for r in runs if r.cand.label == label and r.seed in SEEDS])
+    if len(fin.runs) < len(SEEDS):
         return "pending"
-    reached = [b for b in bits if b is not None]
-    return _mbit(_mean(reached)) if len(reached) == len(bits) else f"never ({len(reached)}/{len(bits)})"
+    bits = fin.bits_to(target)
+    return _mbit(bits) if bits is not None else f"never ({fin.reached(target)})"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -1198,7 +1199,7 @@ def report_markdown(lines: dict[str, Line], runs: list[Run], sel: Selection, tar
         head.insert(4, f"mean over seeds {', '.join(map(str, SEEDS))} (finalists, %)")
         if target is not None:  # reported beside the choice, never used by it: test accuracy
             for row, t in zip(srows, sel.table, strict=True):
-                row.append(_finalist_bits_to(t["label"], runs, target) if t["finalist"] else "-")
+                row.append(_finalist_bits_to(t["line"], t["label"], runs, target) if t["finalist"] else "-")
             head.append(f"Mbit to T = {100 * target:.1f}% (test; finalists, mean over seeds)")
     md += _md_table(head, srows)
     md += [""] + [f"Warning: {w}" for w in sel.warnings]
