@@ -5,8 +5,8 @@
         [--seeds 0 1 2]
 
 No training: each run directory ``<runs>/<setting>_s<seed>`` (made by ``benchmarks/frontier.py``) holds its final
-model (``model.safetensors``) and config. The model is exported (``dturbo.export``, the masked trained model
-exactly) and run on the config's test split. The overall accuracy must equal the run's last ``accuracy`` in
+model (``model.safetensors``) and config. The model (``RunDir.load_model``, the run's final global model) is run on
+the config's test split, read once per dataset. The overall accuracy must equal the run's last ``accuracy`` in
 ``metrics.csv`` (to 1e-4), which checks that the model and the split are the ones the run measured.
 
 Results: benchmarks/results/per_class_<tag>.{json,md}.
@@ -15,10 +15,9 @@ Results: benchmarks/results/per_class_<tag>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import csv
+import functools
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,27 +26,27 @@ sys.path.insert(0, str(ROOT / "src"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dturbo.config import load_config  # noqa: E402
 from dturbo.data import load_dataset  # noqa: E402
-from dturbo.export import export_run, load  # noqa: E402
+from dturbo.rundir import RunDir  # noqa: E402
 
 CLASSES = {"fashion-mnist": ("T-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker",
                              "bag", "ankle boot")}
 SETTINGS = ("dturbo_t15_edges_lr5e-3_cos11_w1_rc", "dturbo_t15_edges_lr5e-3_cos12_rc", "fedavg16_lr3e-3_cos")
+_dataset = functools.cache(load_dataset)  # every run of a benchmark reads the same files
 
 
 def per_class(run_dir: Path) -> dict[str, object]:
     """Test accuracy per class of the run's final model, checked against the run's own last accuracy."""
-    cfg = load_config(run_dir / "config.toml")
-    data = load_dataset(cfg.data.name, cfg.data.path)
-    with tempfile.TemporaryDirectory() as tmp:
-        export_run(run_dir, tmp)
-        model = load(tmp)
-        with torch.no_grad():
-            pred = model(torch.from_numpy(data.x_test)).argmax(1).numpy()
+    run = RunDir(run_dir)
+    cfg = run.config()
+    data = _dataset(cfg.data.name, cfg.data.path)
+    with torch.no_grad():
+        pred = run.load_model(cfg)(torch.from_numpy(data.x_test)).argmax(1).numpy()
     correct = pred == data.y_test
-    with open(run_dir / "metrics.csv", newline="") as f:
-        recorded = float(list(csv.DictReader(f))[-1]["accuracy"])
+    rows = run.read_rows()
+    if not rows:
+        raise SystemExit(f"{run_dir}: no metrics.csv rows to check the model against")
+    recorded = float(rows[-1]["accuracy"])
     if abs(correct.mean() - recorded) > 1e-4:
         raise SystemExit(f"{run_dir}: the exported model's accuracy {correct.mean():.4f} is not the run's last "
                          f"recorded accuracy {recorded:.4f}")
@@ -67,7 +66,7 @@ def main() -> None:
     for setting in args.settings:
         for seed in args.seeds:
             run_dir = args.runs / f"{setting}_s{seed}"
-            if not (run_dir / "model.safetensors").is_file():
+            if not RunDir(run_dir).model_path.is_file():
                 raise SystemExit(f"{run_dir}: no final model (run benchmarks/frontier.py first)")
             rows.append({"setting": setting, "seed": seed, **per_class(run_dir)})
             print(f"{setting} seed {seed}: {rows[-1]['accuracy']:.4f}", flush=True)

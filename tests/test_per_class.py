@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from types import ModuleType
 
@@ -11,6 +10,7 @@ import pytest
 from run_helpers import load_benchmark
 
 from dturbo.config import load_config, parse_config
+from dturbo.rundir import RunDir
 from dturbo.sim import Simulator
 
 
@@ -38,8 +38,7 @@ def test_classes_add_up_to_the_runs_recorded_accuracy(pc, run_dir):
     counts = np.bincount(labels, minlength=len(got["per_class"]))
     assert len(got["per_class"]) == 4 and all(0.0 <= a <= 1.0 for a in got["per_class"])
     assert np.dot(counts, got["per_class"]) / counts.sum() == pytest.approx(got["accuracy"], abs=1e-9)
-    with open(run_dir / "metrics.csv", newline="") as f:
-        assert got["accuracy"] == pytest.approx(float(list(csv.DictReader(f))[-1]["accuracy"]), abs=1e-4)
+    assert got["accuracy"] == pytest.approx(float(RunDir(run_dir).read_rows()[-1]["accuracy"]), abs=1e-4)
 
 
 def test_a_model_that_is_not_the_runs_is_refused(pc, run_dir, tmp_path):
@@ -48,11 +47,8 @@ def test_a_model_that_is_not_the_runs_is_refused(pc, run_dir, tmp_path):
     bad.mkdir()
     for name in ("config.toml", "model.safetensors", "metrics.csv"):
         (bad / name).write_bytes((run_dir / name).read_bytes())
-    rows = list(csv.DictReader(open(run_dir / "metrics.csv", newline="")))
+    rows = RunDir(run_dir).read_rows()
     rows[-1]["accuracy"] = str(float(rows[-1]["accuracy"]) - 0.05)
-    with open(bad / "metrics.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    RunDir(bad).write_rows(rows)
     with pytest.raises(SystemExit, match="not the run's last recorded accuracy"):
         pc.per_class(bad)
