@@ -330,7 +330,11 @@ VARIANT_WHY = {"frontier30_e2": (
     "0.25 validation points and lowered seed 2, the seed that misses T, further (87.77% test against 87.96%), and "
     "the sweep that chose 0.003 ran at 1 local epoch and lr 0.002, where a weaker pull of the KL term gained; with "
     "twice the local steps at 2.5 times the rate, each client moves further from the shared model on its "
-    "Dirichlet(0.5) shard, and a heavier KL term (E6) regularises that local fit.")}
+    "Dirichlet(0.5) shard, and a heavier KL term (E6) regularises that local fit. Stop 34, the peers: D-Turbo-VBI's "
+    "learning rate was tried below its choice at this variant (stop 33) and its KL weight around it, while FedAvg's "
+    "choice here, lr 0.003, is the lowest rate its candidates tried, and FedPAQ's rate was never tried below 0.005: "
+    "FedAvg 32/16-bit at 0.002 and FedPAQ at 0.003 (FedAvg's choice at 2 epochs), decayed like the others, each "
+    "with its 3 seeds.")}
 # Their base: the setting chosen there at stop 27; the two levers, alone and together.
 _COS12 = next(c.overrides for c in CANDIDATES if c.label == "dturbo_t15_edges_lr5e-3_cos12")
 _W1 = {"dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11}  # the decay still starts as the ramp ends
@@ -384,6 +388,13 @@ VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
     Candidate("fedpaq_s7_lr5e-3_cos_rc", "fedpaq", "fedpaq",
               {**_fedpaq(7), "train.lr": 0.005, **COSINE, "fedpaq.values_code": "range"},
               "s = 7, lr 0.005 decayed by a cosine to 0.0005, the QSGD symbols range-coded (lossless)"),
+    # Stop 34: the peers' learning rates one grid point further down, as D-Turbo-VBI's were at stop 33.
+    *(Candidate(f"fedavg{b}_lr2e-3_cos", f"fedavg{b}", "fedavg", {"fedavg.dtype": f"float{b}", "train.lr": 0.002,
+                                                                   **COSINE},
+                "lr 0.002 decayed by a cosine to 0.0002") for b in (32, 16)),
+    Candidate("fedpaq_s7_lr3e-3_cos_rc", "fedpaq", "fedpaq",
+              {**_fedpaq(7), "train.lr": 0.003, **COSINE, "fedpaq.values_code": "range"},
+              "s = 7, lr 0.003 decayed by a cosine to 0.0003, the QSGD symbols range-coded (lossless)"),
 ]}
 # A variant whose choice among its finalists is made on the mean over SEEDS (by its tag): the margin, in
 # validation accuracy below the seed-0 leader, within which a candidate of a line the protocol repeats with 3 seeds
