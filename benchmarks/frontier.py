@@ -340,6 +340,7 @@ _COS12 = next(c.overrides for c in CANDIDATES if c.label == "dturbo_t15_edges_lr
 _W1 = {"dturbo.sparsity.warmup_rounds": 1, "train.lr_decay_start": 11}  # the decay still starts as the ramp ends
 _UPD4 = {"dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4}
 _RC = {"dturbo.transmission.values_code": "range"}
+_CHOSEN = {**_COS12, **_W1, **_RC}  # the setting the stop-33 and stop-34 candidates vary (stop 32's choice)
 VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
     Candidate("dturbo_t15_edges_lr5e-3_cos11_w1", "dturbo", "dturbo", {**_COS12, **_W1},
               "the chosen cos12 setting with 1 dense warm-up round (the ramp and the decay a round earlier)"),
@@ -358,31 +359,24 @@ VARIANT_CANDIDATES: dict[str, list[Candidate]] = {"frontier30_e2": [
               "the chosen setting with its first round at half the learning rate (lr_warmup_rounds = 1)"),
     Candidate("dturbo_t15_edges_lr5e-3_cos12_lrw1", "dturbo", "dturbo", {**_COS12, "train.lr_warmup_rounds": 1},
               "the cos12 setting (2 dense warm-up rounds) with its first round at half the learning rate"),
-    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_rc", "dturbo", "dturbo",
-              {**_COS12, **_W1, **_RC},
+    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_rc", "dturbo", "dturbo", _CHOSEN,
               "the chosen setting with its quantised values range-coded (lossless: the same values, fewer bits)"),
     Candidate("dturbo_t15_edges_lr5e-3_cos12_rc", "dturbo", "dturbo",
               {**_COS12, **_RC},
               "the cos12 setting with its quantised values range-coded (lossless)"),
     # Stop 33: around the chosen setting (range-coded), the training levers chosen at 1 local epoch (lr 0.003
     # added once lr 0.004's seeds were in).
-    Candidate("dturbo_t15_edges_lr4e-3_cos11_w1_rc", "dturbo", "dturbo",
-              {**_COS12, **_W1, **_RC, "train.lr": 0.004},
-              "the chosen setting at lr 0.004 (decayed from round 11 by a cosine to 0.0004)"),
-    Candidate("dturbo_t15_edges_lr3e-3_cos11_w1_rc", "dturbo", "dturbo",
-              {**_COS12, **_W1, **_RC, "train.lr": 0.003},
-              "the chosen setting at lr 0.003 (decayed from round 11 by a cosine to 0.0003)"),
+    *(Candidate(f"dturbo_t15_edges_lr{tag}_cos11_w1_rc", "dturbo", "dturbo", {**_CHOSEN, "train.lr": lr},
+                f"the chosen setting at lr {lr:g} (decayed from round 11 by a cosine to {lr / 10:g})")
+      for tag, lr in (("4e-3", 0.004), ("3e-3", 0.003))),
     Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_rc_fin3", "dturbo", "dturbo",
-              {**_COS12, **_W1, **_RC, "train.lr_final": 0.3},
+              {**_CHOSEN, "train.lr_final": 0.3},
               "the chosen setting with its rate decayed to 0.3 x lr (0.0015) instead of 0.1 x"),
-    Candidate("dturbo_t15_edges_lr5e-3_cos11_w1_rc_b1e-3", "dturbo", "dturbo",
-              {**_COS12, **_W1, **_RC, "dturbo.beta": 0.001},
-              "the chosen setting with the KL weight beta 0.001 (default 0.003)"),
-    # Stop 34: the KL weight on the other side of 0.003 (beta 0.001 lost; 0.01 is the library's default).
-    *(Candidate(f"dturbo_t15_edges_lr5e-3_cos11_w1_rc_b{tag}", "dturbo", "dturbo",
-                {**_COS12, **_W1, **_RC, "dturbo.beta": b},
+    # The KL weight beta (E6) around the default 0.003: 0.001 at stop 33; 0.01 (the library's default) and 0.03 at
+    # stop 34, once 0.001 had lost.
+    *(Candidate(f"dturbo_t15_edges_lr5e-3_cos11_w1_rc_b{tag}", "dturbo", "dturbo", {**_CHOSEN, "dturbo.beta": b},
                 f"the chosen setting with the KL weight beta {b:g} (default 0.003)")
-      for tag, b in (("1e-2", 0.01), ("3e-2", 0.03))),
+      for tag, b in (("1e-3", 0.001), ("1e-2", 0.01), ("3e-2", 0.03))),
     # The same codec for the peer whose upload is quantised (QSGD's own paper Elias-codes its levels): FedPAQ is
     # compared on the codec D-Turbo-VBI gets.
     Candidate("fedpaq_s7_lr5e-3_cos_rc", "fedpaq", "fedpaq",
