@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -95,12 +96,29 @@ def load_campaign(path: Path) -> Campaign:
     if len(set(labels)) != len(labels):
         raise HarnessError(f"{path}: repeated labels {sorted({x for x in labels if labels.count(x) > 1})}")
     camp = Campaign(path.stem, protocol, cands)
-    for c in cands:  # every candidate must make a valid config: found now, not hours into a campaign
+    for c in cands:  # every candidate must make a valid config and algorithm: found now, not hours into a campaign
         try:
-            parse_config(config_tree(camp, c, camp.seeds[0]))
-        except ConfigError as err:
+            preflight(parse_config(config_tree(camp, c, camp.seeds[0])))
+        except (ConfigError, ValueError) as err:
             raise HarnessError(f"{path}: candidate {c.label!r}: {err}") from None
     return camp
+
+
+# Samples of the datasets a campaign may name: (input shape, classes), to build a run's algorithm without its data.
+SHAPES = {"fashion-mnist": ((1, 28, 28), 10), "mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
+          "cifar100": ((3, 32, 32), 100)}
+
+
+def preflight(cfg: Config) -> None:
+    """Build the run's server on its model (what a run checks before its first round: layer targets, the
+    method's own settings), without reading its data; ConfigError / ValueError naming the problem."""
+    from dturbo.algorithms.registry import ALGORITHMS, model_factory
+
+    if cfg.data.name not in SHAPES:
+        return
+    shape, classes = SHAPES[cfg.data.name]
+    with torch.random.fork_rng(devices=[]):
+        ALGORITHMS[cfg.experiment.algorithm][0](cfg, model_factory(cfg, shape, classes), 1000)
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
