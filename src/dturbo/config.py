@@ -36,7 +36,7 @@ class ExperimentConfig(_Section):
     name: str = "experiment"
     seed: int = Field(0, ge=0)
     rounds: int = Field(10, ge=1, le=100_000)
-    algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc"] = "dturbo"
+    algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc", "feddst"] = "dturbo"
     eval_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and the last)")
     threads: int = Field(0, ge=0, description="torch threads; 0 keeps torch's default")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description=(
@@ -315,6 +315,29 @@ class StcConfig(_Section):
     weighting: Literal["uniform", "samples"] = Field("samples", description="mean of the updates, or by n_t")
 
 
+class FedDstConfig(_Section):
+    """FedDST (Bibikar et al., AAAI 2022, dturbo.algorithms.feddst): one global mask at ``density``, trained sparse;
+    every ``readjust_every`` rounds each client removes a ratio of its smallest active weights and regrows as many by
+    gradient magnitude, and the server aggregates the masks by magnitude at the same density."""
+
+    density: Probability = Field(0.2, gt=0, le=1, description="fraction of the weights in the global mask (the "
+                                                               "paper's 1 - S)")
+    distribution: Literal["erk", "uniform"] = Field("erk", description=(
+        "how the density spreads over the layers: Erdos-Renyi-kernel (a layer's density proportional to the sum of "
+        "its weight's dimensions over their product) or the same in every layer"))
+    readjust_ratio: Probability = Field(0.05, ge=0, lt=1, description=(
+        "alpha: a readjustment moves floor(alpha_t * k) weights of a layer's k, alpha_t = alpha / 2 * "
+        "(1 + cos(pi t / readjust_until))"))
+    readjust_every: int = Field(3, ge=1, description="rounds between readjustments (the first in round 1)")
+    readjust_until: int | None = Field(None, ge=1, description="the round from which no readjustment happens; "
+                                                                "unset: half the rounds")
+    readjust_at: float = Field(1.0, gt=0, le=1, description=(
+        "fraction of a readjusting client's local steps trained before it readjusts: 1, after its local training "
+        "(the reference code); below 1 the regrown weights train in the same round"))
+    dtype: Literal["float16", "float32"] = Field("float16", description="the weights' and biases' values, both ways")
+    weighting: Literal["samples", "uniform"] = Field("samples", description="client weights by n_t, or alike")
+
+
 class FedPmConfig(_Section):
     """FedPM (Isik et al., ICLR 2023): frozen seeded random weights, a trained keep probability per weight and
     bias; clients upload one sampled mask, range-coded; the server's Beta-Bernoulli posterior gives the global
@@ -351,7 +374,7 @@ class FedPmConfig(_Section):
 # 0.005 against FedAvg's 0.002-0.003; digits and Fashion-MNIST-3k: benchmarks/small_data.py --stage lr); FedPM
 # trains scores, not weights, at its authors' 0.1.
 DEFAULT_LR: dict[str, float] = {"dturbo": 5e-3, "fedavg": 2e-3, "fedpaq": 2e-3, "dssm": 2e-3, "stc": 2e-3,
-                                "fedpm": 0.1}
+                                "fedpm": 0.1, "feddst": 2e-3}
 
 
 class Config(_Section):
@@ -367,6 +390,7 @@ class Config(_Section):
     dssm: DssmConfig = Field(default_factory=DssmConfig)
     fedpm: FedPmConfig = Field(default_factory=FedPmConfig)
     stc: StcConfig = Field(default_factory=StcConfig)
+    feddst: FedDstConfig = Field(default_factory=FedDstConfig)
 
     @model_validator(mode="after")
     def _algorithm_lr(self) -> Config:

@@ -21,6 +21,7 @@ from .base import ClientAlgorithm, ServerAlgorithm
 from .dssm import DssmClient, DssmServer
 from .dturbo import DturboClient, DturboServer
 from .fedavg import FedAvgClient, FedAvgServer
+from .feddst import FedDstClient, FedDstServer
 from .fedpaq import FedPaqClient, FedPaqServer
 from .fedpm import FedPmClient, FedPmServer
 from .stc import StcClient, StcServer
@@ -34,6 +35,7 @@ ALGORITHMS: dict[str, tuple[type, type]] = {  # (ServerAlgorithm, ClientAlgorith
     "dssm": (DssmServer, DssmClient),
     "fedpm": (FedPmServer, FedPmClient),
     "stc": (StcServer, StcClient),
+    "feddst": (FedDstServer, FedDstClient),
 }
 
 # A zero-argument function returning the seeded initial model, the same every call: what both halves start from.
