@@ -16,9 +16,16 @@ Usage: .venv/bin/python benchmarks/joint.py [plan|run|verify|time|report] [--job
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cache
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -26,6 +33,14 @@ sys.path.insert(0, str(HERE))
 import harness as h  # noqa: E402
 
 CAMPAIGN = HERE / "joint.toml"
+NAMES = {"dturbo": "D-Turbo-VBI", "fedavg32": "FedAvg 32-bit", "fedavg16": "FedAvg 16-bit", "stc": "STC",
+         "feddst": "FedDST", "fedpaq": "FedPAQ"}
+PEERS = ("stc", "feddst", "fedpaq")
+# Methods whose final model has no zero weight by construction (dense weights averaged, or a dense model plus
+# sparse updates): their exported model is the dense network, 1.0x.
+DENSE_FINAL = {"fedavg", "fedpaq", "stc"}
+GOALS = {"points_below_fedavg32": 1.5, "vs_fedavg16": 0.2, "speedup": 2.0, "axes_won": 2}
+STEADY_ROUNDS = 5  # bits per parameter per round: the mean over the last rounds
 RULE = (
     "Each candidate runs seed 0. The accuracy references (FedAvg 32-bit and 16-bit) take their candidate with the "
     "highest final validation accuracy. T_val is FedAvg-16's chosen final validation accuracy less t_margin. Every "
@@ -100,6 +115,272 @@ def seed_jobs(camp: h.Campaign, s: h.Settings, index: h.RunIndex) -> list[h.Job]
             for label in choice.chosen.values() for seed in camp.seeds[1:]]
 
 
+# ------------------------------------------------------------------------------------------------- report
+@cache
+def params(model: str, dataset: str) -> int:
+    """Weights and biases of a built-in model (sigma and the other variational parameters are not its parameters)."""
+    from dturbo.nn.models import build_model
+
+    shape, classes = h.SHAPES[dataset]
+    net = build_model(model, shape, classes)
+    return sum(p.numel() for n, p in net.named_parameters() if n.endswith(("weight_mu", "bias")))
+
+
+def per_param(run: h.Run, direction: str, n_params: int) -> float:
+    """Steady state: bits / (participating clients x parameters), the mean over the last STEADY_ROUNDS rounds."""
+    k = min(STEADY_ROUNDS, len(run.m["round"]))
+    bits = run.m[f"{direction}_bits"][-k:]
+    who = run.m["participants"][-k:]
+    return float(np.mean(bits / (np.maximum(who, 1) * n_params)))
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs))
+
+
+def _std(xs: list[float]) -> float:
+    return float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0
+
+
+def line(method: str, runs: list[h.Run], t: float, speed: dict[str, float], n_params: int) -> dict[str, Any]:
+    """One method's chosen setting over its seeds: accuracy, nonzeros, bits to T (None unless every seed reaches
+    it), total bits, steady bits per parameter per round up and down, speedup (each seed's own model)."""
+    to_t = [r.bits_to(t) for r in runs]
+    return {
+        "method": method, "name": NAMES.get(method, method), "setting": runs[0].cand.label,
+        "note": runs[0].cand.note, "seeds": [r.seed for r in runs],
+        "accuracy": _mean([r.final_acc for r in runs]), "accuracy_std": _std([r.final_acc for r in runs]),
+        "val_accuracy": _mean([r.final_val for r in runs]),
+        "density": _mean([r.density for r in runs]),
+        "bits_to_t_seeds": to_t,
+        "bits_to_t": _mean(to_t) if all(b is not None for b in to_t) else None,
+        "seeds_reaching_t": sum(b is not None for b in to_t),
+        "total_bits": _mean([r.total_bits for r in runs]),
+        "up_bits_per_param": _mean([per_param(r, "up", n_params) for r in runs]),
+        "down_bits_per_param": _mean([per_param(r, "down", n_params) for r in runs]),
+        "speedup_seeds": [speed.get(f"{r.cand.label}_s{r.seed}") for r in runs],
+        "speedup": (_mean([speed[f"{r.cand.label}_s{r.seed}"] for r in runs])
+                    if all(f"{r.cand.label}_s{r.seed}" in speed for r in runs) else None),
+    }
+
+
+def axes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool | None]:
+    """Whether ``a`` beats ``b`` on each axis: accuracy (higher mean), bits to T (fewer; never reaching T is worse
+    than any number of bits; neither reaching it is a tie), speedup (higher); None where a number is missing."""
+    inf = math.inf
+    ba, bb = (a["bits_to_t"] if a["bits_to_t"] is not None else inf), (b["bits_to_t"] if b["bits_to_t"] is not None
+                                                                         else inf)
+    return {"accuracy": a["accuracy"] > b["accuracy"],
+            "bits_to_t": ba < bb,
+            "speedup": None if a["speedup"] is None or b["speedup"] is None else a["speedup"] > b["speedup"]}
+
+
+def goals(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """D-Turbo-VBI's goals, each met or missed with its numbers."""
+    dt, out = rows.get("dturbo"), []
+    if dt is None:
+        return out
+    if "fedavg32" in rows:
+        gap = 100 * (rows["fedavg32"]["accuracy"] - dt["accuracy"])
+        out.append({"goal": f"final test accuracy at most {GOALS['points_below_fedavg32']} points below FedAvg 32-bit",
+                    "value": f"{gap:+.2f} points below" if gap >= 0 else f"{-gap:.2f} points above",
+                    "met": gap <= GOALS["points_below_fedavg32"]})
+    if "fedavg16" in rows:
+        ref, mine = rows["fedavg16"]["bits_to_t"], dt["bits_to_t"]
+        ratio = mine / ref if mine is not None and ref else None
+        out.append({"goal": f"bits to T at most {GOALS['vs_fedavg16']}x FedAvg 16-bit's",
+                    "value": f"{ratio:.3f}x" if ratio is not None else
+                    f"{dt['seeds_reaching_t']} of {len(dt['seeds'])} seeds reach T", "ratio": ratio,
+                    "met": ratio is not None and ratio <= GOALS["vs_fedavg16"]})
+    out.append({"goal": f"exported model at least {GOALS['speedup']}x faster than dense (CPU)",
+                "value": f"{dt['speedup']:.2f}x" if dt["speedup"] is not None else "not timed",
+                "met": dt["speedup"] is not None and dt["speedup"] >= GOALS["speedup"]})
+    for peer in PEERS:
+        if peer not in rows:
+            continue
+        won = axes(dt, rows[peer])
+        n = sum(bool(v) for v in won.values())
+        out.append({"goal": f"better than {NAMES[peer]} on at least {GOALS['axes_won']} of accuracy, bits to T and "
+                            f"speedup", "value": ", ".join(f"{k} {'yes' if v else 'no' if v is False else '?'}"
+                                                           for k, v in won.items()),
+                    "axes": won, "met": n >= GOALS["axes_won"]})
+    return out
+
+
+def summarize(camp: h.Campaign, runs: list[h.Run], speed: dict[str, float]) -> dict[str, Any]:
+    """Everything the report shows, from the committed runs and the speed records."""
+    choice = choose(camp, runs)
+    p = camp.protocol
+    by_method = {m: sorted([r for r in runs if r.cand.label == label], key=lambda r: r.seed)
+                 for m, label in choice.chosen.items()}
+    complete = {m: rs for m, rs in by_method.items() if [r.seed for r in rs] == camp.seeds}
+    t = None
+    if p["t_reference"] in complete:
+        t = _mean([r.final_acc for r in complete[p["t_reference"]]]) - p["t_margin"]
+    base = camp.base
+    n_params = params(base["model"]["name"], base["data"]["name"])
+    rows = {m: line(m, rs, t, speed, n_params) for m, rs in complete.items()} if t is not None else {}
+    seed0 = {r.cand.label: r for r in runs if r.seed == camp.seeds[0]}
+    candidates = {m: [{"label": c.label, "note": c.note, "chosen": choice.chosen.get(m) == c.label,
+                       "val_accuracy": seed0[c.label].final_val if c.label in seed0 else None,
+                       "val_bits_to_t_val": (seed0[c.label].bits_to(choice.t_val, "val_accuracy")
+                                             if c.label in seed0 and choice.t_val is not None else None)}
+                      for c in camp.candidates if c.method == m] for m in camp.methods()}
+    return {
+        "protocol": {"config": base, "seeds": camp.seeds, "t_margin": p["t_margin"], "budget": p["budget"],
+                     "rule": RULE, "parameters": n_params},
+        "t": t, "t_val": choice.t_val, "chosen": choice.chosen, "why": choice.why, "candidates": candidates,
+        "table": list(rows.values()), "goals": goals(rows),
+        "runs": [{"method": m, "label": m, "setting": r.cand.label, "seed": r.seed, "final_density": r.density,
+                  "speedup": speed.get(f"{r.cand.label}_s{r.seed}"), "curve": r.curve()}
+                 for m, rs in complete.items() for r in rs],
+    }
+
+
+def _mbit(b: float | None) -> str:
+    return "never" if b is None else f"{b / 1e6:.1f}"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The report: protocol, rule, the table of chosen settings, the goals, the candidates."""
+    p = res["protocol"]
+    cfg = p["config"]
+    out = [f"Protocol: {cfg['data']['name']}, {cfg['model']['name']} ({p['parameters']:,} parameters), "
+           f"{cfg['federation']['clients']} clients, Dirichlet({cfg['federation']['alpha']}), "
+           f"{cfg['experiment']['rounds']} rounds of {cfg['train']['local_epochs']:g} local epochs, "
+           f"{100 * cfg['data']['validation']:.0f}% of the training set held out for validation; seeds "
+           f"{', '.join(map(str, p['seeds']))}; at most {p['budget']} candidates a method.", "",
+           f"Choice: {p['rule']}", ""]
+    if res["t"] is not None:
+        out += [f"T = FedAvg-16's final test accuracy (mean over seeds) - {100 * p['t_margin']:.1f} points = "
+                f"**{100 * res['t']:.2f}%**. Bits are 8 x the bytes of every message, up + down. Speedup: each "
+                f"seed's exported model against the same network dense, 3000 test images, CPU, 2 threads.", ""]
+    head = ["method", "setting", "candidates", "test accuracy (mean +- std)", "nonzero", "bits to T (Mbit)",
+            "x FedAvg-16", "total (Mbit)", "bits/param/round up", "down", "speedup (CPU)"]
+    rows = []
+    ref = next((r for r in res["table"] if r["method"] == "fedavg16"), None)
+    for r in res["table"]:
+        ratio = (r["bits_to_t"] / ref["bits_to_t"] if ref and ref["bits_to_t"] and r["bits_to_t"] is not None
+                 else None)
+        reach = ("" if r["seeds_reaching_t"] == len(r["seeds"]) else
+                 f" ({r['seeds_reaching_t']} of {len(r['seeds'])} seeds)")
+        rows.append([r["name"], f"`{r['setting']}`", str(len(res["candidates"].get(r["method"], []))),
+                     f"{100 * r['accuracy']:.2f} +- {100 * r['accuracy_std']:.2f}", f"{100 * r['density']:.1f}%",
+                     _mbit(r["bits_to_t"]) + reach, "" if ratio is None else f"{ratio:.3f}",
+                     _mbit(r["total_bits"]), f"{r['up_bits_per_param']:.2f}", f"{r['down_bits_per_param']:.2f}",
+                     "" if r["speedup"] is None else f"{r['speedup']:.2f}x"])
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(x) + " |" for x in rows)]
+    if res["goals"]:
+        out += ["", "D-Turbo-VBI's goals:", ""]
+        out += [f"* {g['goal']}: {g['value']}: **{'met' if g['met'] else 'missed'}**" for g in res["goals"]]
+    out += ["", "Candidates (seed 0, validation split; T_val = "
+            + ("" if res["t_val"] is None else f"{100 * res['t_val']:.2f}%") + "):", "",
+            "| method | candidate | final validation accuracy | Mbit to T_val | chosen |", "|---|---|---|---|---|"]
+    for m, cands in res["candidates"].items():
+        for c in cands:
+            val = "not run" if c["val_accuracy"] is None else f"{100 * c['val_accuracy']:.2f}%"
+            out.append(f"| {NAMES.get(m, m)} | `{c['label']}`: {c['note']} | {val} | "
+                       f"{'' if c['val_accuracy'] is None else _mbit(c['val_bits_to_t_val'])} | "
+                       f"{'**yes**' if c['chosen'] else ''} |")
+    return "\n".join(out) + "\n"
+
+
+def figure(res: dict[str, Any], path: Path) -> None:
+    """Test accuracy vs cumulative bits (log x) of every method's chosen setting, the mean over seeds; each line
+    ends with its speedup; T as a dotted line, each method's bits to T as a marker."""
+    import matplotlib.pyplot as plt
+
+    from dturbo.report import _save, bits_log_axis
+
+    fig, ax = plt.subplots(figsize=(8.5, 5.6), layout="constrained")
+    for i, row in enumerate(res["table"]):
+        curves = [np.array(r["curve"]) for r in res["runs"] if r["method"] == row["method"]]
+        n = min(len(c) for c in curves)
+        bits = np.mean([c[:n, 1] for c in curves], axis=0)
+        acc = 100 * np.mean([c[:n, 2] for c in curves], axis=0)
+        color = f"C{i % 10}"
+        speed = "" if row["speedup"] is None else f", {row['speedup']:.2f}x faster"
+        ax.plot(bits, acc, "-", lw=2.2 if row["method"] == "dturbo" else 1.4, color=color,
+                label=f"{row['name']}: {100 * row['accuracy']:.2f}%, {100 * row['density']:.0f}% nonzero{speed}")
+        if row["speedup"] is not None:
+            ax.annotate(f"{row['speedup']:.2f}x", (bits[-1], acc[-1]), xytext=(4, -3), textcoords="offset points",
+                        fontsize=8, color=color)
+        if row["bits_to_t"] is not None:
+            ax.plot([row["bits_to_t"]], [100 * res["t"]], "o", color=color, ms=5)
+    if res["t"] is not None:
+        ax.axhline(100 * res["t"], color="0.4", lw=0.8, ls=":")
+        ax.annotate(f"T = {100 * res['t']:.2f}%", (0.01, 100 * res["t"]), xycoords=("axes fraction", "data"),
+                    xytext=(0, 3), textcoords="offset points", fontsize=8, color="0.3")
+    ax.set_xscale("log")
+    ax.set(xlabel="cumulative communication, up + down (bits, log scale)", ylabel="test accuracy (%)",
+           title="Accuracy vs communication, and the exported model's speedup (mean over seeds)")
+    ax.set_ylim(70, 92)
+    ax.grid(alpha=0.3, which="major")
+    fig.legend(loc="outside lower center", fontsize=8, ncols=2, frameon=False)
+    bits_log_axis(ax)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _save(fig, path)
+
+
+def report(camp: h.Campaign, s: h.Settings, docs: Path) -> dict[str, Any]:
+    runs = h.load_runs(camp, s)
+    speed = {f"{r.cand.label}_s{r.seed}": 1.0 for r in runs if r.cand.algorithm in DENSE_FINAL}
+    speed_path = s.results / "joint_speed.json"
+    if speed_path.exists():
+        speed |= {k: v["speedup"] for k, v in json.loads(speed_path.read_text())["runs"].items()}
+    res = summarize(camp, runs, speed)
+    res["date"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    (s.results / "joint.json").write_text(json.dumps(res, indent=1) + "\n")
+    (s.results / "joint.md").write_text(markdown(res))
+    if res["table"]:
+        figure(res, docs / "results" / "joint.png")
+    return res
+
+
+def time_chosen(camp: h.Campaign, s: h.Settings, sessions: int = 3) -> dict[str, Any]:
+    """Every chosen seed's final model of a method whose model can be sparse, exported into
+    ``<results>/joint_models/<run>/{exported,dense}`` (kept, so that the timing can be repeated without the run
+    directory) and timed against the same network dense: 3000 test images, batch 3000, 2 threads."""
+    import speed as sp
+    import torch
+
+    from dturbo.data import load_dataset
+
+    choice = choose(camp, h.load_runs(camp, s))
+    by = camp.by_label()
+    base = camp.base
+    path = s.results / "joint_speed.json"
+    old = json.loads(path.read_text())["runs"] if path.exists() else {}
+    ds = load_dataset(base["data"]["name"], s.data_path or h.DEFAULT_DATA[base["data"]["name"]], limit_test=3000,
+                      seed=0)
+    x = torch.from_numpy(ds.x_test[:3000])
+    allocator = sp.reuse_memory()
+    records = dict(old)
+    for label in choice.chosen.values():
+        cand = by[label]
+        if cand.algorithm in DENSE_FINAL:
+            continue
+        for seed in camp.seeds:
+            name = f"{label}_s{seed}"
+            models = s.results / "joint_models" / name
+            run_dir = s.runs_root / camp.tag / name
+            if not (models / "exported").exists():
+                if not (run_dir / "model.safetensors").exists():
+                    h.say(f"{name}: no exported model and no run directory; train it first")
+                    continue
+                sp.export_run(run_dir, models / "exported")
+                sp.export_run(run_dir, models / "dense", compaction=False)
+            rec = sp.time_pair(models / "exported", models / "dense", x, batches=(3000,), threads=(2,),
+                               sessions=sessions)
+            records[name] = {k: rec[k] for k in ("speedup", "speedup_sessions", "speedup_eager")}
+            h.say(f"{name}: {rec['speedup']:.2f}x (sessions {rec['speedup_sessions']})")
+    out = {"machine": sp.machine(allocator), "timing": {"samples": 3000, "batch": 3000, "threads": 2,
+                                                        "sessions": sessions, "device": "cpu"},
+           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "runs": records}
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("command", nargs="?", default="plan", choices=["plan", "run", "verify", "time", "report"])
@@ -111,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=None, help="Fashion-MNIST folder (default: $DTURBO_DATA or the Debian "
                                                    "package's)")
     ap.add_argument("--rounds", type=int, default=2, help="verify: rounds to train again")
+    ap.add_argument("--sessions", type=int, default=3, help="time: timing sessions per model")
+    ap.add_argument("--docs", type=Path, default=h.ROOT / "docs", help="report: where docs/results/joint.png goes")
     args = ap.parse_args(argv)
     camp = h.load_campaign(CAMPAIGN)
     over = [m for m in camp.methods() if sum(c.method == m for c in camp.candidates) > camp.protocol["budget"]]
@@ -150,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{job.name} ({path.parent.name}/{path.name}): first {args.rounds} rounds "
                   f"{'identical' if not diffs else 'DIFFER: ' + '; '.join(diffs)}", flush=True)
         return 1 if bad else 0
+    elif args.command == "time":
+        time_chosen(camp, s, args.sessions)
+    elif args.command == "report":
+        res = report(camp, s, args.docs)
+        print(markdown(res))
     return 0
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -50,13 +49,11 @@ sys.path.insert(0, str(HERE))
 
 import frontier as fr  # noqa: E402
 import torch  # noqa: E402
-from bench_inference import SETTINGS, interleaved, load_as, machine, reuse_memory, settings_for  # noqa: E402
-
-from dturbo.export import export_run  # noqa: E402
+from bench_inference import machine, reuse_memory, settings_for  # noqa: E402
+from speed import REPEATS, time_model  # noqa: E402
 
 SEEDS = (0, 1)
 BATCHES = (3000, 64, 1)
-REPEATS = {3000: 15, 64: 60, 1: 300}
 GOALS = [(2.0, 1.5), (3.5, 2.5)]  # (speedup at least, points below FedAvg 32-bit at most)
 RESULTS = HERE / "results"
 DOC = HERE.parent / "docs" / "inference.md"
@@ -231,61 +228,6 @@ def train_jobs(s: fr.Settings) -> list[fr.Job]:
 
 
 # --------------------------------------------------------------------------------------------------- timing
-def time_model(run_dir: Path, x: torch.Tensor, threads: tuple[int, ...], sessions: int, compile_too: bool,
-               dev: torch.device) -> dict[str, Any]:
-    """Dense vs exported ms at every batch size, setting and thread count, interleaved, in ``sessions``
-    independent timing sessions (both networks loaded afresh each time: kernel choice, allocation and thread
-    placement are redone); the speedups of each session and their median.
-
-    Why sessions: on this 2-core machine the dense network's two-thread time varies by a third from one load to
-    the next while the median within one session is stable (docs/inference.md), so one session is one sample."""
-    tmp = Path(tempfile.mkdtemp(prefix="speed_frontier_"))
-    exported = export_run(run_dir, tmp / "exported")
-    export_run(run_dir, tmp / "dense", compaction=False)  # the same weights, nothing removed
-    settings = settings_for(dev, compile_too)
-    # ms[threads][batch][setting][net]: one median per session
-    ms: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {
-        str(t): {str(b): {k: {"dense": [], "exported": []} for k in settings} for b in BATCHES} for t in threads}
-    for _ in range(sessions):
-        for t in threads:
-            torch.set_num_threads(t)
-            for b in BATCHES:
-                xb = x[:b].to(dev)
-                for name in settings:
-                    torch._dynamo.reset()
-                    models = {"dense": load_as(tmp / "dense", "dense", b, SETTINGS[name], dev),
-                              "exported": load_as(tmp / "exported", "auto", b, SETTINGS[name], dev)}
-                    for net, v in interleaved(models, xb, REPEATS[b], dev).items():
-                        ms[str(t)][str(b)][name][net].append(round(v, 4))
-    torch.set_num_threads(threads[0])
-
-    def best(t: int, b: int, net: str) -> np.ndarray:
-        """Per session: the network's time in its best setting."""
-        return np.min([v[net] for v in ms[str(t)][str(b)].values()], axis=0)
-
-    def ratio(t: int, b: int, setting: str | None = None) -> np.ndarray:
-        if setting is None:
-            return best(t, b, "dense") / best(t, b, "exported")
-        v = ms[str(t)][str(b)][setting]
-        return np.asarray(v["dense"]) / np.asarray(v["exported"])
-
-    t0 = threads[0]
-    per_session = ratio(t0, 3000)
-    rec = {
-        "run_dir": str(run_dir), "ms": ms, "export_totals": exported.spec()["totals"],
-        "speedup": float(np.median(per_session)), "speedup_sessions": [round(float(r), 3) for r in per_session],
-        "speedup_eager": float(np.median(ratio(t0, 3000, "eager"))),
-        "speedup_batch64": float(np.median(ratio(t0, 64))),
-        "speedup_batch1": float(np.median(ratio(t0, 1))),
-        "latency_batch1_ms": float(np.median(best(t0, 1, "exported"))),
-        "latency_batch1_dense_ms": float(np.median(best(t0, 1, "dense"))),
-    }
-    for t in threads[1:]:
-        rec[f"speedup_{t}thread"] = float(np.median(ratio(t, 3000)))
-        rec[f"latency_batch1_{t}thread_ms"] = float(np.median(best(t, 1, "exported")))
-    return rec
-
-
 def measure(s: fr.Settings, threads: tuple[int, ...], sessions: int, compile_too: bool, samples: int,
             only: set[str] | None = None, dev: torch.device = torch.device("cpu")) -> dict[str, Any]:
     """Time every point (``only``: the points of these labels) on this machine now, on ``dev`` (on a GPU with
