@@ -1,4 +1,4 @@
-"""What glibc's allocator does to a speedup, and what conv1 costs by output channels (docs/inference.md).
+"""What glibc's allocator does to a speedup, and what conv1 costs by output channels (docs/export.md).
 
 1. One run's exported model against the same network dense (3000 Fashion-MNIST test images, channels_last with
    kernels chosen by timing, networks timed interleaved, per-layer times too), in two fresh processes: glibc's

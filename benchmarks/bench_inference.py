@@ -173,7 +173,7 @@ def load_as(model_dir: Path, kernels: str, batch: int, setting: Setting, dev: to
 def reuse_memory() -> str:
     """Both networks are timed with freed memory kept for reuse (:func:`dturbo.kernels.keep_freed_memory`):
     with glibc's defaults a dense network's large activations are fresh page-faulted pages on every pass, and a
-    ratio against it measures the allocator (docs/inference.md). Returns the words the results record."""
+    ratio against it measures the allocator (docs/export.md). Returns the words the results record."""
     if keep_freed_memory():
         return "glibc, freed blocks of up to 1 GiB kept for reuse (dturbo.kernels.keep_freed_memory)"
     return "the platform's default (not glibc: nothing changed)"

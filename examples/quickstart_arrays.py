@@ -4,7 +4,7 @@
     python examples/quickstart_arrays.py --small      # a few seconds (also: DTURBO_EXAMPLE_SMALL=1)
 
 The arrays go to dturbo.Experiment exactly as an .npz file's would (numpy arrays or torch tensors; images N,H,W,
-N,C,H,W or N,H,W,C, or flat N,D; integer labels 0..K-1). docs/library.md has the whole API.
+N,C,H,W or N,H,W,C, or flat N,D; integer labels 0..K-1). docs/api.md has the whole API.
 """
 
 from __future__ import annotations

@@ -56,3 +56,8 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+# The paper's 16-bit protocol ([dturbo.transmission] of the `paper` preset), for tests about its messages.
+PAPER_TRANSMISSION = {"up_bits": 16, "down_bits": 16, "prior_std": "sent", "positions": "full",
+                      "values_code": "fixed"}

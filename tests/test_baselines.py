@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from run_helpers import TIMING
+from run_helpers import PAPER_TRANSMISSION, TIMING
 from safetensors.numpy import load_file
 
 from dturbo.algorithms.base import message_bits
@@ -170,7 +170,8 @@ def test_log8_prior_std_roundtrip():
 
 
 def test_dturbo_ledger_splits_positions_and_values(fed):
-    cfg = parse_config(base_config("dturbo"))
+    """The paper's downlink (cluster-coded float16 mu_G): its positions and values apart, summing to its bytes."""
+    cfg = parse_config(base_config("dturbo", dturbo={"transmission": PAPER_TRANSMISSION}))
     server, _ = build_algorithm(cfg, fed)
     state = server.init()
     for info in server.layers:  # a sparse support: positions now cost bits

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from run_helpers import PAPER_TRANSMISSION
 from safetensors.numpy import load_file
 from scipy.special import expit
 
@@ -28,7 +29,8 @@ def _cfg(path, **dturbo) -> dict:
         "federation": {"clients": 2, "partition": "iid"},
         "model": {"name": "mlp", "hidden": [8]},
         "train": {"local_steps": 15, "batch_size": 32, "lr": 0.01},
-        "dturbo": {"beta": 0.05, "prior": {"dense": {"r": R}}, **dturbo},
+        "dturbo": {"beta": 0.05, "prior": {"dense": {"r": R}}, "transmission": PAPER_TRANSMISSION,
+                   "prior_std_dtype": "float16", **dturbo},
     }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from run_helpers import PAPER_TRANSMISSION
 from scipy import integrate
 from scipy.special import expit
 from torch.distributions import Bernoulli, Gamma, kl_divergence
@@ -33,7 +34,8 @@ def _config(tmp_path: Path, *, beta: float = 1.0, tie_rows: bool = False, **spar
         "federation": {"clients": 3, "partition": "iid"},
         "model": {"name": "mlp", "hidden": [12]},
         "train": {"local_steps": 8, "batch_size": 32, "lr": 0.01},
-        "dturbo": {"beta": beta, "prior": {"dense": {"tie_rows": tie_rows}},
+        "dturbo": {"beta": beta, "prior": {"dense": {"tie_rows": tie_rows}}, "transmission": PAPER_TRANSMISSION,
+                   "prior_std_dtype": "float16",
                    "sparsity": {"target_density": 0.5, "warmup_rounds": 0, "ramp_rounds": 2, **sparsity}},
     }
 

@@ -2,7 +2,7 @@
 
 Its effect on a network's time is measured by benchmarks/bench_allocator.py, not here: a timed unit test
 cannot say it reliably, and a probe of one 64 MiB block refilled in a loop still page-faults in most
-refills with the setting on (docs/inference.md says what is and is not understood)."""
+refills with the setting on (docs/export.md says what is and is not understood)."""
 
 from __future__ import annotations
 

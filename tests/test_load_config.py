@@ -90,7 +90,8 @@ def test_an_unset_lr_is_the_algorithms_default_and_is_recorded():
         assert cfg.train.lr == lr
         assert cfg.to_dict()["train"]["lr"] == lr  # config.json says what the run trained with
         assert dturbo.load_config(cfg.to_dict()) == cfg
-    assert DEFAULT_LR["dturbo"] > DEFAULT_LR["fedavg"]  # the Bayesian layers' larger step (docs/library.md#tuning)
+    # the Bayesian layers' larger step (docs/models.md#tune-for-a-new-dataset)
+    assert DEFAULT_LR["dturbo"] > DEFAULT_LR["fedavg"]
     explicit = dturbo.load_config({"experiment": {"algorithm": "dturbo"}, "train": {"lr": 0.0007}})
     assert explicit.train.lr == 0.0007
     # an override of the algorithm on a raw config gets that algorithm's default

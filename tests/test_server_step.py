@@ -12,6 +12,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from run_helpers import PAPER_TRANSMISSION
 from scipy.special import digamma, expit, gammaln, log_expit
 
 import dturbo.algorithms.dturbo as dt
@@ -36,6 +37,7 @@ def _config(*, mode: str = "prior", hidden=(5,), gamma: str = "exact", threshold
         "model": {"name": "mlp", "hidden": list(hidden)},
         "train": {"local_steps": local_steps, "batch_size": 8, "lr": 0.01},
         "dturbo": {"gamma_update": gamma, "support_threshold": threshold, "beta": beta,
+                   "transmission": PAPER_TRANSMISSION, "prior_std_dtype": "float16",
                    "prior": {"dense": {"r": R, **DENSE_MRF}},
                    "sparsity": {"mode": mode, **sparsity}},
     }

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from run_helpers import PAPER_TRANSMISSION
 from safetensors.numpy import load_file
 
 from dturbo.checkpoint import CheckpointError, load_checkpoint
@@ -242,6 +243,7 @@ def test_bad_uplinks_are_rejected_and_the_round_uses_the_rest(tmp_path):
         "federation": {"clients": 2, "partition": "iid"},
         "model": {"name": "mlp", "hidden": [4]},
         "train": {"local_steps": 3},
+        "dturbo": {"transmission": PAPER_TRANSMISSION},
     })
     sim = Simulator(cfg, tmp_path / "run")
     state = sim.server.init()

@@ -1,5 +1,5 @@
-"""The pruning schedule of target mode (docs/sparsity.md §2, docs/library.md#tuning): warm-up and ramp in rounds as
-set, or paced by local training when unset (:func:`dturbo.sparsity.pruning_schedule`)."""
+"""The pruning schedule of target mode (docs/sparsity.md §2, docs/models.md#tune-for-a-new-dataset): warm-up and
+ramp in rounds as set, or paced by local training when unset (:func:`dturbo.sparsity.pruning_schedule`)."""
 
 from __future__ import annotations
 
@@ -122,3 +122,37 @@ def test_a_run_follows_the_paced_schedule(tmp_path, tiny_config):
     assert [float(r["scheduled_density"]) for r in rows] == pytest.approx(expected)
     assert all(float(r["density"]) <= float(r["scheduled_density"]) for r in rows)
     assert [float(r["density"]) for r in rows[:2]] == [1.0, 1.0]
+
+
+def test_layer_targets_select_layers_by_name_position_or_kind():
+    from dturbo.sparsity import resolve_layer_targets
+
+    names = ["conv1", "conv2", "dense1", "dense2"]
+    kinds = ["conv", "conv", "dense", "dense"]
+    assert resolve_layer_targets(names, kinds, {"first": 1.0, "last": 1.0}) == {"conv1": 1.0, "dense2": 1.0}
+    assert resolve_layer_targets(names, kinds, {"conv": 0.5, "last": 1.0}) == {"conv1": 0.5, "conv2": 0.5,
+                                                                               "dense2": 1.0}
+    # a name wins over a position, a position over a kind
+    assert resolve_layer_targets(names, kinds, {"conv": 0.5, "first": 0.9, "conv1": 0.3}) == {"conv1": 0.3,
+                                                                                           "conv2": 0.5}
+    assert resolve_layer_targets(names, kinds, {"conv": 0.5, "first": 0.9}) == {"conv1": 0.9, "conv2": 0.5}
+    with pytest.raises(ConfigError, match="'conv9'.*select them by first, last, conv, dense"):
+        resolve_layer_targets(names, kinds, {"conv9": 0.5})
+
+
+def test_selectors_give_the_named_setting_the_same_run(tmp_path, tiny_config):
+    """{first, last} on an mlp is {dense1, dense3}: the same resolved layer targets, the same metrics."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(240, 12)).astype(np.float32)
+    y = ((x[:, :3].sum(1) > 0).astype(np.int64) + 2 * (x[:, 3] > 0))
+    named = load_config(tiny_config(rounds=3, model={"name": "mlp", "hidden": [16, 8]},
+                                    dturbo={"sparsity": {"target_density": 0.4, "warmup_rounds": 0, "ramp_rounds": 2,
+                                                         "layer_targets": {"dense1": 0.3, "dense3": 1.0}}}))
+    chosen = load_config(named, ["dturbo.sparsity.layer_targets={first = 0.3, last = 1.0}"])
+    rows = []
+    for cfg, out in ((named, tmp_path / "a"), (chosen, tmp_path / "b")):
+        dturbo.Experiment(cfg, data=(x, y, x[:100], y[:100]), out=out, progress=False, figures=False).run()
+        with open(out / "metrics.csv", newline="") as f:
+            rows.append([{k: v for k, v in r.items() if k not in ("seconds", "server_seconds")}
+                         for r in csv.DictReader(f)])
+    assert rows[0] == rows[1]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from run_helpers import PAPER_TRANSMISSION
 from scipy.special import expit
 
 from dturbo.algorithms.base import message_bits
@@ -108,7 +109,7 @@ def _config(tmp_path: Path, transmission: dict, rounds: int = 3) -> dict:
         "federation": {"clients": 3, "partition": "iid"},
         "model": {"name": "mlp", "hidden": [32]},
         "train": {"local_steps": 20, "batch_size": 32, "lr": 0.01},
-        "dturbo": {"beta": 0.1, "transmission": transmission,
+        "dturbo": {"beta": 0.1, "transmission": {**PAPER_TRANSMISSION, **transmission}, "prior_std_dtype": "float16",
                    "sparsity": {"target_density": 0.3, "warmup_rounds": 0, "ramp_rounds": 2}},
     }
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
 
 from dturbo.codec import CodecError, encode_quantized, payload_bits
 from dturbo.coding.values import MAX_CODED_LEVELS, decode_symbols, encode_symbols
@@ -128,10 +127,12 @@ def test_encoder_refuses_what_it_cannot_code():
         encode_symbols(np.array([0, 16]), 16)
 
 
-def test_config_refuses_range_coding_with_nothing_quantised():
-    TransmissionConfig(up_bits=4, values_code="range")
-    with pytest.raises(ValidationError, match="values_code = 'range' codes quantised values"):
-        TransmissionConfig(values_code="range")
+def test_range_coding_leaves_float16_values_as_they_are():
+    """values_code = "range" (the default) codes quantised values only: the paper's 16-bit protocol needs no other
+    setting, and its messages are the fixed-length ones."""
+    paper = {"up_bits": 16, "down_bits": 16, "prior_std": "sent", "positions": "full"}
+    assert TransmissionConfig(**paper).values_code == "range"
+    assert TransmissionConfig(**paper, values_code="fixed").up_bits == 16
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """dturbo: Bayesian federated model compression with D-Turbo-VBI (see docs/algorithm.md).
 
-The library's entry points (docs/library.md): :func:`load_config` and :class:`Config`, and
+The library's entry points (docs/api.md): :func:`load_config` and :class:`Config`, and
 :class:`Experiment`, whose ``run()`` returns an :class:`ExperimentResult`; :func:`bayesianize` (any
 ``torch.nn.Module`` as a D-Turbo-VBI model). They pull in torch, so they are imported on first use
 (``import dturbo`` stays light for the command line).
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .experiment import Experiment, ExperimentResult
     from .nn.convert import bayesianize
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["Config", "ConfigError", "Experiment", "ExperimentResult", "bayesianize", "load_config"]
 
 

@@ -18,7 +18,33 @@ from .config import ConfigError, load_config
 from .rundir import RunDir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="D-Turbo-VBI: Bayesian federated model compression.")
+config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Show configurations.")
+app.add_typer(config_app, name="config")
 console = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"dturbo {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print the version and exit")] = False) -> None:
+    """D-Turbo-VBI: Bayesian federated model compression."""
+
+
+def _load(config: Path | None, preset: str | None, overrides: list[str] | None) -> Any:
+    """The config of a command: a TOML file or a preset (one of the two), with --set overrides."""
+    if (config is None) == (preset is None):
+        _fail("give a CONFIG file or --preset NAME (one of the two); `dturbo presets` lists the presets")
+    try:
+        return load_config(config, overrides or [], preset=preset)
+    except ConfigError as err:
+        _fail(str(err))
 
 
 def _fail(msg: str) -> None:
@@ -33,20 +59,20 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 @app.command()
 def run(
-    config: Annotated[Path, typer.Argument(help="experiment config (TOML)")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="run directory")],
+    config: Annotated[Path | None, typer.Argument(help="experiment config (TOML); or give --preset")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory (new, or empty)")] = None,
+    preset: Annotated[str | None, typer.Option(help="a preset shipped with dturbo (`dturbo presets`)")] = None,
     resume: Annotated[bool, typer.Option(help="continue from the run directory's checkpoint")] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a config key: section.key=value")] = None,
     figures: Annotated[bool, typer.Option(help="draw the run's figures at the end")] = True,
 ) -> None:
-    """Run a federated experiment (in one process) into OUT."""
+    """Run a federated experiment (in one process) into OUT, from a CONFIG file or a --preset."""
     from .data import DataError
     from .sim import PoisonedStateError, Simulator, TooFewClientsError, format_bits, round_summary
 
-    try:
-        cfg = load_config(config, set_ or [])
-    except ConfigError as err:
-        _fail(str(err))
+    cfg = _load(config, preset, set_)
+    if out is None:
+        _fail("--out DIR: the run directory to write (a new or empty one)")
         return
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} names a file; --out must be a directory (a new or empty one for a new run)")
@@ -54,6 +80,7 @@ def run(
         _fail(f"--resume: {out} holds no run (no config.toml)")
     console.print(f"[bold]dturbo[/] {cfg.experiment.name}: {cfg.experiment.algorithm} on {cfg.data.name}, "
                   f"{cfg.model.name}, {cfg.federation.clients} clients, {cfg.experiment.rounds} rounds -> {out}")
+    done = [0]  # the last round recorded (checkpointed)
     try:
         t0 = time.perf_counter()
         tty = console.is_terminal
@@ -63,11 +90,17 @@ def run(
             console=console, disable=not tty,
         )
 
+        seconds: list[float] = []
+
         def on_round(row: dict[str, Any]) -> None:
             info = round_summary(row)
             progress.update(task, completed=int(row["round"]), info=info)
-            if not tty:  # CI logs: one line per round
-                console.print(f"round {row['round']}/{cfg.experiment.rounds}  {info}  ({row['seconds']} s)")
+            done[0] = int(row["round"])
+            if not tty:  # logs: one line per round, with the time left at the mean pace so far
+                seconds.append(float(row["seconds"]))
+                left = (cfg.experiment.rounds - int(row["round"])) * sum(seconds) / len(seconds)
+                console.print(f"round {row['round']}/{cfg.experiment.rounds}  {info}  ({row['seconds']} s, about "
+                              f"{_duration(left)} left)")
 
         # Warnings (a schedule that ends after the run, labels with gaps, an unverifiable checkpoint) go to the
         # console as they happen, not as Python's file:line lines.
@@ -77,6 +110,11 @@ def run(
             sim = Simulator(cfg, out, resume=resume, on_round=on_round)
             task = progress.add_task("rounds", total=cfg.experiment.rounds, info="", completed=0)
             rows = sim.run()
+    except KeyboardInterrupt:
+        kept = (f"the checkpoint of round {done[0]} is intact: continue with `dturbo run ... --out {out} --resume`"
+                if done[0] else "no round was saved yet")
+        console.print(f"[bold yellow]interrupted:[/] {escape(kept)}")
+        raise typer.Exit(130) from None
     except (ConfigError, DataError, CheckpointError, FileExistsError, ValueError, TooFewClientsError,
             PoisonedStateError) as err:
         _fail(str(err))
@@ -97,7 +135,8 @@ def report(
     runs: Annotated[list[Path], typer.Argument(help="run directories")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="where figures go (default: RUN/figures)")] = None,
     target: Annotated[list[float] | None, typer.Option(
-        help="accuracy (0-1) for the 'bits to reach' columns; repeatable (default: the lowest final accuracy)")] = None,
+        help="accuracy (0-1) for the 'bits to reach' columns; repeatable (default: the lowest final accuracy among "
+             "the runs that learned)")] = None,
     inference: Annotated[bool, typer.Option(help="time a forward pass of 3000 test samples per run")] = True,
 ) -> None:
     """Draw the figures of one run, or compare several: accuracy vs bits, table (Markdown + CSV), heat maps."""
@@ -156,6 +195,37 @@ def export(
         console.print("[bold yellow]warning:[/] the run's input normalisation is unknown (it predates stored "
                       "normalisation and its data could not be read): the exported model takes normalised inputs "
                       "only", highlight=False)
+
+
+@app.command()
+def presets() -> None:
+    """List the presets shipped with dturbo, one line each (run one with `dturbo run --preset NAME --out DIR`)."""
+    from . import presets as p
+
+    width = max(len(n) for n in p.names())
+    for name in p.names():
+        print(f"{name:<{width}}  {p.describe(name)}")
+
+
+@config_app.command("show")
+def config_show(
+    config: Annotated[Path | None, typer.Argument(help="experiment config (TOML); or give --preset")] = None,
+    preset: Annotated[str | None, typer.Option(help="a preset shipped with dturbo (`dturbo presets`)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a config key: section.key=value")] = None,
+) -> None:
+    """Print the whole configuration (every key, defaults filled in) of a CONFIG file or a --preset, as TOML: a
+    file to start one's own from."""
+    cfg = _load(config, preset, set_)
+    print(cfg.to_toml(), end="")
+
+
+def _duration(seconds: float) -> str:
+    """A duration in words: "40 s", "12 min", "2.5 h"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def main() -> None:  # pragma: no cover

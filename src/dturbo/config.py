@@ -177,11 +177,11 @@ class SparsityConfig(_Section):
     Module B) calibrated each round so that the support size follows a schedule from dense to
     ``target_density`` (cubic ramp over ``ramp_rounds`` after ``warmup_rounds``). Unset, the two are paced by
     local training (``warmup_steps``, ``ramp_steps``; :func:`dturbo.sparsity.pruning_schedule`,
-    docs/sparsity.md §2, docs/library.md#tuning).
+    docs/sparsity.md §2, docs/models.md#tune-for-a-new-dataset).
     """
 
     mode: Literal["prior", "target"] = "target"
-    target_density: Probability = Field(0.25, gt=0, le=1)
+    target_density: Probability = Field(0.15, gt=0, le=1, description="the final fraction of the weights kept")
     warmup_rounds: int | None = Field(None, ge=0, description=(
         "dense rounds before the ramp; unset (the default): enough rounds for the mean client to train "
         "warmup_steps local steps, at most (rounds - 1) // 2"))
@@ -200,8 +200,9 @@ class SparsityConfig(_Section):
     min_layer_density: Probability = Field(0.02, ge=0, le=1)
     layer_targets: dict[str, Probability] = Field(
         default_factory=dict,
-        description="final density of named layers (e.g. {conv1 = 0.34}), each calibrated alone on the same "
-                    "schedule; the other layers share what is left of target_density (scope 'global') or "
+        description="final density of layers, each calibrated alone on the same schedule, by name (e.g. "
+                    "{conv1 = 0.34}), position (first, last) or kind (conv, dense); a name wins over a position, a "
+                    "position over a kind; the other layers share what is left of target_density (scope 'global') or "
                     "each take target_density (scope 'layer')",
     )
 
@@ -209,16 +210,16 @@ class SparsityConfig(_Section):
 class TransmissionConfig(_Section):
     """What D-Turbo-VBI's messages carry, and at how many bits per value (docs/communication.md)."""
 
-    up_bits: int = Field(16, ge=1, le=16, description=(
+    up_bits: int = Field(4, ge=1, le=16, description=(
         "16: mu_t on S as float16 (the paper); 1..12: the update mu_t - mu received on S, on 2**bits levels per "
         "layer, unbiased stochastic rounding"))
-    down_bits: int = Field(16, ge=1, le=16, description=(
+    down_bits: int = Field(8, ge=1, le=16, description=(
         "16: cluster-coded float16 mu_G (the paper); 1..12: the support's cluster-coded positions, then mu_G on S "
         "on 2**bits levels per layer, unbiased stochastic rounding"))
-    prior_std: Literal["sent", "rebuilt"] = Field("sent", description=(
+    prior_std: Literal["sent", "rebuilt"] = Field("rebuilt", description=(
         "sent: sigma_prior on S travels (prior_std_dtype); rebuilt: clients compute it by E4-E5 with pi~ = 1 on S "
         "from mu_G and sigma_G, and nothing is sent"))
-    positions: Literal["full", "delta"] = Field("full", description=(
+    positions: Literal["full", "delta"] = Field("delta", description=(
         "full: every downlink carries each layer's support whole (implicit in the cluster-coded mu_G with down_bits "
         "= 16); delta: a client's downlink carries it as the positions that flipped since the support that client "
         "last received, or whole when that is smaller or the client holds none (docs/communication.md)"))
@@ -227,8 +228,9 @@ class TransmissionConfig(_Section):
         "2**down_bits levels per layer (stochastic rounding), so the rounding error of one downlink is sent again in "
         "the next; needs positions = 'delta' (the server knows what each client holds) and down_bits < 16 "
         "(docs/communication.md)"))
-    values_code: ValuesCode = Field("fixed", description=(
-        "how quantised values (up_bits / down_bits < 16) are written: fixed, bits bits each; range, range-coded under "
+    values_code: ValuesCode = Field("range", description=(
+        "how quantised values (up_bits / down_bits < 16; float16 values are sent as they are) are written: fixed, "
+        "bits bits each; range, range-coded under "
         "a discretised Gaussian or Laplace fitted per layer (lossless: the same values, fewer bits; "
         "dturbo.coding.values, docs/communication.md)"))
 
@@ -241,22 +243,21 @@ class TransmissionConfig(_Section):
             raise ValueError("down_mu = 'update' needs positions = 'delta' (the server must know which weights each "
                              f"client holds) and down_bits in 1..12; got positions = '{self.positions}', down_bits = "
                              f"{self.down_bits}")
-        if self.values_code == "range" and self.up_bits == 16 and self.down_bits == 16:
-            raise ValueError("values_code = 'range' codes quantised values, and up_bits and down_bits are both 16 "
-                             "(float16): set one of them to 1..12, or values_code = 'fixed'")
         return self
 
 
 class DturboConfig(_Section):
     sigma_mode: Literal["layer", "weight", "client"] = "layer"
-    sigma_init_ratio: float = Field(0.1, gt=0)
+    sigma_init_ratio: float = Field(0.02, gt=0, description="the initial sigma as a fraction of the layer's initial "
+                                                               "weight std")
     beta: float = Field(0.01, ge=0, description=(
         "KL weight of E6 (a tempered posterior; the paper's is 1): chosen on validation over three datasets, "
-        "benchmarks/small_data.py; docs/library.md#tuning"))
+        "benchmarks/small_data.py; docs/models.md#tune-for-a-new-dataset"))
     gamma_update: Literal["exact", "paper"] = "exact"
     support_threshold: Probability = Field(0.5, gt=0, lt=1)
     prior_std_dtype: Literal["float16", "float32", "log8"] = Field(
-        "float16", description="how sigma_prior on S is sent (§9): float16/32, or 8-bit log-scale levels"
+        "log8", description="how sigma_prior on S is sent with transmission.prior_std = 'sent': float16/32, or 8-bit "
+                            "log-scale levels"
     )
     transmission: TransmissionConfig = Field(default_factory=TransmissionConfig)
     sparsity: SparsityConfig = Field(default_factory=SparsityConfig)
@@ -369,10 +370,9 @@ class FedPmConfig(_Section):
         return self
 
 
-# The learning rate of an unset [train] lr, by algorithm (docs/library.md#tuning). D-Turbo-VBI's best is larger
-# than the dense baselines' on every dataset measured, chosen on validation (the frontier's whole Fashion-MNIST:
-# 0.005 against FedAvg's 0.002-0.003; digits and Fashion-MNIST-3k: benchmarks/small_data.py --stage lr); FedPM
-# trains scores, not weights, at its authors' 0.1.
+# The learning rate of an unset [train] lr, by algorithm (docs/models.md#tune-for-a-new-dataset): D-Turbo-VBI's
+# Bayesian layers take a larger step than the dense baselines' (chosen on validation); FedPM trains scores, not
+# weights, at its authors' 0.1.
 DEFAULT_LR: dict[str, float] = {"dturbo": 5e-3, "fedavg": 2e-3, "fedpaq": 2e-3, "dssm": 2e-3, "stc": 2e-3,
                                 "fedpm": 0.1, "feddst": 2e-3}
 
@@ -406,12 +406,36 @@ class Config(_Section):
         return tomli_w.dumps(self.to_dict())
 
 
+def _known_keys(parts: list[str]) -> list[str]:
+    """The keys of the section that ``parts`` (a key's path) names, or of the top level."""
+    model: Any = Config
+    for p in parts:
+        ann = model.model_fields[p].annotation if p in getattr(model, "model_fields", {}) else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _unknown_key(key: str) -> str:
+    import difflib
+
+    parts = key.split(".")
+    known = _known_keys(parts[:-1])
+    # a key typed short (``target`` for ``target_density``) first, then the nearest by spelling
+    close = [k for k in known if k.startswith(parts[-1])][:1] or difflib.get_close_matches(parts[-1], known, n=1,
+                                                                                            cutoff=0.6)
+    hint = f" (did you mean '{'.'.join([*parts[:-1], close[0]])}'?)" if close else ""
+    return (f"config key '{key}': unknown key{hint}; `dturbo config show --preset quick` prints every key with its "
+            f"value")
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"config key '{key}': unknown key (check the spelling; see configs/ for examples)")
+            lines.append(_unknown_key(key))
         else:
             lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
@@ -496,11 +520,21 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str] | Mapping[str
     return data
 
 
-def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | Config,
-                overrides: Sequence[str] | Mapping[str, Any] | None = None) -> Config:
-    """A validated :class:`Config` from a TOML file (a path), a mapping shaped like the TOML, or a Config, with
-    ``overrides`` applied (:func:`apply_overrides`: ``["experiment.rounds=3"]`` as ``--set`` takes them, or
-    ``{"experiment.rounds": 3}``). The source is not modified. Raises :class:`ConfigError` naming the key."""
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+                overrides: Sequence[str] | Mapping[str, Any] | None = None, *, preset: str | None = None) -> Config:
+    """A validated :class:`Config` from a TOML file (a path), a mapping shaped like the TOML, a Config, or a preset
+    shipped with dturbo (``preset="recommended"``, :mod:`dturbo.presets`), with ``overrides`` applied
+    (:func:`apply_overrides`: ``["experiment.rounds=3"]`` as ``--set`` takes them, or ``{"experiment.rounds": 3}``).
+    The source is not modified. Raises :class:`ConfigError` naming the key."""
+    if (source is None) == (preset is None):
+        raise ConfigError("give a config (a TOML file, a dict or a dturbo.Config) or a preset name, one of the two")
+    if preset is not None:
+        from . import presets
+
+        try:
+            return parse_config(apply_overrides(presets.read(preset), overrides or []))
+        except presets.PresetError as err:
+            raise ConfigError(str(err)) from None
     if isinstance(source, Config):
         data = source.to_dict()
     elif isinstance(source, Mapping):
@@ -523,8 +557,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         # e.g. the .npz passed where the config goes: say so instead of a decoding traceback
         hint = (" (it is a zip/.npz archive: data files go in the config's data.path)" if raw[:2] == b"PK"
                 else " (it is binary, not text)")
-        raise ConfigError(f"{path} is not a TOML file{hint}; pass an experiment config such as "
-                          f"configs/fmnist_quick.toml") from None
+        raise ConfigError(f"{path} is not a TOML file{hint}; pass an experiment config (`dturbo config show "
+                          f"--preset quick` prints one to start from)") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -1,4 +1,4 @@
-"""dturbo as a library: run a federated experiment from Python (docs/library.md).
+"""dturbo as a library: run a federated experiment from Python (docs/models.md).
 
 :class:`Experiment` is ``dturbo run`` without the command line: the same :class:`dturbo.sim.Simulator`, so the
 same run directory (config.toml, metrics.csv, checkpoint/, messages/, model.safetensors, events.log, figures/),

@@ -214,7 +214,8 @@ class NativeConv2d(nn.Conv2d):
 class DirectConv2d(nn.Conv2d):
     """A convolution run by dturbo's direct kernel (:func:`dturbo.native.conv_direct`), for thin layers: its cost
     follows the channels, where oneDNN's 7x7 conv1 stays that of a 6-channel layer when export has cut it to 2 or
-    3 (docs/inference.md). The same sums in another order: outputs equal oneDNN's within float32 rounding. Only
+    3 (docs/export.md#the-direct-kernel). The same sums in another order: outputs equal oneDNN's within float32
+    rounding. Only
     for stride 1, dilation 1, groups 1, a square kernel, the same zero padding on every side, float32 on the CPU
     (:func:`direct_supported`); any other input runs PyTorch's convolution."""
 

@@ -1,8 +1,9 @@
 """dturbo's native (C++) CPU kernels: built on first use with PyTorch's extension builder, loaded as torch ops.
 
 There is one: ``torch.ops.dturbo_kernels.conv_direct`` (``csrc/conv_direct.cpp``), a direct convolution for thin
-layers (few input and output channels), whose cost follows the channels (oneDNN's does not: docs/inference.md),
-optionally fused with the per-position bias export adds, the leaky ReLU and the max-pooling that follow it.
+layers (few input and output channels), whose cost follows the channels (oneDNN's does not:
+docs/export.md#the-direct-kernel), optionally fused with the per-position bias export adds, the leaky ReLU and the
+max-pooling that follow it.
 Building needs a C++ compiler and ninja (a dependency); it takes about 20 s once, then the build is cached in
 PyTorch's extension folder (``TORCH_EXTENSIONS_DIR``). Where it cannot be built, :func:`available` is False with
 the reason in :func:`unavailable_reason`, and every caller runs PyTorch's kernels instead: nothing fails.

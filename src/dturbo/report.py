@@ -206,7 +206,7 @@ def masks_figure(run_dir: Path) -> Figure | None:
         source = "model.safetensors"
     else:
         return None
-    names = [k[: -len(".mask")] for k in last if k.endswith(".mask")]
+    names = sorted((k[: -len(".mask")] for k in last if k.endswith(".mask")), key=_natural)
     if not names:
         return None
     ncols = min(len(names), MASK_COLUMNS)
@@ -223,7 +223,19 @@ def masks_figure(run_dir: Path) -> Figure | None:
     for ax in flat[len(names):]:
         ax.set_axis_off()
     fig.suptitle(f"Final support (nonzero weights) of every layer ({source})")
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(facecolor="black", edgecolor="0.5", label="weight kept (in the support)"),
+                        Patch(facecolor="white", edgecolor="0.5", label="weight removed")],
+               loc="outside lower center", ncols=2, frameon=False, fontsize=9)
     return fig
+
+
+def _natural(name: str) -> list[object]:
+    """Sort key that orders digits by value: conv2 before conv10 (the model's order for numbered layers)."""
+    import re
+
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def draw_masks(run_dir: Path, out: Path) -> list[Path]:
@@ -259,14 +271,17 @@ class RunSummary:
 
 
 def method_label(cfg: object) -> str:
-    """A readable name of a run's method and its distinguishing setting."""
+    """A readable name of a run's method and its distinguishing settings."""
     algo = cfg.experiment.algorithm  # type: ignore[attr-defined]
     if algo == "dturbo":
         sp = cfg.dturbo.sparsity  # type: ignore[attr-defined]
+        tr = cfg.dturbo.transmission  # type: ignore[attr-defined]
         tied = [k for k in ("conv", "dense") if getattr(cfg.dturbo.prior, k).tie_rows]  # type: ignore[attr-defined]
         extra = "".join(", whole conv channels" if k == "conv" else ", whole dense units" for k in tied)
-        return f"D-Turbo-VBI ({sp.target_density:.0%} target{extra})" if sp.mode == "target" else \
-            f"D-Turbo-VBI (prior{extra})"
+        bits = "float16" if tr.up_bits == 16 and tr.down_bits == 16 else \
+            f"{tr.up_bits}-bit up, {tr.down_bits}-bit down".replace("16-bit", "float16")
+        what = f"{sp.target_density:.0%} target" if sp.mode == "target" else "prior"
+        return f"D-Turbo-VBI ({what}{extra}, {bits})"
     if algo == "fedavg":
         return f"FedAvg {cfg.fedavg.dtype.replace('float', '')}-bit"  # type: ignore[attr-defined]
     if algo == "fedpaq":
@@ -275,6 +290,12 @@ def method_label(cfg: object) -> str:
     if algo == "dssm":
         d = cfg.dssm  # type: ignore[attr-defined]
         return f"DSSM (gamma={d.gamma:g}{', weights' if d.mode == 'weights' else ''})"
+    if algo == "stc":
+        return f"STC (p={cfg.stc.p_up:g} up, {cfg.stc.p_down:g} down)"  # type: ignore[attr-defined]
+    if algo == "feddst":
+        return f"FedDST ({cfg.feddst.density:.0%} of the weights)"  # type: ignore[attr-defined]
+    if algo == "fedpm":
+        return "FedPM"
     return str(algo)
 
 
@@ -411,16 +432,23 @@ def comparison_table(runs: list[RunSummary], targets: list[float]) -> tuple[str,
     return "\n".join(md) + "\n", buf.getvalue()
 
 
+def default_target(final: list[float]) -> float:
+    """The accuracy the bits-to-reach column uses by default: the lowest final accuracy among the runs that learned
+    (ended at half the best run's final accuracy or above), rounded down to 0.1 point: every such run reaches it, so
+    their bits compare; a run that never learned reads "never" instead of pulling the target down to chance."""
+    best = max(final)
+    return math.floor(1000 * min(a for a in final if a >= best / 2)) / 1000
+
+
 def compare(run_dirs: list[Path], out: Path, *, targets: list[float] | None = None, inference: bool = True,
             per_run_figures: bool = True) -> tuple[list[RunSummary], list[Path]]:
     """The multi-run report into ``out``: accuracy_vs_bits.{png,svg}, comparison.{md,csv}, and each run's own
-    figures in ``out/<run name>/``. Default target: the lowest final accuracy of the runs (every run reaches
-    it, so the bits are comparable)."""
+    figures in ``out/<run name>/``. Default target: :func:`default_target`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     runs = [summarize(Path(d), inference=inference) for d in run_dirs]
     if targets is None:
-        targets = [math.floor(1000 * min(r.final_accuracy for r in runs)) / 1000]
+        targets = [default_target([r.final_accuracy for r in runs])]
     files = draw_comparison(runs, out)
     md, table_csv = comparison_table(runs, targets)
     (out / "comparison.md").write_text(md)

@@ -1,5 +1,4 @@
-"""A run directory: every file a run writes, and how to build the run's model again (README.md: "A run directory
-holds ...").
+"""A run directory: every file a run writes, and how to build the run's model again (docs/rundir.md).
 
 ``config.toml`` (the resolved configuration), ``metrics.csv`` (one row per round), ``checkpoint/`` (the atomic
 checkpoint, :mod:`dturbo.checkpoint`), ``messages/round_NNNN.safetensors`` (Module B's messages, for the heat

@@ -88,7 +88,7 @@ def schedule_warning(cfg: Config, steps: int | None = None) -> str | None:
 # Fewer local steps a round than this (the median client's) and D-Turbo-VBI's pruning outpaces the training that
 # repairs it: on scikit-learn's digits, 25% density cost 8 points against FedAvg with 4 steps a round and one warm-up
 # round (1.7 with the paced schedule), and about none with 16; on Fashion-MNIST-3k 12 points even paced
-# (benchmarks/small_data.py, docs/library.md#tuning).
+# (benchmarks/small_data.py, docs/models.md#tune-for-a-new-dataset).
 FEW_LOCAL_STEPS = 10
 
 
@@ -115,7 +115,7 @@ def local_steps_warning(cfg: Config, fed: Federation) -> str | None:
     return (f"the median client trains only {steps} local steps a round ({how}): D-Turbo-VBI prunes between rounds, "
             f"and so few steps leave the pruned model little training to recover, which costs accuracy; raise "
             f"train.local_epochs or train.local_steps to >= {FEW_LOCAL_STEPS} steps a round, or warm up longer "
-            f"({warmup}); docs/library.md#tuning")
+            f"({warmup}); docs/models.md#tune-for-a-new-dataset")
 
 
 @torch.no_grad()
@@ -190,7 +190,7 @@ class Round:
 
 
 class Simulator:
-    """Runs an experiment into a run directory (README.md: "A run directory holds ...")."""
+    """Runs an experiment into a run directory (docs/rundir.md)."""
 
     def __init__(self, cfg: Config, out: Path, *, resume: bool = False, federation: Federation | None = None,
                  dataset: Dataset | None = None, on_round: Callable[[dict[str, Any]], None] | None = None,

@@ -98,12 +98,12 @@ def local_steps_a_round(train: TrainConfig, total_samples: int, clients: int) ->
 
 
 def pruning_schedule(sp: SparsityConfig, rounds: int, steps: int) -> PruningSchedule:
-    """The schedule's warm-up and ramp in rounds (docs/sparsity.md §2, docs/library.md#tuning).
+    """The schedule's warm-up and ramp in rounds (docs/sparsity.md §2, docs/models.md#tune-for-a-new-dataset).
 
     ``warmup_rounds`` and ``ramp_rounds`` as set; unset, each is paced by local training, ``steps`` local steps a
     round (:func:`local_steps_a_round`): the warm-up lasts until the clients have trained ``warmup_steps`` steps, so
     that the first support is chosen on a model that has learned something rather than on its initial magnitudes
-    (pruning an untrained network costs most of the accuracy that few local steps a round lose, docs/library.md);
+    (pruning an untrained network costs most of the accuracy that few local steps a round lose, docs/sparsity.md);
     the ramp lasts ``ramp_steps`` steps. Both are capped to fit the run: the warm-up takes at most
     ``(rounds - 1) // 2`` rounds (and leaves an explicit ramp room to end) and the ramp ends at the latest one round
     before the last (so one round trains at the target): a paced schedule always reaches ``target_density``, and a
@@ -129,19 +129,40 @@ def budget_sizes(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     return np.array([float(np.prod(info.grid)) for info in layers], dtype=np.float64)
 
 
-def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
-    """Final support density of every layer in target mode (``sparsity.layer_targets``), NaN for layers
-    that share one field (scope 'global'). A clear error for unknown layers, or named targets that leave
-    the other layers no room in the global budget."""
-    names = [info.name for info in layers]
-    unknown = sorted(set(sp.layer_targets) - set(names))
+# Keys of ``sparsity.layer_targets`` that select layers by position or kind instead of by name, so that one setting
+# fits any model: a layer's own name first, then its position, then its kind.
+SELECTORS = ("first", "last", "conv", "dense")
+
+
+def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str, float]) -> dict[str, float]:
+    """``layer_targets`` as layer names: ``first`` / ``last`` (the first / last Bayesian layer), ``conv`` / ``dense``
+    (every layer of that kind) or a name; a name wins over a position, a position over a kind. A key that is
+    neither a selector nor a layer of the model is a ConfigError naming the layers."""
+    unknown = sorted(set(targets) - set(names) - set(SELECTORS))
     if unknown:
         raise ConfigError(f"dturbo.sparsity.layer_targets names {', '.join(map(repr, unknown))}, which the model "
-                          f"does not have; its layers: {', '.join(names)}")
+                          f"does not have; its layers: {', '.join(names)} (or select them by "
+                          f"{', '.join(SELECTORS)})")
+    out: dict[str, float] = {}
+    for i, (name, kind) in enumerate(zip(names, kinds, strict=True)):
+        position = "first" if i == 0 else "last" if i == len(names) - 1 else None
+        for key in (name, position, kind):
+            if key is not None and key in targets:
+                out[name] = targets[key]
+                break
+    return out
+
+
+def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
+    """Final support density of every layer in target mode (``sparsity.layer_targets``, names or selectors:
+    :func:`resolve_layer_targets`), NaN for layers that share one field (scope 'global'). A clear error for unknown
+    layers, or targets that leave the other layers no room in the global budget."""
+    names = [info.name for info in layers]
+    named = resolve_layer_targets(names, [info.kind for info in layers], dict(sp.layer_targets))
     default = np.nan if sp.scope == "global" else sp.target_density
-    out = np.array([sp.layer_targets.get(n, default) for n in names], dtype=np.float64)
+    out = np.array([named.get(n, default) for n in names], dtype=np.float64)
     shared = np.isnan(out)
-    if sp.scope == "global" and sp.layer_targets:
+    if sp.scope == "global" and named:
         sizes = budget_sizes(layers, sp)
         left = sp.target_density * sizes.sum() - (out[~shared] * sizes[~shared]).sum()
         if not shared.any() or not 0 < left <= sizes[shared].sum():
@@ -234,15 +255,14 @@ class TargetDensity:
         ``settled``: the schedule already held this target last round. Then a support up to SETTLED_SHORTFALL
         (relative) below the target is accepted, and the field rises by at most SETTLED_RISE to add weights: when
         even that adds too few, the evidence refuses them and the field stays (docs/sparsity.md §2). Without this
-        the bracket widened until pi was ~1 on every weight to add a few dozen (issue 13: the field went from -0.4
-        to +15.6 in the comparison run's last round)."""
+        the bracket would widen until pi was ~1 on every weight to add a few dozen."""
         sp = self.sp
         L = len(self.layers)
         thr_lo = self.threshold_logodds
         sizes = budget_sizes(self.layers, sp)
         # The shared field is a log-odds against activity per unit of cost: with budget "flops" a weight that
         # does u multiply-adds a sample gets u / (the shared layers' mean u) times it, so the costly layers
-        # (early convolutions) are thinned hardest and the cheap dense layers keep more (issue 13).
+        # (early convolutions) are thinned hardest and the cheap dense layers keep more.
         scale = np.ones(L)
         if sp.budget == "flops":
             uses = np.array([info.uses for info in self.layers], dtype=np.float64)
@@ -266,9 +286,9 @@ class TargetDensity:
                 return 0.0 <= (dens - target if at_least else target - dens) < tol
 
             # A field that already gives the scheduled support is kept. Once the support has settled, a whole range
-            # of fields gives the same support (its evidences are far apart); taking any other point of that range
-            # made the field drift by +8 per round (the bracket widens to hi = start + 4 + 16k and bisection
-            # returns its middle), until the message pi was 1 everywhere (issue 13).
+            # of fields gives the same support (its evidences are far apart); any other point of that range would
+            # let the field drift round after round (the bracket widens to hi = start + 4 + 16k and bisection
+            # returns its middle), until the message pi is 1 everywhere.
             if met(dens_at(start, idx)):
                 return start
             # The field moves little between rounds: bracket around the last one, widen if needed.

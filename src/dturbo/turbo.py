@@ -50,6 +50,7 @@ class LayerInfo:
     grid: tuple[int, int]
     prior: LayerPrior
     uses: int = 1  # multiply-adds each weight does for one sample (conv: output positions)
+    kind: str = "dense"  # "conv" or "dense" (the prior section it takes)
 
     @property
     def cost(self) -> float:

@@ -1,4 +1,4 @@
-"""The one protocol every federated algorithm implements and every runner drives (README.md, "Layout").
+"""The one protocol every federated algorithm implements and every runner drives (docs/architecture.md).
 
 Messages cross the boundary as encoded bytes made by :mod:`dturbo.codec`; a runner counts
 ``len(message) * 8`` bits, so bit accounting is what is really sent.

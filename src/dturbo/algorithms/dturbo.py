@@ -63,9 +63,10 @@ def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
     uses = weight_uses(model) if cfg.dturbo.sparsity.budget == "flops" else {}
     infos = []
     for name, layer in bayesian_layers(model):
-        pc: PriorConfig = getattr(cfg.dturbo.prior, layer_kind(layer))
+        kind = layer_kind(layer)
+        pc: PriorConfig = getattr(cfg.dturbo.prior, kind)
         prior = resolve_prior(pc, layer_scale(layer))
-        infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1)))
+        infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1), kind))
     return infos
 
 

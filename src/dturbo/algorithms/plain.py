@@ -1,4 +1,4 @@
-"""The model's state outside its Bayesian layers, the same way for every algorithm (docs/library.md).
+"""The model's state outside its Bayesian layers, the same way for every algorithm (docs/models.md).
 
 A model made by :func:`dturbo.nn.bayesianize` may hold state that is not a weight of a Bayesian layer: BatchNorm's
 affine weights and running statistics, LayerNorm's, an embedding, any other parameter or persistent buffer. It is

@@ -1,4 +1,4 @@
-"""Range coding of quantised values (issue 12, "fewer bits per value"): the ``coded`` payload layout.
+"""Range coding of quantised values (fewer bits per value): the ``coded`` payload layout.
 
 The stochastic quantiser (:mod:`dturbo.quantize`) sends each value as one of L = 2**bits levels. Written at a
 fixed ``bits`` bits each (layout ``quantized``), a layer's symbols cost the same whatever their spread; but the

@@ -1,5 +1,5 @@
 // A direct convolution for thin layers (few input and output channels), stride 1, dilation 1, square kernel.
-// oneDNN's cost for such layers hardly follows their channels (docs/inference.md): a 7x7 conv1 cost the same
+// oneDNN's cost for such layers hardly follows their channels (docs/export.md): a 7x7 conv1 cost the same
 // with 2, 3 or 6 output channels, so removing channels from it bought nothing; this kernel's cost follows them.
 // Built on first use by dturbo.native.
 //

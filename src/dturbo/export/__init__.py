@@ -1,4 +1,4 @@
-"""Export a run's global model as a compact inference model, and load it back (issue 4).
+"""Export a run's global model as a compact inference model, and load it back.
 
 ``dturbo export RUN --out MODEL`` reads ``RUN/config.toml`` and ``RUN/model.safetensors`` and writes
 ``MODEL/model.safetensors`` (tensors) and ``MODEL/model.json`` (the layer list, shapes, statistics): no pickle
@@ -150,7 +150,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compac
         raise ExportError(f"{run_dir} ran a model of one's own (dturbo.Experiment(model=...)), which export cannot "
                           f"rebuild from the run directory (it holds no code); export the model itself: "
                           f"result.export(OUT) on the ExperimentResult, or dturbo.export.export_model(model, OUT, "
-                          f"example_input=...) (docs/library.md, 'Exporting your own model')")
+                          f"example_input=...) (docs/export.md, 'Exporting your own model')")
     if model_name != cfg.model.name:
         raise ExportError(f"{run_dir}: model.safetensors holds a {model_name!r} but config.toml says "
                           f"{cfg.model.name!r}")

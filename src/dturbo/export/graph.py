@@ -1,4 +1,4 @@
-"""Export any model as a graph of a fixed vocabulary of ops, and build it back without the model's code (issue 14).
+"""Export any model as a graph of a fixed vocabulary of ops, and build it back without the model's code.
 
 :func:`export_model` captures the model's graph with ``torch.fx`` (``symbolic_trace``; dturbo's Bayesian layers are
 leaves), in eval mode, and writes it as ``model.json`` (format version 4: every node an op of :data:`VOCABULARY`,
@@ -65,7 +65,7 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
     "cat": torch.cat, "getitem": operator.getitem, "size": _size,
 }
-# Every op type model.json may hold (besides "input" and "output"); docs/inference.md lists their arguments.
+# Every op type model.json may hold (besides "input" and "output"); docs/export.md lists their arguments.
 VOCABULARY = (*_MODULE_OPS, *_FUNCTIONS)
 
 _REQ = object()  # a required argument
@@ -301,7 +301,7 @@ class _Capture:
 
     def unknown(self, node: fx.Node, what: str) -> ExportError:
         return ExportError(f"node {node.name!r} calls {what}, which export does not know; the ops it writes: "
-                           f"{', '.join(VOCABULARY)} (docs/inference.md, 'Any model')")
+                           f"{', '.join(VOCABULARY)} (docs/export.md, 'Any model')")
 
     def module(self, node: fx.Node, m: nn.Module) -> None:
         x = node.args[0] if node.args else None

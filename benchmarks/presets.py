@@ -1,0 +1,129 @@
+"""The presets on the main job's data and rounds: what `dturbo run --preset NAME` gives.
+
+Runs (Fashion-MNIST, alexnet-small, 10 clients, Dirichlet 0.5, 12 rounds of one local epoch, seed 0, one torch
+thread a run so that two run side by side):
+
+* ``quick``: the main job (the README's first command), with the library's default transmission;
+* ``quick_paper``: the main job with the `paper` preset's transmission (float16 values both ways, positions whole,
+  sigma_prior sent): what it sends under the paper's protocol;
+* ``recommended``: the `recommended` preset.
+
+Goal: ``recommended`` within 1 point of the main job's accuracy with at most 0.3x the bits of the main job under the
+paper's protocol. Writes ``benchmarks/results/presets.{json,md}`` and copies the main job's figures to
+``benchmarks/results/presets/``.
+
+Usage: .venv/bin/python benchmarks/presets.py [--runs runs/presets] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from harness import read_csv, say  # noqa: E402
+
+from dturbo.config import load_config  # noqa: E402
+
+RESULTS = HERE / "results"
+GOAL = {"points": 1.0, "bits_ratio": 0.3}
+
+
+def configs() -> dict[str, Any]:
+    one = {"experiment.threads": 1}
+    paper = load_config(preset="paper")
+    tr = paper.dturbo.transmission
+    paper_keys = {f"dturbo.transmission.{k}": v for k, v in tr.model_dump().items()} | {
+        "dturbo.prior_std_dtype": paper.dturbo.prior_std_dtype, "experiment.name": "quick_paper"}
+    return {"quick": load_config(preset="quick", overrides=one),
+            "quick_paper": load_config(preset="quick", overrides=one | paper_keys),
+            "recommended": load_config(preset="recommended", overrides=one)}
+
+
+def run(name: str, cfg: Any, out: Path) -> Path:
+    """Train into ``out`` (a subprocess per run: one torch thread each), reusing a finished run."""
+    import os
+    import subprocess
+
+    if (out / "model.safetensors").exists():
+        return out
+    cfg_path = out.parent / f"{name}.toml"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(cfg.to_toml())
+    resume = ["--resume"] if (out / "checkpoint").exists() else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent / "src")}
+    say(f"{name}: training into {out}")
+    with open(out.parent / f"{name}.log", "a") as log:
+        subprocess.run([sys.executable, "-m", "dturbo", "run", str(cfg_path), "--out", str(out), *resume], env=env,
+                       stdout=log, stderr=subprocess.STDOUT, check=True)
+    return out
+
+
+def summary(name: str, out: Path) -> dict[str, Any]:
+    m = read_csv(out / "metrics.csv")
+    return {"name": name, "final_accuracy": float(m["accuracy"][-1]), "final_density": float(m["density"][-1]),
+            "total_bits": float(m["cum_bits"][-1]), "up_bits": float(m["up_bits"].sum()),
+            "down_bits": float(m["down_bits"].sum()), "rounds": int(m["round"][-1]),
+            "seconds_per_round": float(np.median(m["seconds"])),
+            "accuracy_by_round": [round(float(a), 4) for a in m["accuracy"]],
+            "cum_bits_by_round": [float(b) for b in m["cum_bits"]]}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    rows = res["runs"]
+    out = ["| run | what | final accuracy | nonzero | bits up + down (Mbit) |", "|---|---|---|---|---|"]
+    what = {"quick": "the main job (`--preset quick`)", "quick_paper": "the main job, the paper's transmission",
+            "recommended": "`--preset recommended`"}
+    for r in rows.values():
+        out.append(f"| {r['name']} | {what[r['name']]} | {100 * r['final_accuracy']:.2f}% | "
+                   f"{100 * r['final_density']:.1f}% | {r['total_bits'] / 1e6:.1f} |")
+    g = res["goal"]
+    out += ["", f"`recommended` against the main job: {g['points_below_quick']:+.2f} points, "
+                f"{g['bits_ratio_vs_quick_paper']:.3f}x the bits of the main job under the paper's protocol "
+                f"(goal: within {GOAL['points']:g} point, at most {GOAL['bits_ratio']:g}x): "
+                f"**{'met' if g['met'] else 'missed'}**.", "",
+            f"{res['protocol']}; seed 0; one torch thread a run."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=Path, default=HERE.parent / "runs" / "presets")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    cfgs = configs()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        outs = dict(zip(cfgs, pool.map(lambda kv: run(kv[0], kv[1], args.runs / kv[0]), cfgs.items()), strict=True))
+    runs = {name: summary(name, out) for name, out in outs.items()}
+    q, qp, rec = runs["quick"], runs["quick_paper"], runs["recommended"]
+    below = 100 * (q["final_accuracy"] - rec["final_accuracy"])
+    ratio = rec["total_bits"] / qp["total_bits"]
+    res = {"protocol": "Fashion-MNIST, alexnet-small, 10 clients, Dirichlet(0.5), 12 rounds of one local epoch",
+           "runs": runs, "configs": {n: c.to_dict() for n, c in cfgs.items()},
+           "goal": {"points_below_quick": below, "bits_ratio_vs_quick_paper": ratio,
+                    "met": below <= GOAL["points"] and ratio <= GOAL["bits_ratio"]},
+           "machine": {"platform": platform.platform(), "python": platform.python_version()},
+           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
+    (RESULTS / "presets.md").write_text(markdown(res))
+    figs = RESULTS / "presets"
+    figs.mkdir(exist_ok=True)
+    for png in (outs["quick"] / "figures").glob("*.png"):
+        shutil.copy(png, figs / png.name)
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
