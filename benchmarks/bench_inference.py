@@ -1,4 +1,4 @@
-"""Inference speed of an exported model (``dturbo export``, issue 4) against the same network dense.
+"""Inference speed of an exported model (``dturbo export``) against the same network dense.
 
 For a run directory, five networks compute on the same test samples (default 3000 Fashion-MNIST images):
 

@@ -1,4 +1,4 @@
-"""Long fuzz run of every decoder and of the servers' upload validation (issue 6's recorded figure).
+"""Long fuzz run of every decoder and of the servers' upload validation (the recorded figure).
 
     python benchmarks/fuzz_decoders.py [--cases 20000] [--uplink-cases 3000]
 

@@ -1,4 +1,4 @@
-"""How the MRF prior's row/column transition probabilities (docs/algorithm.md §2) shape removable structure (issue 4).
+"""How the MRF prior's row/column transition probabilities (docs/algorithm.md §2) shape removable structure.
 
     python benchmarks/prior_sweep.py [--rounds 10] [--limit-train 20000] [--settings default strong rows cols]
 
@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from _runs import run_or_reuse  # noqa: E402
+from harness import RECORDED  # noqa: E402
 
 from dturbo.config import load_config  # noqa: E402
 from dturbo.data import load_dataset  # noqa: E402
@@ -67,6 +68,7 @@ EXTRA: dict[str, list[str]] = {
 }
 
 
+
 def overrides(setting: str) -> list[str]:
     prior = [f"dturbo.prior.{kind}.{k}={v}" for kind in ("conv", "dense") for k, v in SETTINGS[setting].items()]
     return prior + EXTRA.get(setting, [])
@@ -74,9 +76,9 @@ def overrides(setting: str) -> list[str]:
 
 def train(setting: str, rounds: int, limit_train: int) -> Path:
     out = ROOT / "runs" / "prior_sweep" / setting
-    cfg = load_config(ROOT / "configs" / "fmnist_quick.toml", [
+    cfg = load_config(ROOT / "configs" / "fmnist_quick.toml", [*RECORDED,
         f"experiment.rounds={rounds}", f"data.limit_train={limit_train}", "dturbo.sparsity.ramp_rounds=6",
-        "train.lr=0.002",  # the lr of configs/fmnist_quick.toml when this sweep was recorded
+        "train.lr=0.002",
         # KL / n grows as n shrinks: keep the per-sample weight of the full-data config (beta 0.3 at 60000)
         f"dturbo.beta={0.3 * limit_train / 60000:.6g}",
         *overrides(setting)])

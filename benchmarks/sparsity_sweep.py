@@ -28,6 +28,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from harness import RECORDED  # noqa: E402
 
 from dturbo.config import load_config  # noqa: E402
 from dturbo.report import read_metrics  # noqa: E402
@@ -38,15 +39,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 DEFAULTS = {"target": [0.1, 0.2, 0.35, 0.5], "prior": [8.0, 12.0, 15.0, 25.0, 100.0]}
 
 
+
 def run_one(kind: str, value: float, config: Path, extra: list[str]) -> dict:
     out = ROOT / "runs" / f"sweep_{kind}" / f"{value:g}"
     if kind == "target":
         overrides = [f"dturbo.sparsity.target_density={value}"]
     else:
         overrides = ["dturbo.sparsity.mode=\"prior\"", f"dturbo.prior.conv.r={value}", f"dturbo.prior.dense.r={value}"]
-    # The recorded sweeps ran when configs/fmnist_quick.toml set beta = 0.3 and lr 0.002 (the defaults are 0.01
-    # and 0.005 since issue 14); pinned so that they reproduce. A --set dturbo.beta=... or train.lr=... wins.
-    cfg = load_config(config, ["dturbo.beta=0.3", "train.lr=0.002", *overrides, *extra])
+    cfg = load_config(config, [*RECORDED, "dturbo.beta=0.3", "train.lr=0.002", *overrides, *extra])
     done = out / "model.safetensors"
     if not done.exists():
         resume = (out / "checkpoint" / "state.safetensors").exists()

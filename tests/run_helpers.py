@@ -48,7 +48,7 @@ def flower_and_simulator(cfg: dict, tmp_path: Path) -> tuple[Path, Path]:
 
 def load_benchmark(name: str) -> ModuleType:
     """Import ``benchmarks/<name>.py`` (not a package) as module ``name``, registered in ``sys.modules``:
-    dataclasses look their module up by name, and one benchmark may import another (speed_frontier: frontier)."""
+    dataclasses look their module up by name, and one benchmark may import another."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None

@@ -26,6 +26,9 @@ NO_LOG_REFERENCES: tuple[tuple[str, str], ...] = (
     ("docs", "**/*.md"),
     ("configs", "**/*.toml"),
     ("src", "**/*.py"),
+    ("benchmarks", "**/*.py"),
+    ("benchmarks", "**/*.md"),
+    ("benchmarks", "*.toml"),
 )
 _LOG_REFERENCE = re.compile(r"\b(stop|stops|issue|issues) [0-9]", re.IGNORECASE)
 

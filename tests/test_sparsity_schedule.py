@@ -64,7 +64,7 @@ def test_paced_warmup_is_the_rounds_that_train_warmup_steps_unless_capped():
         if schedule.ramp < rounds - schedule.warmup - 1:
             assert schedule.ramp * steps >= 500 > (schedule.ramp - 1) * steps
     # Whole Fashion-MNIST with validation, 10 clients (75 steps a round): the schedule fmnist_quick sets by hand;
-    # 4 steps a round (benchmarks/small_data.py's small datasets): the capped warm-up chosen on validation.
+    # 4 steps a round (a small dataset): the capped warm-up.
     for steps, rounds in ((75, (1, 7)), (4, (5, 6))):
         schedule = pruning_schedule(sp, 12, steps)
         assert (schedule.warmup, schedule.ramp, schedule.paced) == (*rounds, True)

@@ -251,8 +251,8 @@ class DturboConfig(_Section):
     sigma_init_ratio: float = Field(0.02, gt=0, description="the initial sigma as a fraction of the layer's initial "
                                                                "weight std")
     beta: float = Field(0.01, ge=0, description=(
-        "KL weight of E6 (a tempered posterior; the paper's is 1): chosen on validation over three datasets, "
-        "benchmarks/small_data.py; docs/models.md#tune-for-a-new-dataset"))
+        "KL weight of E6 (a tempered posterior; the paper's is 1), chosen on validation; "
+        "docs/models.md#tune-for-a-new-dataset"))
     gamma_update: Literal["exact", "paper"] = "exact"
     support_threshold: Probability = Field(0.5, gt=0, lt=1)
     prior_std_dtype: Literal["float16", "float32", "log8"] = Field(

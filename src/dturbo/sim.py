@@ -86,9 +86,7 @@ def schedule_warning(cfg: Config, steps: int | None = None) -> str | None:
 
 
 # Fewer local steps a round than this (the median client's) and D-Turbo-VBI's pruning outpaces the training that
-# repairs it: on scikit-learn's digits, 25% density cost 8 points against FedAvg with 4 steps a round and one warm-up
-# round (1.7 with the paced schedule), and about none with 16; on Fashion-MNIST-3k 12 points even paced
-# (benchmarks/small_data.py, docs/models.md#tune-for-a-new-dataset).
+# repairs it (docs/models.md#tune-for-a-new-dataset).
 FEW_LOCAL_STEPS = 10
 
 
