@@ -314,3 +314,28 @@ def test_a_custom_run_draws_figures_and_export_says_why_not(tmp_path):
     assert (tmp_path / "run" / "figures" / "curves.png").exists()
     with pytest.raises(ExportError, match="model of one's own"):
         export_run(tmp_path / "run")
+
+
+def test_bayesianize_refuses_tied_weights_instead_of_untying_them():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    net = Tied()
+    with pytest.raises(BayesianizeError, match=r"weight tying\): a\.weight = b\.weight"):
+        dturbo.bayesianize(net)
+    assert type(net.a) is nn.Linear and net.b.weight is net.a.weight  # nothing replaced, still tied
+
+    class Embedded(nn.Module):  # a language model's tie: the embedding stays dense, the output would not
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+    with pytest.raises(BayesianizeError, match=r"emb\.weight = out\.weight"):
+        dturbo.bayesianize(Embedded())

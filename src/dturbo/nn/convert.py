@@ -58,6 +58,27 @@ def _plain_regions(model: nn.Module) -> set[int]:
     return out
 
 
+def _shared_weights(model: nn.Module, targets: list[nn.Module]) -> list[str]:
+    """The tensors of ``targets`` (weight, bias) that another module of ``model`` holds too (weight tying), each as
+    "a.weight = b.weight": a Bayesian layer owns its mean, support and precision, so a tied pair cannot stay tied."""
+    owners: dict[int, dict[tuple[int, str], str]] = {}  # tensor -> (module, its attribute) -> a name of it
+    for name, m in model.named_modules(remove_duplicate=False):  # a module used at two places is one owner
+        for pname, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), {}).setdefault((id(m), pname), f"{name}.{pname}" if name else pname)
+    wanted = {id(t) for t in targets}
+    out = []
+    for name, m in model.named_modules():
+        if id(m) not in wanted:
+            continue
+        for pname in ("weight", "bias"):
+            p = getattr(m, pname, None)
+            holders = list(owners.get(id(p), {}).values()) if p is not None else []
+            if len(holders) > 1:
+                out.append(" = ".join(holders))
+    return sorted(set(out))
+
+
 def _bayes_layer(layer: nn.Module, sigma_mode: str) -> BayesianLayer:
     """The Bayesian layer of ``layer``'s geometry with its weights as means (float32, on the CPU)."""
     mode = "layer" if sigma_mode == "client" else sigma_mode
@@ -98,7 +119,8 @@ def bayesianize(
     "flops"``, is counted on it).
 
     Raises :class:`UnsupportedLayerError` for weighted layers dturbo cannot grid (each named, with its type) and
-    :class:`BayesianizeError` when there is no Linear or Conv2d layer at all.
+    :class:`BayesianizeError` when there is no Linear or Conv2d layer at all, or when a layer to make Bayesian shares
+    its weight or bias with another module (weight tying: it would be silently untied).
     """
     if sigma_mode not in SIGMA_MODES:
         raise BayesianizeError(f"sigma_mode must be one of {', '.join(SIGMA_MODES)}, got {sigma_mode!r}")
@@ -128,6 +150,12 @@ def bayesianize(
         raise BayesianizeError(
             f"{type(module).__name__} has no nn.Linear or nn.Conv2d layer: D-Turbo-VBI compresses the weights of "
             f"those (docs/algorithm.md §2), so there is nothing to federate as a Bayesian model")
+    tied = _shared_weights(module, targets)
+    if tied:
+        raise BayesianizeError(
+            f"these layers share a tensor (weight tying): {'; '.join(tied)}. A Bayesian layer has its own mean, "
+            f"support and precision, so bayesianize would silently untie them: untie them in the model (give each "
+            f"layer its own weight) before bayesianize")
     new = {id(m): _bayes_layer(m, sigma_mode) for m in targets}
     root = new.get(id(module), module)
     for parent in list(root.modules()):
