@@ -166,3 +166,10 @@ def test_documented_sections_reads_headings():
     sections = documented_sections(text)
     assert sections["a"].strip() == "`x`" and "`y`" in sections["b.c"] and "`y`" in sections["b.d"]
     assert "`z`" not in sections["b.c"]
+
+
+def test_readme_results_table_is_what_the_results_files_say():
+    """The README's table is generated (benchmarks/readme_table.py) from the committed results files."""
+    from run_helpers import load_benchmark
+
+    assert load_benchmark("readme_table").main(["--check"]) == 0, "run .venv/bin/python benchmarks/readme_table.py"

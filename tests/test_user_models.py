@@ -339,3 +339,45 @@ def test_bayesianize_refuses_tied_weights_instead_of_untying_them():
 
     with pytest.raises(BayesianizeError, match=r"emb\.weight = out\.weight"):
         dturbo.bayesianize(Embedded())
+
+
+def test_token_ids_are_never_standardised_and_an_embedding_model_runs(tmp_path):
+    from dturbo.data import dataset_from_arrays
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(200, 8)).astype(np.int64)
+    y = (x[:, 0] % 4).astype(np.int64)
+    ds = dataset_from_arrays(x[:150], y[:150], x[150:], y[150:])
+    assert ds.x_train.dtype == np.int64 and set(np.unique(ds.x_train)) <= set(range(50))
+    assert ds.input_dtype == torch.int64 and ds.input_norm is None
+    np.testing.assert_array_equal(np.sort(np.unique(ds.x_train)), np.sort(np.unique(x[:150])))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(50, 8), nn.Linear(64, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.emb(t).flatten(1))
+
+    cfg = dturbo.load_config(preset="quick", overrides={
+        "experiment.rounds": 2, "federation.clients": 2, "train.local_steps": 12,
+        "dturbo.sparsity.warmup_rounds": 0, "dturbo.sparsity.ramp_rounds": 1})
+    result = dturbo.Experiment(cfg, data=(x[:150], y[:150], x[150:], y[150:]), model=Net(), out=tmp_path / "run",
+                               figures=False, progress=False).run()
+    assert 0 <= result.accuracy <= 1 and len(result.metrics) == 2
+
+
+def test_standardize_false_keeps_the_inputs_as_given():
+    from dturbo.data import dataset_from_arrays
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(3.0, 2.0, size=(100, 5)).astype(np.float32)
+    y = rng.integers(0, 3, size=100)
+    kept = dataset_from_arrays(x[:80], y[:80], x[80:], y[80:], standardize=False)
+    np.testing.assert_array_equal(kept.x_train, x[:80])
+    scaled = dataset_from_arrays(x[:80], y[:80], x[80:], y[80:])
+    assert abs(float(scaled.x_train.mean())) < 1e-5  # the default standardises
+    pixels = rng.integers(0, 256, size=(20, 1, 4, 4)).astype(np.uint8)
+    raw = dataset_from_arrays(pixels[:15], y[:15], pixels[15:], y[15:20], standardize=False)
+    np.testing.assert_allclose(raw.x_train, pixels[:15] / 255.0, rtol=1e-6)

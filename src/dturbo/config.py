@@ -50,6 +50,9 @@ class DataConfig(_Section):
     path: str | None = None
     limit_train: int | None = Field(None, ge=1)
     limit_test: int | None = Field(None, ge=1)
+    standardize: bool = Field(True, description=(
+        "standardise the inputs per channel with the training set's statistics; false: float inputs as given "
+        "(uint8 pixels scaled to 0..1). Integer inputs other than uint8 are ids (tokens) and never standardised"))
     validation: float = Field(0.0, ge=0, lt=1, description=(
         "fraction of the training set held out (seeded, before the clients' split) to choose hyperparameters on: "
         "val_accuracy / val_loss columns; 0: none"))

@@ -140,7 +140,8 @@ class Experiment:
             arrays, stored_nc = _unpack(data)
             self.dataset = dataset_from_arrays(
                 *arrays, num_classes=num_classes if num_classes is not None else stored_nc,
-                limit_train=cfg.data.limit_train, limit_test=cfg.data.limit_test, seed=cfg.experiment.seed)
+                limit_train=cfg.data.limit_train, limit_test=cfg.data.limit_test, seed=cfg.experiment.seed,
+                standardize=cfg.data.standardize)
         elif num_classes is not None:
             raise ValueError("num_classes goes with data=...; for data read from files it comes from the files")
         resolve_device(cfg.experiment.device)  # "cuda" without a GPU: say so now
@@ -150,7 +151,8 @@ class Experiment:
             made = self._model_factory(self.dataset)()
             if self.dataset is not None:
                 with torch.random.fork_rng(devices=[]):
-                    check_input_shape(made, self.dataset.input_shape, type(made).__name__, self.dataset.num_classes)
+                    check_input_shape(made, self.dataset.input_shape, type(made).__name__, self.dataset.num_classes,
+                                      self.dataset.input_dtype)
         self.out = Path(out)
         self.resume = resume
         self.progress = progress

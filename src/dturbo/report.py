@@ -333,7 +333,7 @@ def _run_dataset(cfg: object, limit_test: int) -> object:
 
     d = cfg.data  # type: ignore[attr-defined]
     return load_dataset(d.name, d.path, limit_train=d.limit_train, limit_test=limit_test,
-                        seed=cfg.experiment.seed)  # type: ignore[attr-defined]
+                        seed=cfg.experiment.seed, standardize=d.standardize)  # type: ignore[attr-defined]
 
 
 @torch.no_grad()

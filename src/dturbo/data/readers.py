@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 FASHION_MNIST_PATH = "/usr/share/datasets/fashion-mnist"
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
@@ -67,7 +68,8 @@ class Dataset:
     """A loaded, normalised dataset.
 
     ``x_*`` are float32, ``(N, C, H, W)`` for images or ``(N, D)`` for flat data, normalised with
-    training-set statistics; ``y_*`` are int64 labels in ``[0, num_classes)``.
+    training-set statistics (or as given, ``standardize=False``), or int64 ids for integer inputs other than uint8
+    pixels (tokens for an embedding: never standardised); ``y_*`` are int64 labels in ``[0, num_classes)``.
     """
 
     name: str
@@ -78,8 +80,13 @@ class Dataset:
     num_classes: int
     # How raw inputs became x_*: x = (raw / scale - mean[c]) / std[c] per channel c (per feature for flat
     # data), in float64, then float32; raw_dtype is the file's dtype (scale 255 for uint8 pixels, else 1).
-    # None for a Dataset built by hand.
+    # None for ids and for a Dataset built by hand.
     input_norm: dict[str, Any] | None = None
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The inputs' torch dtype: int64 for ids, else float32."""
+        return torch.int64 if np.issubdtype(self.x_train.dtype, np.integer) else torch.float32
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -498,7 +505,7 @@ def _normalise(xtr: np.ndarray, xte: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit_train: int | None = None,
-                 limit_test: int | None = None, seed: int = 0) -> Dataset:
+                 limit_test: int | None = None, seed: int = 0, standardize: bool = True) -> Dataset:
     """Load a dataset from disk, normalised per channel with training-set statistics.
 
     Args:
@@ -550,11 +557,12 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit
     for y, split in ((ytr, "training"), (yte, "test")):
         if len(y) and (y.min() < 0 or y.max() >= nc):
             raise DataError(f"{name} at {path}: {split} labels outside [0, {nc})")
-    return _finish(name, xtr, ytr, xte, yte, nc, limit_train, limit_test, seed)
+    return _finish(name, xtr, ytr, xte, yte, nc, limit_train, limit_test, seed, standardize)
 
 
 def dataset_from_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, *, num_classes: int | None = None,
-                        limit_train: int | None = None, limit_test: int | None = None, seed: int = 0) -> Dataset:
+                        limit_train: int | None = None, limit_test: int | None = None, seed: int = 0,
+                        standardize: bool = True) -> Dataset:
     """A :class:`Dataset` (name ``"arrays"``) from in-memory arrays, read exactly as an ``.npz`` file's: numpy
     arrays or torch tensors in the module docstring's layouts, checked by :func:`check_arrays`, subset and
     normalised as :func:`load_dataset` does.
@@ -565,7 +573,7 @@ def dataset_from_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, *,
     """
     _check_limits(limit_train, limit_test)
     xtr, ytr, xte, yte, nc = check_arrays(x_train, y_train, x_test, y_test, num_classes)
-    return _finish("arrays", xtr, ytr, xte, yte, int(nc), limit_train, limit_test, seed)
+    return _finish("arrays", xtr, ytr, xte, yte, int(nc), limit_train, limit_test, seed, standardize)
 
 
 def _check_limits(limit_train: int | None, limit_test: int | None) -> None:
@@ -574,11 +582,25 @@ def _check_limits(limit_train: int | None, limit_test: int | None) -> None:
             raise ValueError(f"{pname} must be a positive integer or None, got {lim!r}")
 
 
+def is_token_ids(x: np.ndarray) -> bool:
+    """Integer inputs other than uint8 pixels: ids (tokens, categories) for an embedding, never standardised."""
+    return np.issubdtype(x.dtype, np.integer) and x.dtype != np.uint8
+
+
 def _finish(name: str, xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray, nc: int,
-            limit_train: int | None, limit_test: int | None, seed: int) -> Dataset:
-    """The seeded subsets (``limit_*``), then the per-channel normalisation with the training subset's statistics."""
+            limit_train: int | None, limit_test: int | None, seed: int, standardize: bool = True) -> Dataset:
+    """The seeded subsets (``limit_*``), then the per-channel normalisation with the training subset's statistics:
+    token ids (:func:`is_token_ids`) stay int64 ids; with ``standardize`` False other inputs are float32 as given
+    (uint8 pixels still scaled to 0..1)."""
     rng = np.random.default_rng(seed)
     xtr, ytr = _subset(xtr, ytr.astype(np.int64), limit_train, rng)
     xte, yte = _subset(xte, yte.astype(np.int64), limit_test, rng)
+    if is_token_ids(xtr):
+        return Dataset(name, xtr.astype(np.int64), ytr, xte.astype(np.int64), yte, nc, None)
+    if not standardize:
+        scale = 255.0 if xtr.dtype == np.uint8 else 1.0
+        channels = xtr.shape[1]
+        norm = {"raw_dtype": str(xtr.dtype), "scale": scale, "mean": [0.0] * channels, "std": [1.0] * channels}
+        return Dataset(name, (xtr / scale).astype(np.float32), ytr, (xte / scale).astype(np.float32), yte, nc, norm)
     xtr, xte, norm = _normalise(xtr, xte)
     return Dataset(name, xtr, ytr, xte, yte, nc, norm)

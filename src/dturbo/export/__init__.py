@@ -190,7 +190,7 @@ def _run_input_norm(run_dir: str | Path, cfg: Any, meta: dict[str, str],
         with warnings.catch_warnings():  # label remarks were made when the run started
             warnings.simplefilter("ignore")
             ds = load_dataset(cfg.data.name, cfg.data.path, limit_train=cfg.data.limit_train, limit_test=1,
-                              seed=cfg.experiment.seed)
+                              seed=cfg.experiment.seed, standardize=cfg.data.standardize)
     except (DataError, ValueError, OSError):
         return None
     if ds.input_shape != tuple(input_shape) or ds.input_norm is None:

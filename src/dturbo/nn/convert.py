@@ -68,7 +68,7 @@ def _shared_weights(model: nn.Module, targets: list[nn.Module]) -> list[str]:
                 owners.setdefault(id(p), {}).setdefault((id(m), pname), f"{name}.{pname}" if name else pname)
     wanted = {id(t) for t in targets}
     out = []
-    for name, m in model.named_modules():
+    for m in model.modules():
         if id(m) not in wanted:
             continue
         for pname in ("weight", "bias"):

@@ -82,15 +82,15 @@ class ModelOutputError(ValueError):
 
 
 def check_input_shape(model: nn.Module, input_shape: Sequence[int], model_name: str,
-                      num_classes: int | None = None) -> None:
-    """A dry forward pass of one zero sample through ``model`` (in eval mode, no RNG draws, mode restored);
-    raises :class:`ModelInputError` naming the model, the input size and the failing layer, and with
-    ``num_classes`` :class:`ModelOutputError` when the output is not one logit per class."""
+                      num_classes: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """A dry forward pass of one zero sample (of ``dtype``: int64 for ids) through ``model`` (in eval mode, no RNG
+    draws, mode restored); raises :class:`ModelInputError` naming the model, the input size and the failing layer,
+    and with ``num_classes`` :class:`ModelOutputError` when the output is not one logit per class."""
     training = model.training
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model.eval()
-            out = model(torch.zeros(1, *input_shape))
+            out = model(torch.zeros(1, *input_shape, dtype=dtype))
     except RuntimeError:
         raise _input_error(model_name, model, input_shape) from None
     finally:
