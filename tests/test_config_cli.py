@@ -100,3 +100,10 @@ target_density = 0.5
     assert again.exit_code == 2 and "--resume" in again.output
     rep = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "figs")])
     assert rep.exit_code == 0 and (tmp_path / "figs" / "run" / "curves.svg").exists()
+    # a FedAvg run's final model is dense: export says it removed nothing and how to train for speed
+    dense = tmp_path / "dense"
+    fa = CliRunner().invoke(app, ["run", str(cfg), "--out", str(dense), "--no-figures",
+                                  "--set", "experiment.algorithm=fedavg", "--set", "experiment.rounds=1"])
+    assert fa.exit_code == 0, fa.output
+    ex = CliRunner().invoke(app, ["export", str(dense), "--out", str(tmp_path / "model")], terminal_width=200)
+    assert ex.exit_code == 0 and "export removed nothing" in ex.output and "--preset speed" in ex.output

@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 from torch import nn
 
 import dturbo
+from dturbo.config import load_config
 from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.plain import PlainState
 from dturbo.nn import BayesConv2d, BayesianizeError, BayesLinear, UnsupportedLayerError, bayesian_layers
@@ -296,6 +297,14 @@ def test_bad_models_are_refused_at_construction(tmp_path):
         dturbo.Experiment(config(), data=images(), model=lambda: 3, out=tmp_path / "d")
     with pytest.raises(dturbo.ConfigError, match="'custom' needs the model"):
         dturbo.Experiment(config() | {"model": {"name": "custom"}}, data=images(), out=tmp_path / "e")
+    # the method's settings against the model, before any round: a layer it does not have, a target over budget
+    bad = load_config(config(), {"dturbo.sparsity.layer_targets": {"conv9": 0.5}})
+    with pytest.raises(dturbo.ConfigError, match="'conv9', which the model does not have"):
+        dturbo.Experiment(bad, data=images(), model=ResNetTiny, out=tmp_path / "f")
+    over = load_config(config(), {"dturbo.sparsity.layer_targets": {"first": 1.0, "last": 1.0},
+                                  "dturbo.sparsity.target_density": 0.01, "data.name": "fashion-mnist"})
+    with pytest.raises(dturbo.ConfigError, match="leave the other layers"):
+        dturbo.Experiment(over, out=tmp_path / "g")  # the built-in model on Fashion-MNIST: no data read
     assert not any(tmp_path.iterdir())  # nothing written
 
 

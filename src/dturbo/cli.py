@@ -183,9 +183,13 @@ def export(
         console.print(f"{r['name']:>8}: {'x'.join(map(str, r['shape_before']))} -> "
                       f"{'x'.join(map(str, r['shape_after']))}  density {r['density_before']:.3f} -> "
                       f"{r['density_after']:.3f}")
+    from .export import removed_nothing
+
     totals = exported.spec()["totals"]
     console.print(f"wrote {out}: {totals['weights_after']} of {totals['weights_before']} weights kept, "
                   f"{totals['nonzeros']} nonzero")
+    if (note := removed_nothing(exported.spec())) is not None:
+        console.print(f"[bold yellow]note:[/] {escape(note)}", highlight=False)
     norm = exported.input_norm
     if norm is not None:
         raw = "pixel values 0..255" if norm["scale"] == 255 else "values as the data files hold them"

@@ -86,8 +86,15 @@ class ExperimentResult:
                                     f"{self.out}/model.safetensors")
         source = {"run_dir": str(self.out.resolve()), "model": self.config.model.name,
                   "dataset": self.config.data.name, "algorithm": self.config.experiment.algorithm}
-        return export_model(self.model, out_dir, example_input=example_input, compaction=compaction,
-                            input_norm=norm, source=source)
+        exported = export_model(self.model, out_dir, example_input=example_input, compaction=compaction,
+                                input_norm=norm, source=source)
+        from .export import removed_nothing
+
+        if compaction and (note := removed_nothing(exported.spec())) is not None:
+            import warnings
+
+            warnings.warn(note, stacklevel=2)
+        return exported
 
 
 class Experiment:
@@ -124,6 +131,8 @@ class Experiment:
             (``UnsupportedLayerError``, naming each; :mod:`dturbo.nn.convert`).
         ModelInputError, ModelOutputError (for data read from files: at :meth:`run`): the data's samples do not
             pass through the model, or its output is not one logit per class (both numbers named).
+        ConfigError: a method's setting that does not fit the model (``dturbo.sparsity.layer_targets`` naming a
+            layer the model lacks, or more than the global target allows), for arrays and the built-in datasets.
     """
 
     def __init__(self, config: ConfigSource, *, data: DataSource | None = None, out: str | os.PathLike[str],
@@ -153,6 +162,7 @@ class Experiment:
                 with torch.random.fork_rng(devices=[]):
                     check_input_shape(made, self.dataset.input_shape, type(made).__name__, self.dataset.num_classes,
                                       self.dataset.input_dtype)
+        self._check_algorithm()
         self.out = Path(out)
         self.resume = resume
         self.progress = progress
@@ -171,6 +181,30 @@ class Experiment:
             draw_run(self.out)
         assert sim.final_model is not None  # set by run()
         return ExperimentResult(read_metrics_rows(self.out), sim.final_model, self.out, self.config)
+
+    def _check_algorithm(self) -> None:
+        """Build the algorithm's server on the run's model, as a run does before its first round, so that its
+        settings (``dturbo.sparsity.layer_targets`` naming a missing layer or over budget, a method's own limits)
+        are refused now. Needs the samples' shape: from the arrays, or the built-in datasets' known one; a model
+        on data read from other files is checked at :meth:`run`."""
+        from .algorithms.registry import ALGORITHMS, model_factory
+        from .data.readers import MNIST_SHAPE
+
+        cfg = self.config
+        known = {"fashion-mnist": (MNIST_SHAPE, 10), "mnist": (MNIST_SHAPE, 10), "cifar10": ((3, 32, 32), 10),
+                 "cifar100": ((3, 32, 32), 100)}
+        if self.dataset is not None:
+            shape, classes = self.dataset.input_shape, self.dataset.num_classes
+        elif cfg.data.name in known:
+            shape, classes = known[cfg.data.name]
+        else:
+            return
+        if self.model is not None:
+            factory = self._model_factory(self.dataset)
+        else:
+            factory = model_factory(cfg, shape, classes)
+        with torch.random.fork_rng(devices=[]):
+            ALGORITHMS[cfg.experiment.algorithm][0](cfg, factory, 1)
 
     def _model_factory(self, dataset: Dataset | None) -> ModelFactory:
         """The factory of ``model`` for the run on ``dataset`` (its sample shape recorded on the model)."""

@@ -91,11 +91,23 @@ __all__ = [
     "WEIGHTS_FILE", "BiasMap", "ExportError", "Exported", "ExportedGraph", "GraphNet", "IndexSelect",
     "InferenceModel", "Op", "built_in_layout", "check_input_norm", "compact", "compact_links", "export_model",
     "export_ops", "export_run", "export_state", "layer_stats", "load", "masked_weights", "ops_from_model",
-    "ops_from_state", "read_run", "read_spec", "save", "update_shapes",
+    "ops_from_state", "read_run", "read_spec", "removed_nothing", "save", "update_shapes",
 ]
 
 
 # ----------------------------------------------------------------------------------------------- reading a run
+def removed_nothing(spec: dict[str, Any]) -> str | None:
+    """What to say when export kept every weight (no whole all-zero row, column or channel: the model runs at
+    dense speed), with how to train for speed; None when it removed some."""
+    totals = spec["totals"]
+    if totals["weights_after"] < totals["weights_before"]:
+        return None
+    return ("export removed nothing: no row, column or channel of the model is all zero, so it runs as fast as the "
+            "dense network. To train a faster model, let training remove whole channels: `dturbo run --preset "
+            "speed`, or [dturbo.prior.conv] tie_rows = true with the convolutions' own layer_targets "
+            "(docs/export.md#train-for-speed)")
+
+
 def read_run(run_dir: str | Path) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
     """(config, model tensors, metadata) of a run directory; :class:`ExportError` naming the problem."""
     run = RunDir(run_dir)
