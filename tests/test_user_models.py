@@ -15,9 +15,9 @@ from safetensors.numpy import load_file
 from torch import nn
 
 import dturbo
-from dturbo.config import load_config
 from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.plain import PlainState
+from dturbo.config import load_config
 from dturbo.nn import BayesConv2d, BayesianizeError, BayesLinear, UnsupportedLayerError, bayesian_layers
 from dturbo.nn.convert import user_model_factory
 from dturbo.nn.models import ModelOutputError
