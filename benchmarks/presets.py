@@ -89,7 +89,8 @@ def markdown(res: dict[str, Any]) -> str:
         out.append(f"| {r['name']} | {what[r['name']]} | {100 * r['final_accuracy']:.2f}% | "
                    f"{100 * r['final_density']:.1f}% | {r['total_bits'] / 1e6:.1f} |")
     g = res["goal"]
-    out += ["", f"`recommended` against the main job: {g['points_below_quick']:+.2f} points, "
+    below = g["points_below_quick"]
+    out += ["", f"`recommended` against the main job: {abs(below):.2f} points {'below' if below > 0 else 'above'}, "
                 f"{g['bits_ratio_vs_quick_paper']:.3f}x the bits of the main job under the paper's protocol "
                 f"(goal: within {GOAL['points']:g} point, at most {GOAL['bits_ratio']:g}x): "
                 f"**{'met' if g['met'] else 'missed'}**.", "",

@@ -182,7 +182,7 @@ def test_arrays_config_without_data_and_bad_config_are_named(tmp_path, tiny_conf
 
 def test_export_of_an_arrays_run(tmp_path, tiny_config):
     """An mlp run from arrays exports (shape from the weights, normalisation from model.safetensors); a CNN's
-    export says it cannot tell the input shape (docs/models.md, "Not yet")."""
+    export says it cannot tell the input shape (docs/models.md, "Limits")."""
     from dturbo.export import ExportError, export_run
 
     x, y, xt, yt = toy_arrays()

@@ -162,7 +162,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None, *, compac
         raise ExportError(f"{run_dir} ran a model of one's own (dturbo.Experiment(model=...)), which export cannot "
                           f"rebuild from the run directory (it holds no code); export the model itself: "
                           f"result.export(OUT) on the ExperimentResult, or dturbo.export.export_model(model, OUT, "
-                          f"example_input=...) (docs/export.md, 'Exporting your own model')")
+                          f"example_input=...) (docs/export.md, 'Any model')")
     if model_name != cfg.model.name:
         raise ExportError(f"{run_dir}: model.safetensors holds a {model_name!r} but config.toml says "
                           f"{cfg.model.name!r}")

@@ -1,4 +1,4 @@
-"""Any ``torch.nn.Module`` as a D-Turbo-VBI model: :func:`bayesianize` (docs/models.md, "Your own model").
+"""Any ``torch.nn.Module`` as a D-Turbo-VBI model: :func:`bayesianize` (docs/models.md, "Your model").
 
 Every ``nn.Linear`` and ``nn.Conv2d`` of the module graph, wherever it sits (nested modules, residual blocks,
 concatenations: the graph itself is not touched, only its leaves), is replaced by dturbo's Bayesian layer of the
