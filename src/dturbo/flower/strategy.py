@@ -1,0 +1,526 @@
+"""D-Turbo-VBI (and STC, FedDST) as a Flower strategy for a user's own ServerApp (docs/flower-strategy.md).
+
+A Flower user swaps ``FedAvg`` for :class:`DTurboVBI` and keeps their app::
+
+    strategy = DTurboVBI(model, preset="recommended", fraction_evaluate=0.5)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=10)
+
+The strategy is Flower's Message-API :class:`~flwr.serverapp.strategy.Strategy`: :meth:`DturboStrategy.start` runs
+Flower's own loop (``Strategy.start``) and returns its ``Result``; :meth:`~DturboStrategy.configure_train` selects
+the clients and codes each one's downlink, :meth:`~DturboStrategy.aggregate_train` decodes the uploads and runs
+the algorithm's server step, :meth:`~DturboStrategy.configure_evaluate` / :meth:`~DturboStrategy.aggregate_evaluate`
+run federated evaluation. The server side is the runner's (``dturbo run``): the server half of
+:data:`dturbo.algorithms.registry.ALGORITHMS` on the user's model; the ClientApp runs the client half through
+:func:`dturbo.flower.fit` (:mod:`dturbo.flower.client`). What crosses is :mod:`dturbo.flower.protocol`'s layout.
+
+Arrays: the ArrayRecord that ``Strategy.start`` hands from round to round, passes to ``evaluate_fn`` and returns
+as ``Result.arrays`` is the global model's ``state_dict()`` (the Bayesian model: ``weight_mu`` zero off the support,
+``mask``, ``bias``, ...; ``model.load_state_dict(result.arrays.to_torch_state_dict())`` loads it). What travels is
+never that: each train message carries the algorithm's coded downlink, each reply its coded upload.
+
+Settings: an experiment configuration (:class:`dturbo.Config`) from a preset (``preset="recommended"``), a
+configuration (``config=``), the library's defaults otherwise; the keys of the algorithm's own section
+(``[dturbo]``, ``[stc]``, ``[feddst]``) as keyword arguments (a sub-table as a dict, merged:
+``sparsity={"target_density": 0.1}``); any other key through ``overrides`` (``{"train.lr": 0.003}``). The
+strategy sets what the Flower run decides: ``experiment.rounds`` = ``num_rounds``, ``federation.clients`` = the
+nodes, ``federation.clients_per_round`` from ``fraction_train`` / ``min_train_nodes``; ``[data]`` and ``[model]``
+are not read (the model is the user's, the data the ClientApp's).
+
+n, the total number of training samples (E6's KL weight beta * KL / n, the pace of the pruning schedule, the bound
+on an upload's n_t): ``total_samples=`` when the server knows it; otherwise, before the first round, the strategy
+sends every node a query (:data:`dturbo.flower.protocol.QUERY`) that the ClientApp answers with
+:func:`dturbo.flower.count_samples`, and n is the sum of the answers.
+
+Clients: the nodes connected when :meth:`~DturboStrategy.start` begins (after ``min_available_nodes`` are) are the
+federation, for the whole run. Each node gets a dturbo client id 0..N-1 (it seeds the client's minibatches and
+noise, and keys its private state): the ``partition-id`` its query answer names when those are 0..N-1 exactly
+(Flower's simulation engine, or node configs that set them), else its rank among the sorted node ids. Each round
+dturbo's seeded selection (``federation.clients_per_round`` = max(int(N * fraction_train), min_train_nodes), all of
+them when that reaches N) picks the clients, so a run is reproducible. A node that fails, answers with an error or
+does not answer within ``timeout`` counts as failed / dropped for the round, which goes on with the others.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from torch import nn
+
+from ..algorithms.base import MessageError, ServerAlgorithm, State
+from ..config import Config, ConfigError, load_config
+from ..ledger import Traffic
+from . import protocol, wire
+from .client import bayesian_model
+
+log = logging.getLogger("flwr")
+
+ModelSource = nn.Module | Callable[[], nn.Module]
+MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
+
+
+@dataclass
+class _Pending:
+    """What one round's :meth:`DturboStrategy.configure_train` sent, for its :meth:`aggregate_train`."""
+
+    server_round: int
+    participants: list[int]  # the selected client ids
+    sent: list[tuple[Message, int]]  # (message, client id)
+    downlinks: list[bytes]  # the bytes of the messages sent, in that order
+
+
+@dataclass
+class _Session:
+    """One run of the strategy (:meth:`DturboStrategy.setup`)."""
+
+    cfg: Config
+    server: ServerAlgorithm
+    state: State
+    node_of: dict[int, int]  # client id -> node id
+    total_samples: int
+    settings: str
+    layers: list[protocol.ModelLayer]
+    cum_bits: int = 0
+    pending: _Pending | None = None
+    eval_sent: list[tuple[Message, int]] = field(default_factory=list)
+
+    @property
+    def client_of(self) -> dict[int, int]:
+        return {node: cid for cid, node in self.node_of.items()}
+
+
+class DturboStrategy(Strategy):
+    """One of dturbo's algorithms (``algorithm``: ``"dturbo"``, ``"stc"`` or ``"feddst"``) as a Flower strategy
+    (module docstring).
+
+    Args:
+        model: the network: a ``torch.nn.Module`` (copied; made Bayesian with :func:`dturbo.bayesianize` and the
+            configuration's ``sigma_mode`` / ``sigma_init_ratio`` when it is not yet) or a zero-argument function
+            returning one (called with torch's RNG seeded by ``experiment.seed``). The server needs it for each
+            layer's grid and prior; ``initial_arrays`` of :meth:`start`, when not empty, replace its weights.
+        algorithm: which of dturbo's algorithms.
+        preset: a preset shipped with dturbo (:func:`dturbo.presets.names`) of this algorithm.
+        config: instead of a preset, a configuration (a :class:`dturbo.Config`, a mapping shaped like the TOML or a
+            TOML path).
+        overrides: dotted config keys to set (``{"train.lr": 0.003, "experiment.seed": 1}``).
+        total_samples: n, the training samples of all clients together; None: asked from the nodes (module
+            docstring).
+        fraction_train, min_train_nodes: the clients a round trains, as Flower's FedAvg counts them.
+        fraction_evaluate, min_evaluate_nodes: the nodes of federated evaluation (0: none).
+        min_available_nodes: :meth:`start` waits until this many nodes are connected.
+        weighted_by_key: the MetricRecord key that weighs the clients' metrics.
+        train_metrics_aggr_fn, evaluate_metrics_aggr_fn: as Flower's FedAvg's (default: the weighted mean).
+        query_timeout: seconds the query for the sample counts waits for answers.
+        **settings: keys of the algorithm's config section (``[dturbo]``, ``[stc]``, ``[feddst]``).
+
+    Raises :class:`dturbo.ConfigError` for an unknown key or a bad value, at once.
+    """
+
+    def __init__(self, model: ModelSource, *, algorithm: str = "dturbo", preset: str | None = None,
+                 config: Any = None, overrides: Mapping[str, Any] | Sequence[str] | None = None,
+                 total_samples: int | None = None, fraction_train: float = 1.0, fraction_evaluate: float = 1.0,
+                 min_train_nodes: int = 2, min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
+                 weighted_by_key: str = protocol.NUM_EXAMPLES,
+                 train_metrics_aggr_fn: MetricsAggregation | None = None,
+                 evaluate_metrics_aggr_fn: MetricsAggregation | None = None, query_timeout: float = 120.0,
+                 **settings: Any) -> None:
+        if algorithm not in protocol.ALGORITHMS:
+            raise ValueError(f"algorithm {algorithm!r}: the strategy runs {', '.join(protocol.ALGORITHMS)}")
+        if not (isinstance(model, nn.Module) or callable(model)):
+            raise TypeError(f"model must be a torch.nn.Module or a function returning one, not {type(model).__name__}")
+        if total_samples is not None and (isinstance(total_samples, bool) or int(total_samples) < 1):
+            raise ValueError(f"total_samples must be a positive number of samples, got {total_samples!r}")
+        for name, value in (("fraction_train", fraction_train), ("fraction_evaluate", fraction_evaluate)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        self.algorithm = algorithm
+        self.preset = preset
+        self.base_config = self._base_config(preset, config, overrides, settings)
+        self.model_source = model
+        self.total_samples = None if total_samples is None else int(total_samples)
+        self.fraction_train = fraction_train
+        self.fraction_evaluate = fraction_evaluate
+        self.min_train_nodes = 0 if fraction_train == 0.0 else min_train_nodes
+        self.min_evaluate_nodes = 0 if fraction_evaluate == 0.0 else min_evaluate_nodes
+        self.min_available_nodes = min_available_nodes
+        self.weighted_by_key = weighted_by_key
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metricrecords
+        self.query_timeout = query_timeout
+        self.session: _Session | None = None
+
+    # ----------------------------------------------------------------------------------- configuration
+    def _base_config(self, preset: str | None, config: Any, overrides: Mapping[str, Any] | Sequence[str] | None,
+                     settings: dict[str, Any]) -> Config:
+        if preset is not None and config is not None:
+            raise ConfigError("give a preset or a config, not both")
+        if preset is not None:
+            cfg = load_config(preset=preset)
+        elif config is not None:
+            cfg = load_config(config)
+        else:
+            cfg = load_config({"experiment": {"algorithm": self.algorithm}})
+        if cfg.experiment.algorithm != self.algorithm:
+            where = f"preset {preset!r}" if preset is not None else "the config"
+            raise ConfigError(f"{where} is for experiment.algorithm = {cfg.experiment.algorithm!r}, this strategy "
+                              f"runs {self.algorithm!r}")
+        data = cfg.to_dict()
+        data[self.algorithm] = _merge(data.get(self.algorithm, {}), settings)
+        return load_config(data, overrides)
+
+    def config_for(self, num_rounds: int, clients: int) -> Config:
+        """The run's configuration: the strategy's settings with the rounds and clients of the Flower run."""
+        per_round = max(int(clients * self.fraction_train), self.min_train_nodes, 1)
+        return load_config(self.base_config, {
+            "experiment.rounds": int(num_rounds), "federation.clients": clients,
+            "federation.clients_per_round": None if per_round >= clients else per_round,
+            "federation.min_clients": min(self.base_config.federation.min_clients, clients),
+            "model.name": "custom", "data.name": "arrays", "data.path": None,
+        })
+
+    def initial_model(self, cfg: Config, arrays: ArrayRecord | None = None) -> nn.Module:
+        """The Bayesian model the run starts from: the strategy's model (seeded by ``experiment.seed`` when it is a
+        function), with ``arrays`` loaded when they hold its ``state_dict()`` (of the Bayesian model, or of the
+        model before :func:`dturbo.bayesianize`)."""
+        src = self.model_source
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.experiment.seed)
+            base = copy.deepcopy(src) if isinstance(src, nn.Module) else src()
+        if not isinstance(base, nn.Module):
+            raise TypeError(f"the model function returned a {type(base).__name__}, not a torch.nn.Module")
+        sd = arrays.to_torch_state_dict() if arrays is not None and len(arrays) else None
+        if sd is not None and set(sd) == set(base.state_dict()):
+            base.load_state_dict(sd)
+            sd = None
+        model = bayesian_model(base, cfg)
+        if sd is not None:
+            if set(sd) != set(model.state_dict()):
+                raise ValueError("initial_arrays do not hold the strategy's model: pass "
+                                 "ArrayRecord(model.state_dict()) of the model given to the strategy (before or after "
+                                 "dturbo.bayesianize)")
+            model.load_state_dict(sd)
+        return model.cpu().float()
+
+    # ------------------------------------------------------------------------------------------ the run
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Run ``num_rounds`` rounds on ``grid`` (Flower's ``Strategy.start``, after :meth:`setup`). The arrays it
+        passes to ``evaluate_fn`` and returns in ``Result.arrays`` are the global model's ``state_dict()``; the
+        train MetricRecords hold the server's metrics and the round's bits (dturbo's ledger and Flower's bytes)."""
+        self.setup(grid, initial_arrays, num_rounds)
+        return super().start(grid, self.global_arrays(), num_rounds, timeout, train_config, evaluate_config,
+                             evaluate_fn)
+
+    def setup(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int) -> None:
+        """Fix the federation (the connected nodes, their client ids and n), the configuration and the server's
+        initial state (:meth:`start` calls it; call it yourself to drive the rounds by hand)."""
+        nodes = self._wait_for_nodes(grid)
+        node_of, total = self._connect(grid, nodes)
+        cfg = self.config_for(num_rounds, len(node_of))
+        from ..algorithms.registry import ALGORITHMS
+        from ..sim import schedule_warning
+        from ..sparsity import local_steps_a_round
+
+        model = self.initial_model(cfg, initial_arrays)
+
+        def factory() -> nn.Module:
+            return copy.deepcopy(model)
+
+        server = ALGORITHMS[self.algorithm][0](cfg, factory, total)
+        if (msg := schedule_warning(cfg, local_steps_a_round(cfg.train, total, len(node_of)))) is not None:
+            log.warning("dturbo: %s", msg)
+        self.session = _Session(cfg, server, server.init(), node_of, total, protocol.settings_text(cfg),
+                        protocol.model_layers(model))
+        log.info("dturbo %s: %d clients, n = %d training samples, %d rounds, %s clients a round", self.algorithm,
+                 len(node_of), total, num_rounds, cfg.federation.clients_per_round or "all")
+
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        while len(nodes := list(grid.get_node_ids())) < self.min_available_nodes:
+            log.info("Waiting for nodes to connect: %d connected (minimum required: %d).", len(nodes),
+                     self.min_available_nodes)
+            time.sleep(1)
+        return sorted(nodes)
+
+    def _connect(self, grid: Grid, nodes: list[int]) -> tuple[dict[int, int], int]:
+        """(client id -> node id, n): from ``total_samples`` and the node order, or from the nodes' answers."""
+        if self.total_samples is not None:
+            return dict(enumerate(nodes)), self.total_samples
+        msgs = [Message(RecordDict({wire.TASK: ConfigRecord({"algorithm": self.algorithm})}), dst_node_id=node,
+                        message_type=protocol.QUERY) for node in nodes]
+        counts: dict[int, int] = {}
+        pids: dict[int, int] = {}
+        for reply in grid.send_and_receive(msgs, timeout=self.query_timeout):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log.warning("node %d did not answer the dturbo query: %s", node, reply.error.reason)
+                continue
+            try:
+                n_t = int(reply.content.metric_records[protocol.METRICS][protocol.NUM_EXAMPLES])
+                pid = int(reply.content.config_records[wire.TASK][wire.PARTITION_ID])
+            except (KeyError, TypeError, ValueError) as err:
+                log.warning("node %d: malformed answer to the dturbo query (%s); left out", node, err)
+                continue
+            if n_t < 1:
+                log.warning("node %d holds no training sample; left out", node)
+                continue
+            counts[node], pids[node] = n_t, pid
+        if not counts:
+            raise RuntimeError(
+                "no node answered the strategy's query for its training sample count: register it in the ClientApp "
+                "(@app.query(\"dturbo\") returning dturbo.flower.count_samples(msg, context, trainloader)) or give "
+                "the strategy total_samples=")
+        left = sorted(set(nodes) - set(counts))
+        if left:
+            log.warning("nodes %s did not answer the dturbo query and are left out of the federation", left)
+        answered = sorted(counts)
+        if sorted(pids.values()) == list(range(len(answered))):
+            node_of = {pids[node]: node for node in answered}
+        else:
+            node_of = dict(enumerate(answered))
+            log.info("dturbo: the nodes' partition-ids are not 0..%d; client ids follow the node ids' order",
+                     len(answered) - 1)
+        return node_of, sum(counts.values())
+
+    def _need_session(self) -> _Session:
+        if self.session is None:
+            raise RuntimeError(f"{type(self).__name__} has no run: start() (or setup()) comes first")
+        return self.session
+
+    def global_model(self) -> nn.Module:
+        """The current global model (mean weights on the support), in eval mode."""
+        run = self._need_session()
+        return run.server.global_model(run.state)
+
+    def global_arrays(self) -> ArrayRecord:
+        """The current global model's ``state_dict()`` as an ArrayRecord."""
+        return ArrayRecord(self.global_model().state_dict())
+
+    def summary(self) -> None:
+        """Log the strategy's settings."""
+        cfg = self.session.cfg if self.session is not None else self.base_config
+        log.info("\t├──> dturbo algorithm: %s%s", self.algorithm, f" (preset {self.preset})" if self.preset else "")
+        log.info("\t├──> settings sent to the clients: %s", protocol.settings_text(cfg).strip().replace("\n", "; "))
+        log.info("\t├──> Sampling:")
+        log.info("\t│\t├──Fraction: train (%.2f) | evaluate ( %.2f)", self.fraction_train, self.fraction_evaluate)
+        log.info("\t│\t├──Minimum nodes: train (%d) | evaluate (%d)", self.min_train_nodes, self.min_evaluate_nodes)
+        log.info("\t│\t└──Minimum available nodes: %d", self.min_available_nodes)
+        n = self.session.total_samples if self.session is not None else self.total_samples
+        log.info("\t└──> total samples n: %s", n if n is not None else "asked from the nodes")
+
+    # ---------------------------------------------------------------------------------------- training
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+                        ) -> Iterable[Message]:
+        """The train messages of round ``server_round`` (1-based): dturbo's seeded selection, each selected client's
+        coded downlink of the current global model. ``arrays`` is not sent (it is that model's state_dict)."""
+        run = self._need_session()
+        run.pending = None
+        if self.fraction_train == 0.0:
+            return []
+        rnd = server_round - 1
+        participants = run.server.select_clients(rnd)
+        online = set(grid.get_node_ids())
+        downlinks = run.server.downlinks(run.state, rnd, participants)
+        config["server-round"] = server_round
+        sent: list[tuple[Message, int]] = []
+        for cid in participants:
+            node = run.node_of[cid]
+            if node not in online:
+                continue  # counted as dropped by aggregate_train
+            task = protocol.Task(self.algorithm, rnd, cid, run.settings, run.layers)
+            content = RecordDict({wire.DOWN: wire.bytes_record(downlinks[cid]), protocol.CONFIG: config,
+                                  wire.TASK: task.record()})
+            sent.append((Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN), cid))
+        run.pending = _Pending(server_round, participants, sent, [downlinks[cid] for _, cid in sent])
+        log.info("configure_train: %d clients selected (out of %d)", len(participants), len(run.node_of))
+        return [m for m, _ in sent]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Decode the uploads (in client id order, as the runner sums them), run the algorithm's server step, and
+        return the new global model's state_dict with the round's metrics (None arrays when no upload is valid)."""
+        from ..sim import check_finite
+
+        run = self._need_session()
+        pending = run.pending
+        if pending is None or pending.server_round != server_round:
+            return None, None
+        replies = list(replies)
+        client_of = run.client_of
+        by_message = {m.metadata.message_id: cid for m, cid in pending.sent if m.metadata.message_id}
+        uploads: dict[int, tuple[bytes, Message]] = {}
+        counts = {"clients_failed": 0, "clients_dropped": 0}
+        answered: set[int] = set()
+        for reply in replies:
+            cid = by_message.get(reply.metadata.reply_to_message_id, client_of.get(reply.metadata.src_node_id))
+            if cid is not None:
+                answered.add(cid)
+            outcome = self._upload(reply, cid, server_round - 1)
+            if isinstance(outcome, bytes) and cid is not None:
+                uploads[cid] = (outcome, reply)
+            else:
+                counts["clients_dropped" if outcome == "lost" else "clients_failed"] += 1
+                log.info("\t> client %s: %s", cid, outcome if isinstance(outcome, str) else "no client id")
+        sent_ids = {cid for _, cid in pending.sent}
+        counts["clients_dropped"] += len(set(pending.participants) - (answered & sent_ids))
+        order = sorted(uploads)
+        uplinks = [uploads[cid][0] for cid in order]
+        traffic = Traffic(run.server.layouts)
+        traffic.add(pending.downlinks, uplinks)
+        run.cum_bits += traffic.up_bits + traffic.down_bits
+        metrics: dict[str, float] = {"participants": float(len(pending.participants)), **counts}
+        log.info("aggregate_train: received %d uploads and %d failures", len(uplinks),
+                 counts["clients_failed"] + counts["clients_dropped"])
+        arrays = None
+        if uplinks:
+            try:
+                result = run.server.aggregate(run.state, uplinks, server_round - 1)
+            except MessageError as err:
+                log.warning("round %d: no valid upload (%s); the global model stays", server_round, err)
+            else:
+                check_finite(result.state, server_round)
+                run.state = result.state
+                for rejection in result.rejected:
+                    log.warning("client %d: upload rejected: %s", order[rejection.uplink], rejection.reason)
+                metrics |= result.metrics
+                arrays = self.global_arrays()
+        metrics |= {"up_bits": traffic.up_bits, "down_bits": traffic.down_bits, "cum_bits": run.cum_bits,
+                    **traffic.parts,
+                    "flower_down_bytes": sum(protocol.message_bytes(m.content) for m, _ in pending.sent),
+                    "flower_up_bytes": sum(protocol.message_bytes(r.content) for r in replies if not r.has_error())}
+        record = MetricRecord({k: _number(v) for k, v in metrics.items() if _number(v) is not None})
+        try:
+            contents = [uploads[cid][1].content for cid in order]
+            if contents:
+                for key, value in self.train_metrics_aggr_fn(contents, self.weighted_by_key).items():
+                    record.setdefault(key, value)
+        except (KeyError, TypeError, ValueError, StopIteration) as err:
+            log.warning("round %d: the clients' MetricRecords do not aggregate (%s)", server_round, err)
+        return arrays, record
+
+    def _upload(self, reply: Message, cid: int | None, rnd: int) -> bytes | str:
+        """A reply's upload bytes, or why it has none: ``"lost"`` (the node never answered) or a reason."""
+        if reply.has_error():
+            err = reply.error
+            if err.code in wire.LOST_CODES:
+                return "lost"
+            return f"ClientApp failed (Flower error {err.code}): {err.reason}"
+        content = reply.content
+        if wire.FAILURE in content.config_records:
+            return str(content.config_records[wire.FAILURE].get("reason", "failed"))
+        try:
+            task = wire.task_record(content)
+            if int(task["client"]) != cid or int(task["round"]) != rnd:
+                raise wire.WireError(f"reply is for client {task['client']}, round {task['round']}")
+            return wire.record_bytes(content, wire.UP)
+        except (wire.WireError, KeyError, TypeError, ValueError) as err:
+            return f"malformed reply: {err}"
+
+    # -------------------------------------------------------------------------------------- evaluation
+    def evaluation_downlink(self, server_round: int) -> bytes:
+        """The current global model coded so that any node decodes it without client state: D-Turbo-VBI's and
+        FedDST's downlink of a client that holds no support, STC's dense model (its round-0 broadcast)."""
+        run = self._need_session()
+        if self.algorithm == "stc":
+            server: Any = run.server
+            return server.messages.encode_downlink(run.state, 0, run.total_samples)
+        return run.server.downlink(run.state, server_round)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+                           ) -> Iterable[Message]:
+        """Evaluate messages to max(int(N * fraction_evaluate), min_evaluate_nodes) of the connected clients (a
+        seeded choice), each carrying :meth:`evaluation_downlink`."""
+        run = self._need_session()
+        run.eval_sent = []
+        if self.fraction_evaluate == 0.0:
+            return []
+        online = set(grid.get_node_ids())
+        clients = [cid for cid, node in sorted(run.node_of.items()) if node in online]
+        k = min(max(int(len(clients) * self.fraction_evaluate), self.min_evaluate_nodes), len(clients))
+        if k == 0:
+            return []
+        rng = np.random.default_rng([run.cfg.experiment.seed, server_round, 0xE7])
+        chosen = sorted(rng.choice(clients, size=k, replace=False).tolist())
+        down = wire.bytes_record(self.evaluation_downlink(server_round))
+        config["server-round"] = server_round
+        for cid in chosen:
+            task = protocol.Task(self.algorithm, server_round, cid, run.settings, run.layers)
+            content = RecordDict({wire.DOWN: down, protocol.CONFIG: config, wire.TASK: task.record()})
+            run.eval_sent.append((Message(content=content, dst_node_id=run.node_of[cid],
+                                          message_type=MessageType.EVALUATE), cid))
+        log.info("configure_evaluate: %d clients selected (out of %d)", k, len(clients))
+        return [m for m, _ in run.eval_sent]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The clients' evaluation metrics, weighted by ``weighted_by_key``, with the bits the evaluate messages
+        cost (``eval_down_bits``: the coded global model, 8 x its bytes per node; Flower's bytes both ways)."""
+        run = self._need_session()
+        replies = list(replies)
+        valid = [r for r in replies if not r.has_error() and self.weighted_by_key in
+                 next(iter(r.content.metric_records.values()), {})]
+        log.info("aggregate_evaluate: received %d results and %d failures", len(valid), len(replies) - len(valid))
+        if not valid:
+            return None
+        record = self.evaluate_metrics_aggr_fn([r.content for r in valid], self.weighted_by_key)
+        sent = [m for m, _ in run.eval_sent]
+        record["eval_down_bits"] = 8 * sum(len(wire.record_bytes(m.content, wire.DOWN)) for m in sent)
+        record["flower_down_bytes"] = sum(protocol.message_bytes(m.content) for m in sent)
+        record["flower_up_bytes"] = sum(protocol.message_bytes(r.content) for r in replies if not r.has_error())
+        return record
+
+
+class DTurboVBI(DturboStrategy):
+    """D-Turbo-VBI (docs/algorithm.md) as a Flower strategy: keyword arguments are ``[dturbo]`` keys
+    (``beta=0.01``, ``sparsity={"target_density": 0.15}``, ``transmission={"up_bits": 4}``); see
+    :class:`DturboStrategy` for the rest."""
+
+    def __init__(self, model: ModelSource, **kwargs: Any) -> None:
+        super().__init__(model, algorithm="dturbo", **kwargs)
+
+
+class STC(DturboStrategy):
+    """STC, sparse ternary compression both ways (:mod:`dturbo.algorithms.stc`): keyword arguments are ``[stc]``
+    keys (``p_up=0.04``, ``p_down=0.04``). Every client trains every round (``fraction_train`` = 1)."""
+
+    def __init__(self, model: ModelSource, **kwargs: Any) -> None:
+        super().__init__(model, algorithm="stc", **kwargs)
+
+
+class FedDST(DturboStrategy):
+    """FedDST, federated dynamic sparse training (:mod:`dturbo.algorithms.feddst`): keyword arguments are
+    ``[feddst]`` keys (``density=0.2``, ``readjust_every=3``)."""
+
+    def __init__(self, model: ModelSource, **kwargs: Any) -> None:
+        super().__init__(model, algorithm="feddst", **kwargs)
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra``'s keys set, sub-tables merged key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def _number(value: Any) -> int | float | None:
+    """A metric as MetricRecord takes it (Python int or float), None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating):
+        return float(value)
+    return None
