@@ -398,7 +398,7 @@ def test_npz_floats_constant_feature_and_limits(tmp_path):
 @pytest.mark.parametrize("problem,match", [
     ("missing", "missing array.*y_test"), ("length", "rows"), ("negative", "negative"), ("nan", "NaN"),
     ("float labels", "integer"), ("shape mismatch", "differ in shape"), ("object", "not a readable"),
-    ("1-d x", "rows"), ("5-d x", "N,H,W"), ("empty", "no rows"), ("labels 2-d", r"shape \(N,\)"),
+    ("1-d x", "rows"), ("6-d x", "N,H,W"), ("empty", "no rows"), ("labels 2-d", r"shape \(N,\)"),
 ])
 def test_npz_problems(tmp_path, problem, match):
     x = np.zeros((5, 4), np.float32)
@@ -420,8 +420,8 @@ def test_npz_problems(tmp_path, problem, match):
         arrays["x_train"] = np.array([object()] * 5)
     elif problem == "1-d x":
         arrays["x_train"] = np.zeros(5, np.float32)
-    elif problem == "5-d x":
-        arrays["x_train"] = arrays["x_test"] = np.zeros((5, 1, 1, 1, 1), np.float32)
+    elif problem == "6-d x":  # 5-d is a volume, N,C,D,H,W
+        arrays["x_train"] = arrays["x_test"] = np.zeros((5, 1, 1, 1, 1, 1), np.float32)
     elif problem == "empty":
         arrays["x_train"], arrays["y_train"] = np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
     else:

@@ -167,10 +167,10 @@ def test_bayesianize_leaves_the_rng_alone_and_a_shared_layer_shared():
 
 
 def test_bayesianize_refuses_what_it_cannot_grid():
-    with pytest.raises(BayesianizeError, match="no nn.Linear or nn.Conv2d"):
+    with pytest.raises(BayesianizeError, match="no nn.Linear or nn.Conv1d/2d/3d"):
         dturbo.bayesianize(nn.Sequential(nn.BatchNorm2d(3), nn.ReLU()))
-    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.Conv1d(2, 2, 3), nn.ConvTranspose2d(2, 2, 3)))
-    with pytest.raises(UnsupportedLayerError, match=r"1\.0 \(Conv1d\), 1\.1 \(ConvTranspose2d\)"):
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.ConvTranspose1d(2, 2, 3), nn.ConvTranspose2d(2, 2, 3)))
+    with pytest.raises(UnsupportedLayerError, match=r"1\.0 \(ConvTranspose1d\), 1\.1 \(ConvTranspose2d\)"):
         dturbo.bayesianize(net)
     assert type(net[0]) is nn.Conv2d  # nothing was replaced
     with pytest.raises(UnsupportedLayerError, match="LazyLinear"):
@@ -289,9 +289,9 @@ def _without_bn(net: nn.Module) -> nn.Module:
 def test_bad_models_are_refused_at_construction(tmp_path):
     with pytest.raises(ModelOutputError, match=r"7 output values per sample.*4 classes"):
         dturbo.Experiment(config(), data=images(), model=lambda: ResNetTiny(classes=7), out=tmp_path / "a")
-    with pytest.raises(UnsupportedLayerError, match=r"conv \(Conv1d\)"):
+    with pytest.raises(UnsupportedLayerError, match=r"conv \(ConvTranspose1d\)"):
         dturbo.Experiment(config(), data=images(), model=nn.Sequential(dict_conv1d()), out=tmp_path / "b")
-    with pytest.raises(BayesianizeError, match="has no nn.Linear or nn.Conv2d"):
+    with pytest.raises(BayesianizeError, match="has no nn.Linear or nn.Conv1d/2d/3d"):
         dturbo.Experiment(config(), data=images(), model=nn.Sequential(nn.Flatten()), out=tmp_path / "c")
     with pytest.raises(BayesianizeError, match="not a torch.nn.Module"):
         dturbo.Experiment(config(), data=images(), model=lambda: 3, out=tmp_path / "d")
@@ -311,7 +311,7 @@ def test_bad_models_are_refused_at_construction(tmp_path):
 def dict_conv1d() -> nn.Module:
     from collections import OrderedDict
 
-    return nn.Sequential(OrderedDict(conv=nn.Conv1d(1, 2, 3), flat=nn.Flatten()))
+    return nn.Sequential(OrderedDict(conv=nn.ConvTranspose1d(1, 2, 3), flat=nn.Flatten()))
 
 
 @pytest.mark.filterwarnings("ignore::dturbo.sim.ScheduleWarning")
@@ -390,3 +390,41 @@ def test_standardize_false_keeps_the_inputs_as_given():
     pixels = rng.integers(0, 256, size=(20, 1, 4, 4)).astype(np.uint8)
     raw = dataset_from_arrays(pixels[:15], y[:15], pixels[15:], y[15:20], standardize=False)
     np.testing.assert_allclose(raw.x_train, pixels[:15] / 255.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("conv, shape", [(nn.Conv1d, (3, 40)), (nn.Conv3d, (2, 5, 6, 6))], ids=["conv1d", "conv3d"])
+def test_conv1d_and_conv3d_become_bayesian_with_gemm_grids_and_federate(tmp_path, conv, shape):
+    """A sequence model (Conv1d) and a volume model (Conv3d): the same function after bayesianize, the grid is the
+    GEMM's (out x in/groups * prod(kernel)), a tied-row prior keeps whole channels, and a short run federates."""
+    torch.manual_seed(0)
+    c = shape[0]
+    net = nn.Sequential(conv(c, 6, 3, padding=1, padding_mode="reflect"), nn.ReLU(), conv(6, 4, 3, groups=2),
+                        nn.Flatten(), nn.LazyLinear(CLASSES))
+    x = torch.randn(8, *shape)
+    net(x)  # materialise the lazy head
+    net[4] = nn.Linear(net[4].in_features, CLASSES)
+    want = net.eval()(x)
+    bayes = dturbo.bayesianize(copy_of(net))
+    layers = bayesian_layers(bayes)
+    assert [type(m).__name__ for _, m in layers] == [f"BayesConv{len(shape) - 1}d"] * 2 + ["BayesLinear"]
+    torch.testing.assert_close(bayes.eval()(x), want, rtol=1e-5, atol=1e-6)
+    k = 3 ** (len(shape) - 1)
+    assert grid_shape(layers[0][1]) == (6, c * k) and grid_shape(layers[1][1]) == (4, 3 * k)
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(240, *shape)).astype(np.float32)
+    ys = (xs.reshape(240, -1)[:, :4].sum(1) > 0).astype(np.int64) * 2 + (xs.reshape(240, -1)[:, 5] > 0)
+    cfg = config(rounds=2, dturbo={"sparsity": {"target_density": 0.5, "warmup_rounds": 0, "ramp_rounds": 1},
+                                   "prior": {"conv": {"tie_rows": True}}}, data={"layout": "channels_first"})
+    result = dturbo.Experiment(cfg, data=(xs[:200], ys[:200], xs[200:], ys[200:]), model=copy_of(net),
+                               out=tmp_path / "run", figures=False, progress=False).run()
+    assert 0 < result.density < 1
+    for _, layer in bayesian_layers(result.model):
+        if layer.weight_mu.dim() >= 3:  # whole output channels kept or removed
+            rows = (layer.weight_mu * layer.mask).reshape(layer.weight_mu.shape[0], -1).ne(0)
+            assert bool((rows.all(1) | ~rows.any(1)).all())
+
+
+def copy_of(net: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(net)

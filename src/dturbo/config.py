@@ -50,6 +50,10 @@ class DataConfig(_Section):
     path: str | None = None
     limit_train: int | None = Field(None, ge=1)
     limit_test: int | None = Field(None, ge=1)
+    layout: Literal["auto", "channels_first"] = Field("auto", description=(
+        "how arrays (npz, in memory) are read: auto, N,H,W (one channel added), N,C,H,W or N,H,W,C images, "
+        "N,C,D,H,W volumes, N,D features; channels_first, every array as given with channels on axis 1 (N,C,L "
+        "sequences for a Conv1d model)"))
     standardize: bool = Field(True, description=(
         "standardise the inputs per channel with the training set's statistics; false: float inputs as given "
         "(uint8 pixels scaled to 0..1). Integer inputs other than uint8 are ids (tokens) and never standardised"))

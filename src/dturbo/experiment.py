@@ -150,7 +150,7 @@ class Experiment:
             self.dataset = dataset_from_arrays(
                 *arrays, num_classes=num_classes if num_classes is not None else stored_nc,
                 limit_train=cfg.data.limit_train, limit_test=cfg.data.limit_test, seed=cfg.experiment.seed,
-                standardize=cfg.data.standardize)
+                standardize=cfg.data.standardize, layout=cfg.data.layout)
         elif num_classes is not None:
             raise ValueError("num_classes goes with data=...; for data read from files it comes from the files")
         resolve_device(cfg.experiment.device)  # "cuda" without a GPU: say so now

@@ -30,7 +30,7 @@ def build_federation(cfg: Config, dataset: Dataset | None = None) -> Federation:
     """Load the data and split the training set among the clients (seeded)."""
     ds = dataset or load_dataset(
         cfg.data.name, cfg.data.path, limit_train=cfg.data.limit_train, limit_test=cfg.data.limit_test,
-        seed=cfg.experiment.seed, standardize=cfg.data.standardize,
+        seed=cfg.experiment.seed, standardize=cfg.data.standardize, layout=cfg.data.layout,
     )
     f = cfg.federation
     x_train, y_train, val = ds.x_train, ds.y_train, None

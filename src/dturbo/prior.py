@@ -1,7 +1,7 @@
 """The hierarchical prior of docs/algorithm.md §2: Gamma hyperparameters per layer and the layer -> grid mapping.
 
 A layer's support grid is its weight matrix *as its GEMM uses it* (docs/algorithm.md §2): Linear is
-(out_features x in_features); Conv2d is (out_channels x in_channels/groups * kh * kw). With this
+(out_features x in_features); Conv2d is (out_channels x in_channels/groups * kh * kw) (Conv1d / Conv3d alike). With this
 choice a cluster in the grid is a block of the computation.
 """
 
@@ -69,6 +69,7 @@ def grid_shape(layer: nn.Module) -> tuple[int, int]:
 
 
 def layer_kind(layer: nn.Module) -> Literal["conv", "dense"]:
-    """'conv' for convolutional layers, 'dense' for fully connected ones (prior settings are per kind)."""
+    """'conv' for convolutional layers (1-, 2- or 3-D), 'dense' for fully connected ones (prior settings are per
+    kind)."""
     weight = getattr(layer, "weight_mu", getattr(layer, "weight", None))
-    return "conv" if weight is not None and weight.dim() == 4 else "dense"
+    return "conv" if weight is not None and weight.dim() >= 3 else "dense"

@@ -317,15 +317,22 @@ def _load_cifar(name: str, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 # ---------------------------------------------------------------- npz
-def _to_nchw(x: np.ndarray, where: str, key: str) -> np.ndarray:
-    """N,H,W -> N,1,H,W; N,H,W,C (last dim in {1,3}, dim 1 not in {1,3}) -> N,C,H,W; N,C,H,W and N,D kept."""
+LAYOUTS = ("auto", "channels_first")
+
+
+def _to_nchw(x: np.ndarray, where: str, key: str, layout: str = "auto") -> np.ndarray:
+    """N,H,W -> N,1,H,W; N,H,W,C (last dim in {1,3}, dim 1 not in {1,3}) -> N,C,H,W; N,C,H,W, N,C,D,H,W and N,D
+    kept. ``layout = "channels_first"``: every array as given, channels on axis 1 (N,C,L sequences)."""
+    if layout == "channels_first" or x.ndim == 5:
+        return x
     if x.ndim == 3:
         return x[:, None]
     if x.ndim == 4 and x.shape[3] in (1, 3) and x.shape[1] not in (1, 3):
         return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
     if x.ndim in (2, 4):
         return x
-    raise DataError(f"{where}: {key} must be N,H,W or N,C,H,W or N,H,W,C images or flat N,D; got shape {x.shape}")
+    raise DataError(f"{where}: {key} must be N,H,W or N,C,H,W or N,H,W,C images, N,C,D,H,W volumes or flat "
+                    f"N,D (data.layout = 'channels_first' takes N,C,... as given); got shape {x.shape}")
 
 
 def _looks_like_text(path: Path) -> bool:
@@ -388,7 +395,7 @@ def _as_numpy(value: Any, key: str, where: str) -> np.ndarray:
 
 
 def check_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, num_classes: Any = None, *,
-                 where: str = "data", store: str = "num_classes={}") -> tuple[np.ndarray, ...]:
+                 where: str = "data", store: str = "num_classes={}", layout: str = "auto") -> tuple[np.ndarray, ...]:
     """Validate a user's four arrays (an ``.npz`` file's, or those given to :class:`dturbo.Experiment`) and put
     them in dturbo's layout: ``(x_train, y_train, x_test, y_test, num_classes)`` with images ``N,C,H,W`` or flat
     ``N,D`` (the module docstring's layouts), int64 labels, and the class count (``num_classes`` if given, else the
@@ -424,11 +431,11 @@ def check_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, num_class
         raise DataError(f"{where}: x_train samples {xtr.shape[1:]} and x_test samples {xte.shape[1:]} differ in "
                         f"shape")
     nc = _num_classes(where, ytr, yte, num_classes, store)
-    return (_to_nchw(xtr, where, "x_train"), ytr.astype(np.int64), _to_nchw(xte, where, "x_test"),
+    return (_to_nchw(xtr, where, "x_train", layout), ytr.astype(np.int64), _to_nchw(xte, where, "x_test", layout),
             yte.astype(np.int64), nc)
 
 
-def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+def _load_npz(path: Path, layout: str = "auto") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     need = f"data.path must point at a .npz file with arrays {', '.join(NPZ_KEYS)} (np.savez)"
     if not path.is_file():
         raise DataError(f"no such .npz file: {path}; {need}")
@@ -456,7 +463,7 @@ def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     except Exception as err:  # not a zip, object arrays (pickles refused), corrupt members
         raise DataError(f"{path} is not a readable .npz file ({type(err).__name__}: {err}); {need}") from None
     xtr, ytr, xte, yte, nc = check_arrays(xtr, ytr, xte, yte, stored_nc, where=str(path),
-                                          store="np.savez(..., num_classes={})")
+                                          store="np.savez(..., num_classes={})", layout=layout)
     return xtr, ytr, xte, yte, int(nc)
 
 
@@ -505,7 +512,8 @@ def _normalise(xtr: np.ndarray, xte: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit_train: int | None = None,
-                 limit_test: int | None = None, seed: int = 0, standardize: bool = True) -> Dataset:
+                 limit_test: int | None = None, seed: int = 0, standardize: bool = True,
+                 layout: str = "auto") -> Dataset:
     """Load a dataset from disk, normalised per channel with training-set statistics.
 
     Args:
@@ -546,7 +554,7 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit
     elif name == "npz":
         if path is None:
             raise DataError(f"dataset 'npz' needs data.path: a .npz file with arrays {', '.join(NPZ_KEYS)}")
-        xtr, ytr, xte, yte, nc = _load_npz(Path(path))
+        xtr, ytr, xte, yte, nc = _load_npz(Path(path), layout)
     elif name == "arrays":
         raise DataError("data.name = 'arrays' names data held in memory and given to dturbo.Experiment(config, "
                         "data=(x_train, y_train, x_test, y_test)); there is nothing to read from disk: pass the "
@@ -562,7 +570,7 @@ def load_dataset(name: str, path: str | os.PathLike[str] | None = None, *, limit
 
 def dataset_from_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, *, num_classes: int | None = None,
                         limit_train: int | None = None, limit_test: int | None = None, seed: int = 0,
-                        standardize: bool = True) -> Dataset:
+                        standardize: bool = True, layout: str = "auto") -> Dataset:
     """A :class:`Dataset` (name ``"arrays"``) from in-memory arrays, read exactly as an ``.npz`` file's: numpy
     arrays or torch tensors in the module docstring's layouts, checked by :func:`check_arrays`, subset and
     normalised as :func:`load_dataset` does.
@@ -572,7 +580,7 @@ def dataset_from_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, *,
         ValueError: a limit is not positive.
     """
     _check_limits(limit_train, limit_test)
-    xtr, ytr, xte, yte, nc = check_arrays(x_train, y_train, x_test, y_test, num_classes)
+    xtr, ytr, xte, yte, nc = check_arrays(x_train, y_train, x_test, y_test, num_classes, layout=layout)
     return _finish("arrays", xtr, ytr, xte, yte, int(nc), limit_train, limit_test, seed, standardize)
 
 

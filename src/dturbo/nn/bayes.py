@@ -124,18 +124,21 @@ class BayesLinear(BayesianLayer):
         return f"in_features={self.in_features}, out_features={self.out_features}, sigma_mode={self.sigma_mode}"
 
 
-class BayesConv2d(BayesianLayer):
-    """Bayesian 2-D convolution; its grid is (out_channels x in_channels/groups * kh * kw) (docs/algorithm.md §2).
+class _BayesConvNd(BayesianLayer):
+    """Bayesian N-d convolution (N = ``dims``); its grid is (out_channels x in_channels/groups * prod(kernel))
+    (docs/algorithm.md §2).
 
-    Takes what ``nn.Conv2d`` takes: ``kernel_size``, ``stride``, ``padding`` (an int, a pair or ``"same"`` /
-    ``"valid"``) and ``dilation`` as an int or a pair, ``groups`` (depthwise: ``groups = in_channels``) and
-    ``padding_mode`` (``"zeros"``, ``"reflect"``, ``"replicate"``, ``"circular"``). The attributes keep the values
-    as given (an int stays an int)."""
+    Takes what ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` take: ``kernel_size``, ``stride``, ``padding`` (an int, a
+    tuple or ``"same"`` / ``"valid"``) and ``dilation`` as an int or a tuple, ``groups`` (depthwise: ``groups =
+    in_channels``) and ``padding_mode`` (``"zeros"``, ``"reflect"``, ``"replicate"``, ``"circular"``). The attributes
+    keep the values as given (an int stays an int)."""
+
+    dims = 2
 
     def __init__(
-        self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], *,
-        stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] | str = 0,
-        dilation: int | tuple[int, int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
+        self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, ...], *,
+        stride: int | tuple[int, ...] = 1, padding: int | tuple[int, ...] | str = 0,
+        dilation: int | tuple[int, ...] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
         sigma_mode: SigmaMode = "layer", sigma_init: float = 1e-3,
     ) -> None:
         super().__init__()
@@ -146,25 +149,25 @@ class BayesConv2d(BayesianLayer):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.padding, self.groups = kernel_size, stride, padding, groups
         self.dilation, self.padding_mode = dilation, padding_mode
-        kh, kw = _pair(kernel_size)
-        shape = (out_channels, in_channels // groups, kh, kw)
+        shape = (out_channels, in_channels // groups, *_ntuple(kernel_size, self.dims))
         self._init_bayes(shape, bias, sigma_mode, sigma_init)
         if padding_mode != "zeros":
             if isinstance(padding, str):
-                raise ValueError(f"padding {padding!r} needs padding_mode 'zeros' (as nn.Conv2d)")
-            ph, pw = _pair(padding)
-            self._pad = (pw, pw, ph, ph)  # F.pad's order: last dimension first
+                raise ValueError(f"padding {padding!r} needs padding_mode 'zeros' (as torch's convolutions)")
+            # F.pad's order: last dimension first, each as (before, after)
+            self._pad = tuple(q for d in reversed(_ntuple(padding, self.dims)) for q in (d, d))
+        self._conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
 
     def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The variance path calls this with x * x: reflect / replicate / circular padding of x * x is the square of
         # the padding of x, so the local reparameterisation stays exact.
         if self.padding_mode != "zeros":
-            return F.conv2d(F.pad(x, self._pad, mode=self.padding_mode), weight, bias, self.stride, 0,
-                            self.dilation, self.groups)
-        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+            return self._conv(F.pad(x, self._pad, mode=self.padding_mode), weight, bias, self.stride, 0,
+                              self.dilation, self.groups)
+        return self._conv(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
     def extra_repr(self) -> str:
-        extra = "" if self.dilation in (1, (1, 1)) else f", dilation={self.dilation}"
+        extra = "" if self.dilation in (1, (1,) * self.dims) else f", dilation={self.dilation}"
         extra += "" if self.padding_mode == "zeros" else f", padding_mode={self.padding_mode}"
         return (
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
@@ -172,11 +175,31 @@ class BayesConv2d(BayesianLayer):
         )
 
 
-def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
+class BayesConv1d(_BayesConvNd):
+    """Bayesian 1-D convolution (sequences, audio); grid (out_channels x in_channels/groups * k)."""
+
+    dims = 1
+
+
+class BayesConv2d(_BayesConvNd):
+    """Bayesian 2-D convolution; its grid is (out_channels x in_channels/groups * kh * kw)."""
+
+    dims = 2
+
+
+class BayesConv3d(_BayesConvNd):
+    """Bayesian 3-D convolution (volumes, video); grid (out_channels x in_channels/groups * kd * kh * kw)."""
+
+    dims = 3
+
+
+def _ntuple(v: int | tuple[int, ...] | list[int], n: int) -> tuple[int, ...]:
     if isinstance(v, int):
-        return v, v
-    a, b = v
-    return int(a), int(b)
+        return (v,) * n
+    out = tuple(int(a) for a in v)
+    if len(out) != n:
+        raise ValueError(f"expected {n} values, got {out}")
+    return out
 
 
 _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")

@@ -1,15 +1,15 @@
 """Any ``torch.nn.Module`` as a D-Turbo-VBI model: :func:`bayesianize` (docs/models.md, "Your model").
 
-Every ``nn.Linear`` and ``nn.Conv2d`` of the module graph, wherever it sits (nested modules, residual blocks,
-concatenations: the graph itself is not touched, only its leaves), is replaced by dturbo's Bayesian layer of the
-same geometry, whose means start at the layer's weights and bias. Each layer's support grid is its weight as its
-GEMM uses it (docs/algorithm.md §2): Linear (out x in), Conv2d (out x in/groups * kh * kw), so a depthwise
-convolution (groups = channels) has a grid of (channels x kh * kw).
+Every ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` of the module graph, wherever it sits (nested
+modules, residual blocks, concatenations: the graph itself is not touched, only its leaves), is replaced by
+dturbo's Bayesian layer of the same geometry, whose means start at the layer's weights and bias. Each layer's
+support grid is its weight as its GEMM uses it (docs/algorithm.md §2): Linear (out x in), ConvNd (out x
+in/groups * prod(kernel)), so a depthwise convolution (groups = channels) has a grid of (channels x kh * kw).
 
 Everything else (BatchNorm, LayerNorm, embeddings, any other parameter or buffer) stays as it is: it is trained
 as an ordinary parameter and travels dense (:mod:`dturbo.algorithms.plain`). Layer kinds that have a weight
-matrix dturbo cannot grid (Conv1d, Conv3d, transposed convolutions, Bilinear, subclasses of Linear / Conv2d that
-may compute something else, uninitialised lazy layers) are refused with :class:`UnsupportedLayerError` naming
+matrix dturbo cannot grid (transposed convolutions, Bilinear, subclasses of Linear / ConvNd that may compute
+something else, uninitialised lazy layers) are refused with :class:`UnsupportedLayerError` naming
 each one: left dense they would silently escape the compression. The projections inside ``nn.MultiheadAttention``
 (which reads their weights directly) are the exception: they are left as they are and travel dense.
 """
@@ -24,10 +24,13 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .bayes import BayesConv2d, BayesianLayer, BayesLinear, bayesian_layers
+from .bayes import BayesConv1d, BayesConv2d, BayesConv3d, BayesianLayer, BayesLinear, bayesian_layers
 from .models import init_sigmas
 
 SIGMA_MODES = ("layer", "weight", "client")
+# torch's layer -> dturbo's Bayesian layer of the same geometry
+_CONVERTED: dict[type, type] = {nn.Linear: BayesLinear, nn.Conv1d: BayesConv1d, nn.Conv2d: BayesConv2d,
+                                nn.Conv3d: BayesConv3d}
 
 
 class BayesianizeError(ValueError):
@@ -45,7 +48,7 @@ def _unsupported(module: nn.Module) -> bool:
     if isinstance(module, LazyModuleMixin):
         return True
     if isinstance(module, nn.Linear | nn.Bilinear | _ConvNd):
-        return type(module) not in (nn.Linear, nn.Conv2d)
+        return type(module) not in _CONVERTED
     return False
 
 
@@ -88,8 +91,8 @@ def _bayes_layer(layer: nn.Module, sigma_mode: str) -> BayesianLayer:
         if isinstance(layer, nn.Linear):
             new = BayesLinear(layer.in_features, layer.out_features, bias=layer.bias is not None, sigma_mode=mode)
         else:
-            assert isinstance(layer, nn.Conv2d)
-            new = BayesConv2d(
+            assert isinstance(layer, _ConvNd)
+            new = _CONVERTED[type(layer)](
                 layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
                 padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=layer.bias is not None,
                 padding_mode=layer.padding_mode, sigma_mode=mode)
@@ -104,8 +107,9 @@ def bayesianize(
     module: nn.Module, *, sigma_mode: str = "layer", sigma_init_ratio: float = 0.1, seed: int | None = None,
     example_input: torch.Tensor | None = None, input_shape: Sequence[int] | None = None,
 ) -> nn.Module:
-    """Replace, in place, every ``nn.Linear`` and ``nn.Conv2d`` of ``module`` by a Bayesian layer
-    (:class:`~dturbo.nn.bayes.BayesLinear`, :class:`~dturbo.nn.bayes.BayesConv2d`) of the same geometry (groups,
+    """Replace, in place, every ``nn.Linear`` and ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` of ``module`` by a
+    Bayesian layer (:class:`~dturbo.nn.bayes.BayesLinear`, :class:`~dturbo.nn.bayes.BayesConv2d`, ...) of the same
+    geometry (groups,
     kernel, stride, padding, dilation, padding mode, bias) whose means are the layer's weights; returns the module
     (the new layer when ``module`` itself is a Linear or Conv2d). A layer used at two places of the graph stays one
     layer. Layers that are Bayesian already are kept.
@@ -135,9 +139,9 @@ def bayesianize(
            if id(m) not in skip and _unsupported(m)]
     if bad:
         raise UnsupportedLayerError(
-            f"dturbo cannot give these layers a support grid (only nn.Linear and nn.Conv2d, docs/algorithm.md §2): "
-            f"{', '.join(bad)}; replace them (e.g. Conv1d by a Conv2d with a 1 x k kernel) or keep them out of the "
-            f"model (lazy layers: run the model once on an example input first)")
+            f"dturbo cannot give these layers a support grid (only nn.Linear and nn.Conv1d/2d/3d, docs/algorithm.md "
+            f"§2): {', '.join(bad)}; replace them or keep them out of the model (lazy layers: run the model once on "
+            f"an example input first)")
     if seed is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -145,10 +149,10 @@ def bayesianize(
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset):
                     reset()
-    targets = [m for m in module.modules() if id(m) not in skip and type(m) in (nn.Linear, nn.Conv2d)]
+    targets = [m for m in module.modules() if id(m) not in skip and type(m) in _CONVERTED]
     if not targets and not bayesian_layers(module):
         raise BayesianizeError(
-            f"{type(module).__name__} has no nn.Linear or nn.Conv2d layer: D-Turbo-VBI compresses the weights of "
+            f"{type(module).__name__} has no nn.Linear or nn.Conv1d/2d/3d layer: D-Turbo-VBI compresses the weights of "
             f"those (docs/algorithm.md §2), so there is nothing to federate as a Bayesian model")
     tied = _shared_weights(module, targets)
     if tied:
