@@ -137,7 +137,9 @@ def report(
     target: Annotated[list[float] | None, typer.Option(
         help="accuracy (0-1) for the 'bits to reach' columns; repeatable (default: the lowest final accuracy among "
              "the runs that learned)")] = None,
-    inference: Annotated[bool, typer.Option(help="time a forward pass of 3000 test samples per run")] = True,
+    inference: Annotated[bool, typer.Option(help=(
+        "add a column: one timed forward pass of 3000 test samples per run (a rough single timing; "
+        "benchmarks/speed.py measures an exported model's speedup)"))] = False,
 ) -> None:
     """Draw the figures of one run, or compare several: accuracy vs bits, table (Markdown + CSV), heat maps."""
     from .report import compare, draw_run

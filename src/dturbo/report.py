@@ -440,7 +440,7 @@ def default_target(final: list[float]) -> float:
     return math.floor(1000 * min(a for a in final if a >= best / 2)) / 1000
 
 
-def compare(run_dirs: list[Path], out: Path, *, targets: list[float] | None = None, inference: bool = True,
+def compare(run_dirs: list[Path], out: Path, *, targets: list[float] | None = None, inference: bool = False,
             per_run_figures: bool = True) -> tuple[list[RunSummary], list[Path]]:
     """The multi-run report into ``out``: accuracy_vs_bits.{png,svg}, comparison.{md,csv}, and each run's own
     figures in ``out/<run name>/``. Default target: :func:`default_target`."""

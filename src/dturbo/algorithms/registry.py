@@ -85,6 +85,6 @@ def build_algorithm(cfg: Config, fed: Federated, factory: ModelFactory | None = 
         model = factory()
         name = cfg.model.name if cfg.model.name != "custom" else type(model).__name__
         models.check_input_shape(model, fed.dataset.input_shape, name, fed.dataset.num_classes,
-                                 fed.dataset.input_dtype)
+                                 getattr(fed.dataset, "input_dtype", torch.float32))
     server_cls, client_cls = ALGORITHMS[cfg.experiment.algorithm]
     return server_cls(cfg, factory, fed.total_samples), client_cls(cfg, factory)
