@@ -397,10 +397,14 @@ class _Stop(Exception):
     pass
 
 
+def run_name(csv_path: Path) -> str:
+    """The ``experiment.name`` a committed run was trained under."""
+    return str(tomllib.loads(csv_path.with_suffix(".toml").read_text())["experiment"]["name"])
+
+
 def trained_elsewhere(csv_path: Path, tag: str) -> bool:
     """Whether a committed run was trained by another campaign than ``tag`` (its config names it)."""
-    name = tomllib.loads(csv_path.with_suffix(".toml").read_text())["experiment"]["name"]
-    return not name.startswith(f"{tag}_")
+    return not run_name(csv_path).startswith(f"{tag}_")
 
 
 def verify(job: Job, csv_path: Path, rounds: int = 2,
@@ -426,6 +430,11 @@ def verify(job: Job, csv_path: Path, rounds: int = 2,
         fresh = read_csv(Path(tmp) / "run" / "metrics.csv")
     diffs = []
     for col in columns:
+        if col not in committed and col not in fresh:  # e.g. no validation split
+            continue
+        if (col in committed) != (col in fresh):
+            diffs.append(f"{col}: in {'the committed run' if col in committed else 'this code'}'s metrics only")
+            continue
         a, b = committed[col][:rounds], fresh[col][:rounds]
         if not np.array_equal(a, b):
             diffs.append(f"{col}: committed {a.tolist()} vs now {b.tolist()}")

@@ -424,14 +424,19 @@ def main(argv: list[str] | None = None) -> int:
         # Every run reused from another campaign, its first rounds trained again with this code: the cache holds
         # what this code computes.
         bad = 0
+        checked = {}
         for job in select_jobs(camp, s, index) + seed_jobs(camp, s, index):
             path = job.source or job.committed / f"{job.name}.csv"
             if job.status not in ("reuse", "done") or not h.trained_elsewhere(path, camp.tag):
                 continue
             diffs = h.verify(job, path, args.rounds)
             bad += bool(diffs)
-            print(f"{job.name} ({path.parent.name}/{path.name}): first {args.rounds} rounds "
+            checked[job.name] = {"trained_as": h.run_name(path), "rounds": args.rounds, "differences": diffs}
+            print(f"{job.name} ({h.run_name(path)}): first {args.rounds} rounds "
                   f"{'identical' if not diffs else 'DIFFER: ' + '; '.join(diffs)}", flush=True)
+        (s.results / "joint_verify.json").write_text(json.dumps(
+            {"what": "runs trained by an earlier campaign with the same resolved config, their first rounds trained "
+                     "again with this code and compared column by column", "runs": checked}, indent=1) + "\n")
         return 1 if bad else 0
     elif args.command == "time":
         time_chosen(camp, s, args.sessions)

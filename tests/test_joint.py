@@ -233,3 +233,42 @@ def test_campaign_file_keeps_the_budget(mods):
     counts = {m: sum(c.method == m for c in camp.candidates) for m in camp.methods()}
     assert set(counts) == {"fedavg16", "fedavg32", "fedpaq", "stc", "feddst", "dturbo"}
     assert all(n <= camp.protocol["budget"] for n in counts.values())
+
+
+def test_verify_trains_the_first_rounds_again_and_finds_a_changed_value(mods, tmp_path, make_toy):
+    h, _ = mods
+    toy = make_toy(200)
+    path = tmp_path / "tiny.toml"
+    path.write_text(f"""
+[protocol]
+seeds = [0]
+[protocol.config]
+experiment = {{ rounds = 3, threads = 1 }}
+data = {{ name = "npz", path = "{toy}" }}
+federation = {{ clients = 2, partition = "iid" }}
+model = {{ name = "mlp", hidden = [8] }}
+train = {{ local_steps = 3 }}
+
+[[candidate]]
+label = "fa"
+method = "fedavg16"
+algorithm = "fedavg"
+note = "n"
+""")
+    camp = h.load_campaign(path)
+    s = h.Settings(results=tmp_path / "results", runs_root=tmp_path / "runs", data_path=str(toy))
+    job = h.plan(h.Job(camp, camp.candidates[0], 0, s))
+    assert job.status == "todo"
+    from dturbo.config import parse_config
+    from dturbo.sim import Simulator
+
+    Simulator(parse_config(job.tree), tmp_path / "ran").run()
+    committed = tmp_path / "fa_s0.csv"
+    committed.write_text((tmp_path / "ran" / "metrics.csv").read_text())
+    assert h.verify(job, committed, rounds=2) == []
+    lines = committed.read_text().splitlines()
+    head, first = lines[0].split(","), lines[1].split(",")
+    first[head.index("cum_bits")] = "1"
+    committed.write_text("\n".join([lines[0], ",".join(first), *lines[2:]]) + "\n")
+    diffs = h.verify(job, committed, rounds=2)
+    assert len(diffs) == 1 and diffs[0].startswith("cum_bits")
