@@ -126,6 +126,21 @@ def test_run_keeps_the_density_and_changes_the_mask_only_when_readjusting(tmp_pa
     assert float(rows[-1]["accuracy"]) > 0.5  # learns (4 classes)
 
 
+def test_a_convolutional_model_readjusts_on_its_grids(tmp_path):
+    """LeNet-5 (4-D conv weights): masks and weights travel on each layer's grid, readjustments keep the density."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 1, 28, 28)).astype(np.float32)
+    y = np.arange(120) % 4
+    np.savez(tmp_path / "img.npz", x_train=x, y_train=y, x_test=x[:20], y_test=y[:20])
+    cfg = parse_config(config(tmp_path / "img.npz", experiment={"rounds": 3}, model={"name": "lenet5"},
+                              train={"local_steps": 2, "lr": 0.01, "batch_size": 16},
+                              feddst={"density": 0.3, "readjust_ratio": 0.3, "readjust_every": 1, "readjust_until": 3,
+                                      "readjust_at": 0.5}))
+    rows = Simulator(cfg, tmp_path / "run").run()
+    assert len(rows) == 3 and max(float(r["mask_flips"]) for r in rows) > 0
+    assert all(int(float(r["clients_ok"])) == 4 for r in rows)
+
+
 def test_resume_is_identical(tmp_path, toy):
     cfg = parse_config(config(toy, federation={"clients": 4, "alpha": 1.0, "clients_per_round": 3}))
     full = tmp_path / "full"

@@ -468,20 +468,23 @@ class FedDstClient:
             first = max(1, round(self.cfg.feddst.readjust_at * steps))
             results = [self._train(data, gen, lr, first)]
             grads = _dense_gradients(self.model, data, self.cfg.train.batch_size, gen, self.device)
-            for layer, g in zip(layers, grads, strict=True):
-                m = readjusted(layer.mask.numpy().astype(bool), _weights(layer), g, down.alpha)
+            for info, layer, g in zip(self.layers, layers, grads, strict=True):
+                m = readjusted(layer.mask.numpy().astype(bool).reshape(info.grid), _weights(layer).reshape(info.grid),
+                               g.reshape(info.grid), down.alpha)
                 with torch.no_grad():
-                    layer.mask.copy_(torch.from_numpy(m.astype(np.float32)))
+                    layer.mask.copy_(torch.from_numpy(m.astype(np.float32)).reshape(layer.mask.shape))
                     layer.weight_mu.mul_(layer.mask)  # the regrown start at 0, the removed are 0
             if steps > first:
                 results.append(self._train(data, gen, lr, steps - first))
         else:
             results = [self._train(data, gen, lr, steps)]
         nll = sum(r.nll * r.steps for r in results) / sum(r.steps for r in results)
-        masks = [layer.mask.numpy().astype(bool) for layer in layers]
+        # on each layer's grid (a convolution's weights are 4-D)
+        masks = [layer.mask.numpy().astype(bool).reshape(info.grid) for info, layer in zip(self.layers, layers,
+                                                                                            strict=True)]
+        weights = [_weights(layer).reshape(info.grid) for info, layer in zip(self.layers, layers, strict=True)]
         biases = [layer.bias.detach().double().numpy() if layer.bias is not None else np.zeros(0) for layer in layers]
-        return self.messages.encode_uplink(down.round_idx, client_id, len(data), down.masks, masks,
-                                           [_weights(layer) for layer in layers], biases,
+        return self.messages.encode_uplink(down.round_idx, client_id, len(data), down.masks, masks, weights, biases,
                                            self.plain.encode_model(self.model), nll)
 
     def _train(self, data: ClientData, gen: torch.Generator, lr: float, steps: int) -> LocalResult:
