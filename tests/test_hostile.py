@@ -17,7 +17,7 @@ from dturbo.algorithms.base import ClientData, decode_message, encode_message, p
 from dturbo.algorithms.bounds import GROWTH, VALUE_CAP
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.algorithms.robust import Bulyan, Krum, Median, RobustAggregation, TrimmedMean, krum_scores
-from dturbo.attacks import ATTACKS, Round, hostile_clients
+from dturbo.attacks import ATTACKS, RoundView, hostile_clients
 from dturbo.codec import decode_dense, decode_quantized, encode_grid, encode_quantized, encode_ternary, encode_values
 from dturbo.config import RobustConfig, parse_config
 from dturbo.federation import build_federation
@@ -104,7 +104,7 @@ def test_float16_extremes_a_false_n_t_a_copy_a_spoof_and_a_bad_loss_are_refused(
                  "loss" if algorithm != "fedpm" else "non-finite"),
     }
     if algorithm != "fedpm":  # FedPM's upload is a mask: no value to exaggerate
-        hostile["values"] = (ATTACKS["values"]().rewrite(ups[1], Round(server, cfg, 0, 1, b"", {})), "bound")
+        hostile["values"] = (ATTACKS["values"]().rewrite(ups[1], RoundView(server, cfg, 0, 1, b"", {})), "bound")
     for what, (bad, reason) in hostile.items():
         result = server.aggregate(state, [ups[0], bad, ups[2]], 0, [0, 1, 2])
         assert [r.uplink for r in result.rejected] == [1], (what, result.rejected)
@@ -263,12 +263,12 @@ def test_the_faults_rewrite_with_the_payloads_own_encoders(toy):
     bytes (which is what makes them well-formed attacks)."""
     for algorithm in ("fedpaq", "stc", "dturbo"):
         cfg, _, server, _, state, ups = setup(toy, algorithm)
-        ctx = Round(server, cfg, 0, 1, server.downlinks(state, 0, [1])[1], {})
+        ctx = RoundView(server, cfg, 0, 1, server.downlinks(state, 0, [1])[1], {})
         for attack in ("values", "overflow", "sign_flip"):
             bad = ATTACKS[attack]().rewrite(ups[1], ctx)
             server.decode_uplink(state, bad, 0)  # decodes
     cfg, _, server, _, state, ups = setup(toy, "fedpm")
-    ctx = Round(server, cfg, 0, 1, server.downlinks(state, 0, [1])[1], {})
+    ctx = RoundView(server, cfg, 0, 1, server.downlinks(state, 0, [1])[1], {})
     flipped = server.decode_uplink(state, ATTACKS["values"]().rewrite(ups[1], ctx), 0)
     honest = server.decode_uplink(state, ups[1], 0)
     for name, mask in honest.masks.items():
@@ -286,3 +286,20 @@ def test_data_of_the_partition_sizes_the_server_knows(toy):
     result = server.aggregate(state, [up, client.fit(server.downlink(state, 0), fed.clients[1], 1)], 0, [0, 1])
     assert "n_t = 10, client 0 holds" in result.rejected[0].reason
     assert torch.equal(small.y, fed.clients[0].y[:10])
+
+
+def test_a_robust_rule_refuses_a_flipped_fedpm_mask(toy):
+    """No bound of one upload tells a flipped mask from an honest one; next to the round's others it costs far more
+    bits under the global probabilities, and a robust rule refuses it (the plain mean keeps it, as before)."""
+    for robust, refused in (({"rule": "mean"}, []), ({"rule": "trimmed_mean", "trim": 0.1}, [1])):
+        cfg, _, server, _, state, _ = setup(toy, "fedpm", robust=robust)
+        fed = build_federation(cfg)
+        _, client = build_algorithm(cfg, fed)
+        downs = server.downlinks(state, 0, list(range(6)))
+        ups = [client.fit(downs[c], fed.clients[c], c) for c in range(6)]
+        ctx = RoundView(server, cfg, 0, 1, downs[1], {})
+        ups[1] = ATTACKS["values"]().rewrite(ups[1], ctx)
+        result = server.aggregate(state, ups, 0, list(range(6)))
+        assert [r.uplink for r in result.rejected] == refused, result.rejected
+        if refused:
+            assert "bits per parameter under the global probabilities" in result.rejected[0].reason

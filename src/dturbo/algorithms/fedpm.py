@@ -55,6 +55,10 @@ from .server import Received, ServerBase, Upload
 _TAG_SCORES, _TAG_GATES, _TAG_UPLOAD, _TAG_EVAL = 0x5C0, 0x6A7, 0x0B1, 0xE7A
 # Scores are logit(theta_G) with theta_G kept this far from 0 and 1 (a wire level of 0 or 1 is finite then).
 _LOGIT_CLAMP = 1e-6
+# With a robust rule, a mask that costs more bits per parameter under theta_G than the round's median mask by more
+# than this is refused: a mask sampled near theta_G costs about its entropy (measured: within 0.13 bits), an inverted
+# one 0.5 to 4 bits more (benchmarks/attacks.py).
+MASK_SCREEN_BITS = 0.25
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
@@ -318,6 +322,18 @@ class FedPmServer(ServerBase[FedPmUplink]):
             "server_seconds": round(time.perf_counter() - t0, 3),
         }
         return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
+
+    def screen(self, state: State, uploads: list[FedPmUplink]) -> dict[int, str]:
+        """Masks far less likely under this round's theta_G than the round's median mask (:data:`MASK_SCREEN_BITS`):
+        a flipped or made-up mask, which no bound of one upload can tell."""
+        probs = self.probs(state)
+        p = np.clip(np.concatenate([probs[i.name] for i in self.layers]), 1e-12, 1 - 1e-12)
+        cost = np.array([float(np.mean(-np.log2(np.where(np.concatenate([u.masks[i.name] for i in self.layers]) > 0,
+                                                         p, 1 - p)))) for u in uploads])
+        median = float(np.median(cost))
+        return {k: f"the mask costs {c:.3f} bits per parameter under the global probabilities, {c - median:.3f} more "
+                   f"than the round's median (at most {MASK_SCREEN_BITS})"
+                for k, c in enumerate(cost) if c - median > MASK_SCREEN_BITS}
 
     def _robust_ones(self, got: Received[FedPmUplink]) -> dict[str, np.ndarray] | None:
         """Per layer, the ones of the round's masks as ``[robust]``'s rule counts them (K times its combination of

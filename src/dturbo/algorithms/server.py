@@ -129,9 +129,20 @@ class ServerBase(Generic[U]):
             if sender is not None:
                 answered.add(sender)
             valid.append(up)
+        if not self.robust.plain and valid:
+            positions = [i for i in range(len(uplinks)) if i not in {r.uplink for r in rejected}]
+            screened = self.screen(state, valid)
+            rejected += [Rejection(positions[k], why) for k, why in screened.items()]
+            rejected.sort(key=lambda r: r.uplink)
+            valid = [u for k, u in enumerate(valid) if k not in screened]
         if not valid:
             raise MessageError("no valid client update this round: " + "; ".join(rejected))
         return Received(valid, rejected, client_weights([u.n_t for u in valid], self.weighting))
+
+    def screen(self, state: State, uploads: list[U]) -> dict[int, str]:
+        """With a robust rule: the uploads (by position in ``uploads``) to refuse next to the round's others, with
+        the reason; none by default."""
+        return {}
 
     def aggregate_plain(self, state: State, got: Received[U]) -> State:
         """``state`` with the n_t-weighted mean of the uploads' plain state (whatever ``weighting`` is)."""

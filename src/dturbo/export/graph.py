@@ -845,6 +845,8 @@ def build_graph_net(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> t
         if t in _MODULE_OPS:
             try:
                 made = _module(name, t, attrs, tensors, entry.get("shape"))
+            except ExportError:
+                raise
             except (KeyError, TypeError, ValueError, RuntimeError, ArithmeticError, IndexError, AttributeError) as err:
                 raise ExportError(f"{SPEC_FILE}: operation {name!r} ({t}) is malformed: {err!r}") from None
             if any(k in modules or k in defined for k in made):
