@@ -50,7 +50,7 @@ def hostile_clients(cfg: Config) -> list[int]:
     return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
 
 
-class Round:
+class RoundView:
     """What an attacker knows of its round: the server it talks to (its message layouts, its algorithm's messages
     and layers), the round, its client id, its downlink and the other clients' uploads."""
 
@@ -71,7 +71,7 @@ class Round:
 class Attack:
     """One way to rewrite an honest upload."""
 
-    def rewrite(self, upload: bytes, ctx: Round) -> bytes:
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
         raise NotImplementedError
 
 
@@ -98,7 +98,7 @@ class ValueAttack(Attack):
     def _dtype(self, code: int) -> str:
         return self.dtype or _DTYPE_NAMES[code]
 
-    def payload(self, payload: bytes, layout: str, name: str, ctx: Round) -> bytes:
+    def payload(self, payload: bytes, layout: str, name: str, ctx: RoundView) -> bytes:
         positive = name.rsplit(".", 1)[-1] in POSITIVE
         if layout == "values":
             return encode_values(self.values(decode_values(payload).astype(np.float64), positive),
@@ -123,7 +123,7 @@ class ValueAttack(Attack):
             return encode_mask_payload(1 - bits, probs, ctx.cfg.fedpm.upload_model)
         return payload
 
-    def rewrite(self, upload: bytes, ctx: Round) -> bytes:
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
         kind, fields = decode_message(upload)
         out = []
         for name, payload in fields:
@@ -173,7 +173,7 @@ class SignFlip(ValueAttack):
 class Samples(Attack):
     """n_t = every sample of the federation: half the weight of a round of 10."""
 
-    def rewrite(self, upload: bytes, ctx: Round) -> bytes:
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
         round_idx, client, _ = unpack_scalars(dict(decode_message(upload)[1])["meta"], 3)
         return _replace(upload, "meta", pack_scalars([round_idx, client, ctx.server.total_samples]))
 
@@ -181,7 +181,7 @@ class Samples(Attack):
 class Loss(Attack):
     """A training loss of NaN, Inf or -1e300 (by round)."""
 
-    def rewrite(self, upload: bytes, ctx: Round) -> bytes:
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
         metrics = decode_values(dict(decode_message(upload)[1])["metrics"]).astype(np.float64)
         metrics[0] = (float("nan"), float("inf"), -1e300)[ctx.round_idx % 3]
         # written by hand: the encoder refuses NaN and Inf ("values" layout: float64 code, count, values)
@@ -191,7 +191,7 @@ class Loss(Attack):
 class Copy(Attack):
     """Another client's upload of the round (the next honest one in the order) sent as its own."""
 
-    def rewrite(self, upload: bytes, ctx: Round) -> bytes:
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
         others = [c for c in ctx.others if c != ctx.client]
         after = [c for c in others if c > ctx.client] + [c for c in others if c < ctx.client]
         return ctx.others[after[0]] if after else upload
@@ -200,7 +200,7 @@ class Copy(Attack):
 class Spoof(Attack):
     """Its own upload under the id of the next client."""
 
-    def rewrite(self, upload: bytes, ctx: Round) -> bytes:
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
         round_idx, _, n_t = unpack_scalars(dict(decode_message(upload)[1])["meta"], 3)
         victim = (ctx.client + 1) % ctx.cfg.federation.clients
         return _replace(upload, "meta", pack_scalars([round_idx, victim, n_t]))

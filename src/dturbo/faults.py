@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .attacks import ATTACKS, Round, hostile_clients
+from .attacks import ATTACKS, RoundView, hostile_clients
 from .codec import decode_message, encode_message
 from .config import Config
 from .transport import ClientLate, ClientLost, Downlinks, Reply, Transport
@@ -101,7 +101,7 @@ class FaultyTransport:
         for cid in self.hostile & set(replies):
             reply = replies[cid]
             if isinstance(reply, bytes) and not isinstance(reply, Corrupted):
-                ctx = Round(self.server, self.cfg, round_idx, cid, downlinks[cid], honest)
+                ctx = RoundView(self.server, self.cfg, round_idx, cid, downlinks[cid], honest)
                 replies[cid] = self.attack.rewrite(reply, ctx)
         return replies
 
