@@ -303,3 +303,11 @@ def test_a_robust_rule_refuses_a_flipped_fedpm_mask(toy):
         assert [r.uplink for r in result.rejected] == refused, result.rejected
         if refused:
             assert "bits per parameter under the global probabilities" in result.rejected[0].reason
+
+
+def test_krum_counts_the_uploads_already_refused_among_the_hostile():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(9, 5))
+    p = np.full(9, 1 / 9)
+    np.testing.assert_allclose(Krum(3).combine(x, p, refused=3), x.mean(axis=0))  # the 3 assumed are gone
+    np.testing.assert_allclose(Krum(3).combine(x, p, refused=1), Krum(2).combine(x, p))

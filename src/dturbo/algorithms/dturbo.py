@@ -262,7 +262,7 @@ class DturboServer(ServerBase[DturboUplink]):
         rows = [np.concatenate([np.concatenate([layer.mu, layer.sigma, layer.bias]).astype(np.float64)
                                 for layer in (layers[i] for layers in parts)]) for i in range(len(ups))]
         flat = self.robust.combine(rows, p, np.concatenate([np.asarray(r, np.float64).reshape(-1)
-                                                            for r in reference]))
+                                                            for r in reference]), len(got.rejected))
         out, pos = {}, 0
         for info in self.layers:
             first = ups[0].layers[info.name]

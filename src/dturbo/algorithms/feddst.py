@@ -353,7 +353,7 @@ class FedDstServer(ServerBase[DstUplink]):
                 for u in ups]
         reference = np.concatenate([state[f"{i.name}.{k}"].reshape(-1).astype(np.float64) for i in self.layers
                                     for k in ("w", "bias")])
-        flat = self.robust.combine(rows, got.p, reference)
+        flat = self.robust.combine(rows, got.p, reference, len(got.rejected))
         out, pos = [], 0
         for info in self.layers:
             n_w = info.grid[0] * info.grid[1]

@@ -343,7 +343,7 @@ class FedPmServer(ServerBase[FedPmUplink]):
             return None
         ups = got.uploads
         flat = self.robust.combine([np.concatenate([u.masks[i.name] for i in self.layers]).astype(np.float64)
-                                    for u in ups], np.ones(len(ups)), np.zeros(self.n_params))
+                                    for u in ups], np.ones(len(ups)), np.zeros(self.n_params), len(got.rejected))
         sizes = np.cumsum([0] + [info.size for info in self.layers])
         return {info.name: len(ups) * flat[a:b] for info, a, b in zip(self.layers, sizes[:-1], sizes[1:],
                                                                        strict=True)}

@@ -235,7 +235,7 @@ class PointServer(ServerBase[PointUplink]):
         if self.semantics == "weights":
             reference = np.concatenate([self.global_theta(state, info) for info in self.layers])
         flat = self.robust.combine([np.concatenate([u.theta[i.name] for i in self.layers]) for u in ups], p,
-                                   reference)
+                                   reference, len(got.rejected))
         sizes = np.cumsum([0] + [info.size for info in self.layers])
         return {info.name: flat[a:b] for info, a, b in zip(self.layers, sizes[:-1], sizes[1:], strict=True)}
 

@@ -18,11 +18,12 @@ from ..config import RobustConfig
 
 
 class Rule:
-    """A combination of K vectors (rows of ``x``) with weights ``p`` (summing to 1) into one."""
+    """A combination of K vectors (rows of ``x``) with weights ``p`` (summing to 1) into one; ``refused``: the
+    round's uploads refused before (the hostile ones a rule that assumes some may count as gone)."""
 
     name = ""
 
-    def combine(self, x: np.ndarray, p: np.ndarray) -> np.ndarray:
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -31,7 +32,7 @@ class Mean(Rule):
 
     name = "mean"
 
-    def combine(self, x: np.ndarray, p: np.ndarray) -> np.ndarray:
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         return p @ x
 
 
@@ -40,7 +41,7 @@ class Median(Rule):
 
     name = "median"
 
-    def combine(self, x: np.ndarray, p: np.ndarray) -> np.ndarray:
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         return np.median(x, axis=0)
 
 
@@ -52,7 +53,7 @@ class TrimmedMean(Rule):
     trim: float
     name = "trimmed_mean"
 
-    def combine(self, x: np.ndarray, p: np.ndarray) -> np.ndarray:
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         k = x.shape[0]
         cut = min(int(np.floor(self.trim * k)), (k - 1) // 2)
         if cut == 0:
@@ -79,15 +80,15 @@ def krum_select(x: np.ndarray, f: int, keep: int) -> np.ndarray:
 
 @dataclass
 class Krum(Rule):
-    """Multi-Krum: the K - f rows of lowest Krum score, combined by their weighted mean (f = ``byzantine``, fewer
-    when K < 2f + 3)."""
+    """Multi-Krum: the K - f rows of lowest Krum score, combined by their weighted mean (f = ``byzantine`` less the
+    uploads already refused this round, fewer when K < 2f + 3)."""
 
     byzantine: int
     name = "krum"
 
-    def combine(self, x: np.ndarray, p: np.ndarray) -> np.ndarray:
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         k = x.shape[0]
-        f = min(self.byzantine, max(0, (k - 3) // 2))
+        f = min(max(0, self.byzantine - refused), max(0, (k - 3) // 2))
         kept = krum_select(x, f, k - f)
         return (p[kept] / p[kept].sum()) @ x[kept]
 
@@ -95,14 +96,15 @@ class Krum(Rule):
 @dataclass
 class Bulyan(Rule):
     """Bulyan (El Mhamdi et al. 2018): theta = K - 2f rows chosen by Krum one at a time, then per coordinate the mean
-    of the theta - 2f values nearest their median (f = ``byzantine``, fewer when K < 4f + 3)."""
+    of the theta - 2f values nearest their median (f = ``byzantine`` less the uploads already refused this round,
+    fewer when K < 4f + 3)."""
 
     byzantine: int
     name = "bulyan"
 
-    def combine(self, x: np.ndarray, p: np.ndarray) -> np.ndarray:
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         k = x.shape[0]
-        f = min(self.byzantine, max(0, (k - 3) // 4))
+        f = min(max(0, self.byzantine - refused), max(0, (k - 3) // 4))
         left = list(range(k))
         chosen: list[int] = []
         for _ in range(k - 2 * f):
@@ -148,12 +150,14 @@ class RobustAggregation:
         """Whether this is the plain weighted mean: the algorithms then keep their own sums, bit for bit."""
         return isinstance(self.rule, Mean) and self.clip_norm is None
 
-    def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None) -> np.ndarray:
+    def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None,
+                refused: int = 0) -> np.ndarray:
         """The combined vector of ``rows`` (one float vector per upload, all of one length) with weights ``p``;
-        ``reference``: the global values the rows move from (None: the rows are updates, from 0)."""
+        ``reference``: the global values the rows move from (None: the rows are updates, from 0); ``refused``: the
+        round's uploads refused already."""
         x = np.stack([np.asarray(r, dtype=np.float64).reshape(-1) for r in rows])
         w = np.asarray(p, dtype=np.float64)
         if self.clip_norm is not None:
             ref = np.zeros(x.shape[1]) if reference is None else np.asarray(reference, np.float64).reshape(-1)
             x = clip(x, ref, self.clip_norm)
-        return self.rule.combine(x, w / w.sum())
+        return self.rule.combine(x, w / w.sum(), refused)

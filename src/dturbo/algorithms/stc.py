@@ -360,7 +360,7 @@ class StcServer(ServerBase[StcUplink]):
         if self.robust.plain:
             mean = w @ np.stack([u.update for u in ups])  # sum_i w_i S_i, float64
         else:
-            mean = self.robust.combine([u.update for u in ups], w)
+            mean = self.robust.combine([u.update for u in ups], w, refused=len(got.rejected))
         theta = _flat_state(state, self.layers)
         new = self.aggregate_plain(state, got)
         step = np.zeros(self.size, dtype=np.float32)
