@@ -40,9 +40,9 @@ def _recorded_run(cfg_dict, out):
     rounds = []
     aggregate = sim.server.aggregate
 
-    def recording(state, uplinks, rnd):
+    def recording(state, uplinks, rnd, senders=None):
         before = {k: np.copy(v) for k, v in state.items()}
-        result = aggregate(state, uplinks, rnd)
+        result = aggregate(state, uplinks, rnd, senders)
         rounds.append((before, list(uplinks), {k: np.copy(v) for k, v in result.state.items()}))
         return result
 

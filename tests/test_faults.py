@@ -93,8 +93,8 @@ def test_a_poisoned_state_is_never_checkpointed(tmp_path, toy):
     sim = Simulator(cfg, tmp_path / "run")
     real = sim.server.aggregate
 
-    def poisoned(state, uplinks, rnd):
-        result = real(state, uplinks, rnd)
+    def poisoned(state, uplinks, rnd, senders=None):
+        result = real(state, uplinks, rnd, senders)
         if rnd == 2:
             result.state["dense1.mu"] = result.state["dense1.mu"].copy()
             result.state["dense1.mu"][0, 0] = np.nan

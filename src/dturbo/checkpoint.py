@@ -36,11 +36,21 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` atomically: a temporary file beside it (made afresh, never through a symbolic link),
+    fsynced, renamed over it. A failed write (a full disk) removes the temporary file and raises OSError; ``path``
+    keeps its old content."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()  # a stale one (a crash) or a planted link: never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -68,7 +78,21 @@ def config_fingerprint(config: dict[str, Any]) -> str:
     exp = data.get("experiment", {})
     for key in ("rounds", "eval_every", "threads", "name", "device"):
         exp.pop(key, None)
+    _drop_later_defaults(data)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _drop_later_defaults(data: dict[str, Any]) -> None:
+    """Leave out the keys that came after the first checkpoints while they hold their defaults (the plain mean, no
+    attackers), so that a run written before them still resumes."""
+    from .config import FaultsConfig, RobustConfig
+
+    if data.get("robust") == RobustConfig().model_dump(mode="json", exclude_none=True):
+        data.pop("robust")
+    faults, default = data.get("faults", {}), FaultsConfig()
+    for key in ("attackers", "attack"):
+        if key in faults and faults[key] == getattr(default, key):
+            faults.pop(key)
 
 
 def save_checkpoint(folder: Path, state: dict[str, Any], counters: dict[str, Any]) -> None:
@@ -78,34 +102,80 @@ def save_checkpoint(folder: Path, state: dict[str, Any], counters: dict[str, Any
         if v.dtype.kind == "f" and not np.all(np.isfinite(v)):
             raise CheckpointError(f"refusing to save a checkpoint with non-finite values in {k!r}")
     data = save(arrays, metadata={"counters": json.dumps(counters), CHECKSUM_KEY: _PLACEHOLDER})
-    # The checksum covers the tensor bytes (everything after the header, which holds the checksum itself):
-    # written as a same-length placeholder, then patched, so the file is serialised once.
+    # The checksum covers the whole file, header (names, dtypes, shapes, counters) and tensor bytes, as written with
+    # a same-length placeholder where the checksum goes; then the placeholder is patched, so the file is serialised
+    # once.
     start = _data_start(data)
-    digest = hashlib.sha256(data[start:]).hexdigest()
-    header = data[:start]
-    if header.count(_PLACEHOLDER.encode()) != 1:  # cannot happen: names and counters hold no '?' run
+    if data[:start].count(_PLACEHOLDER.encode()) != 1:  # cannot happen: names and counters hold no '?' run
         raise CheckpointError("internal error: checksum placeholder not found once in the checkpoint header")
-    atomic_write_bytes(folder / STATE_FILE, header.replace(_PLACEHOLDER.encode(), digest.encode()) + data[start:])
+    digest = hashlib.sha256(data).hexdigest()
+    atomic_write_bytes(folder / STATE_FILE, data[:start].replace(_PLACEHOLDER.encode(), digest.encode()) + data[start:])
 
 
-CHECKSUM_KEY = "sha256"  # metadata key: sha256 (hex) of the tensor bytes
+CHECKSUM_KEY = "sha256_file"  # metadata key: sha256 (hex) of the whole file with this value as the placeholder
+TENSORS_CHECKSUM_KEY = "sha256"  # of older checkpoints: sha256 (hex) of the tensor bytes only
 _PLACEHOLDER = "?" * 64
 
 
 class CheckpointWarning(UserWarning):
-    """A checkpoint loads but cannot be verified (written before checkpoints carried a checksum)."""
+    """A checkpoint loads but cannot be verified whole (written by an older dturbo)."""
 
 
 def _data_start(data: bytes) -> int:
     """Offset of the tensor bytes in a safetensors file: 8-byte little-endian header length, then the header."""
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes: too short for a safetensors file")
-    return 8 + int.from_bytes(data[:8], "little")
+    start = 8 + int.from_bytes(data[:8], "little")
+    if start > len(data):
+        raise ValueError(f"its header claims {start - 8} bytes, the file has {len(data) - 8}")
+    return start
+
+
+def _verify(path: Path, data: bytes, start: int, meta: dict[str, Any]) -> None:
+    """Check the checksum saved in a checkpoint's header; CheckpointError when the file does not match it."""
+    again = ("Restore the run folder from a backup, or start the run again into a fresh --out")
+    expected = meta.get(CHECKSUM_KEY)
+    if isinstance(expected, str):
+        header = data[:start]
+        if len(expected) != 64 or header.count(expected.encode()) != 1:
+            raise CheckpointError(f"checkpoint {path} is corrupted: its checksum field is malformed; it was left "
+                                  f"untouched. {again}")
+        if hashlib.sha256(header.replace(expected.encode(), _PLACEHOLDER.encode()) + data[start:]).hexdigest() \
+                != expected:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: it does not match the sha256 checksum saved with it (its tensors, "
+                f"or its header: names, dtypes, shapes, counters; a disk or copy error, or an edit); it was left "
+                f"untouched. {again}")
+        return
+    old = meta.get(TENSORS_CHECKSUM_KEY)
+    if old is None:
+        warnings.warn(f"checkpoint {path} has no checksum (written by an older dturbo): it cannot be verified; "
+                      f"the next checkpoint will carry one", CheckpointWarning, stacklevel=3)
+    elif hashlib.sha256(data[start:]).hexdigest() != old:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: its tensor bytes do not match the sha256 checksum saved with them "
+            f"(a disk or copy error); it was left untouched. {again}")
+    else:
+        warnings.warn(f"checkpoint {path} was written by an older dturbo: its checksum covers its tensors, not its "
+                      f"header (names, counters); the next checkpoint covers both", CheckpointWarning, stacklevel=3)
+
+
+def run_counters(path: Path, counters: Any) -> dict[str, Any]:
+    """A run's checkpoint counters (rounds_done, cum_bits, fingerprint), checked; CheckpointError naming them."""
+    ok = (isinstance(counters, dict) and isinstance(counters.get("rounds_done"), int)
+          and not isinstance(counters["rounds_done"], bool) and counters["rounds_done"] >= 0
+          and isinstance(counters.get("cum_bits"), int | float) and counters["cum_bits"] >= 0
+          and isinstance(counters.get("fingerprint"), str))
+    if not ok:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its counters {counters!r} are not rounds_done >= 0, "
+                              f"cum_bits >= 0 and a fingerprint; it was left untouched")
+    return counters
 
 
 def load_checkpoint(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(state, counters) of the checkpoint in ``folder``; :class:`CheckpointError` if it is missing, unreadable
-    or corrupted (its tensor bytes do not match the checksum saved with them). Nothing is ever modified."""
+    or corrupted (it does not match the checksum saved with it: its tensors, or its header's names, dtypes, shapes
+    and counters). Nothing is ever modified."""
     path = folder / STATE_FILE
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; run without --resume to start a new run")
@@ -113,18 +183,11 @@ def load_checkpoint(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]
         data = path.read_bytes()
         start = _data_start(data)
         meta = json.loads(data[8:start]).get("__metadata__") or {}
+        _verify(path, data, start, meta)
         state = load(data)
         counters = json.loads(meta["counters"])
-    except (SafetensorError, OSError, KeyError, ValueError, AttributeError) as err:
+    except (SafetensorError, OSError, KeyError, ValueError, AttributeError, TypeError) as err:
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({err}); it was left untouched") from None
-    expected = meta.get(CHECKSUM_KEY)
-    if expected is None:
-        warnings.warn(f"checkpoint {path} has no checksum (written by an older dturbo): it cannot be verified; "
-                      f"the next checkpoint will carry one", CheckpointWarning, stacklevel=2)
-    elif hashlib.sha256(data[start:]).hexdigest() != expected:
-        raise CheckpointError(
-            f"checkpoint {path} is corrupted: its tensor bytes do not match the sha256 checksum saved with them "
-            f"(a disk or copy error); it was left untouched. Restore the run folder from a backup, or start the "
-            f"run again into a fresh --out"
-        )
+    if not isinstance(counters, dict):
+        raise CheckpointError(f"checkpoint {path} is corrupt: its counters are not a mapping; it was left untouched")
     return state, counters

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
-from .rundir import RunDir
+from .rundir import RunDir, RunDirLocked
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="D-Turbo-VBI: Bayesian federated model compression.")
 config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Show configurations.")
@@ -116,8 +116,11 @@ def run(
         console.print(f"[bold yellow]interrupted:[/] {escape(kept)}")
         raise typer.Exit(130) from None
     except (ConfigError, DataError, CheckpointError, FileExistsError, ValueError, TooFewClientsError,
-            PoisonedStateError) as err:
+            PoisonedStateError, RunDirLocked) as err:
         _fail(str(err))
+        return
+    except OSError as err:  # the run directory cannot be written (--out /proc/self, a read-only disk)
+        _fail(f"cannot write the run directory {out}: {err.strerror or err}")
         return
     if rows:
         last = rows[-1]

@@ -105,6 +105,7 @@ _SCHEME_INDEX, _SCHEME_BITMAP, _SCHEME_RICE = 0, 1, 2
 _RICE_K_BITS = 6
 _MAX_DIM = 1 << 40  # largest dimension a header may claim
 _MAX_NDIM = 8
+_CHUNK_BITS = 1 << 20  # bits a bit reader unpacks at once
 
 
 class CodecError(ValueError):
@@ -222,18 +223,25 @@ class _BitReader:
         return np.unpackbits(self.buf[lo:hi])[start : start + n]
 
     def fields(self, rows: int, widths: Sequence[int]) -> np.ndarray:
-        """(rows, len(widths)) int64; zero-width fields read as 0."""
+        """(rows, len(widths)) int64; zero-width fields read as 0. Read in chunks of about :data:`_CHUNK_BITS` bits,
+        so the bits unpacked at once stay bounded whatever the row count."""
         total = sum(widths)
         out = np.zeros((rows, len(widths)), dtype=np.int64)
         if not total or not rows:
             return out
-        bits = self.take(rows * total).reshape(rows, total).astype(np.uint64)
-        start = 0
-        for j, w in enumerate(widths):
-            if w:
-                weights = np.uint64(1) << np.arange(w - 1, -1, -1, dtype=np.uint64)
-                out[:, j] = (bits[:, start : start + w] * weights).sum(axis=1).astype(np.int64)
-                start += w
+        if rows * total > self.nbits - self.pos:
+            raise CodecError(f"truncated bit stream: need {rows * total} bits at bit {self.pos}, have "
+                             f"{self.nbits - self.pos}")
+        step = max(1, _CHUNK_BITS // total)
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            bits = self.take((hi - lo) * total).reshape(hi - lo, total).astype(np.uint64)
+            start = 0
+            for j, w in enumerate(widths):
+                if w:
+                    weights = np.uint64(1) << np.arange(w - 1, -1, -1, dtype=np.uint64)
+                    out[lo:hi, j] = (bits[:, start : start + w] * weights).sum(axis=1).astype(np.int64)
+                    start += w
         return out
 
     def finish(self) -> None:
@@ -1101,10 +1109,27 @@ def payload_bits(payload: bytes, layout: str) -> dict[str, int]:
         head = 8 * r.pos
         values = 8 * count * dt.itemsize
         return {"headers": head, "positions": total - head - values, "values": values}
-    elif layout == "grid":
-        dt, _, _, _, count, _, _, n_rv = _read_grid_head(r, _MAX_DIM)
+    elif layout == "grid":  # the rectangles' areas summed record by record: memory bounded, not the claims
+        dt, _ = _read_flags(r)
+        k, m = r.varint(limit=_MAX_DIM, what="rows"), r.varint(limit=_MAX_DIM, what="columns")
+        if k == 0 or m == 0:
+            raise CodecError(f"empty grid {k}x{m}")
+        max_vals = r.left // dt.itemsize
+        n_rect = r.varint(limit=min(k * m, max_vals), what="rectangle count")
+        count = r.varint(limit=min(k * m, max_vals), what="scattered count")
         head = 8 * r.pos
-        values = 8 * (n_rv + count) * dt.itemsize
+        wk, wm = _bits_for(k), _bits_for(m)
+        if (n_rect * 2 * (wk + wm) + 7) // 8 > r.left:
+            raise CodecError(f"truncated: {n_rect} rectangle records do not fit in {r.left} bytes")
+        br = _BitReader(memoryview(r.data)[r.pos :])
+        areas = 0
+        step = max(1, _CHUNK_BITS // (2 * (wk + wm) or 1))
+        for lo in range(0, n_rect, step):
+            f = br.fields(min(step, n_rect - lo), [wk, wm, wk, wm])
+            areas += int(((f[:, 2] + 1) * (f[:, 3] + 1)).sum(dtype=np.float64))
+            if areas + count > max_vals:
+                raise CodecError("rectangles and points hold more values than the bytes")
+        values = 8 * (areas + count) * dt.itemsize
         return {"headers": head, "positions": total - head - values, "values": values}
     elif layout in ("support", "support_delta"):
         # a delta's flag byte and flip count are headers, its flips positions (as the full positions are)

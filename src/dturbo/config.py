@@ -29,12 +29,13 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     # strict: a value must have its declared type (``clients = true`` or ``rounds = "20"`` are refused, not
     # coerced); pydantic's strict mode still takes an int where a float is declared (``lr = 1``).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # allow_inf_nan=False: inf or nan is never a valid setting (``lr = inf`` is refused with the key's name).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class ExperimentConfig(_Section):
     name: str = "experiment"
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="seeds every draw of the run (an integer below 2**63)")
     rounds: int = Field(10, ge=1, le=100_000)
     algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc", "feddst"] = "dturbo"
     eval_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and the last)")
@@ -97,12 +98,42 @@ class FaultsConfig(_Section):
     corrupt_prob: Probability = Field(0.0, ge=0, le=1)
     straggler_sigma: float = Field(0.0, ge=0)
     deadline: float | None = Field(None, gt=0, description="max slowdown factor; None: wait for everyone")
+    attackers: int = Field(0, ge=0, description=(
+        "hostile clients (chosen seeded once per run): each trains honestly, then rewrites its upload (attack)"))
+    attack: Literal["values", "overflow", "sign_flip", "samples", "loss", "copy", "spoof"] = Field(
+        "values", description=(
+            "what an attacker does to its upload: values (every value +-65504), overflow (every value +-3e38 in "
+            "float32), sign_flip (values times -4, sigma times 4: inside the bounds), samples (n_t = every sample "
+            "of the federation), loss (a NaN, Inf or -1e300 training loss), copy (another client's upload of the "
+            "round), spoof (its own upload under another client's id); docs/robustness.md"))
+
+
+MAX_HIDDEN = 65536  # the widest hidden layer of the mlp
+
+
+class RobustConfig(_Section):
+    """Robust aggregation (docs/robustness.md): the rule that combines the clients' vectors (D-Turbo-VBI: mu on
+    the support, sigma and biases before E3/E4; the baselines: their weights or updates). ``mean`` is the plain
+    weighted mean."""
+
+    rule: Literal["mean", "median", "trimmed_mean", "krum", "bulyan"] = Field("mean", description=(
+        "mean (weighted by n_t), median (coordinate-wise), trimmed_mean (coordinate-wise, trim of each end), krum "
+        "(multi-Krum: the n - byzantine uploads of lowest Krum score, their weighted mean), bulyan (Krum selection "
+        "of n - 2 byzantine, then the coordinate-wise mean of the n - 4 byzantine values nearest the median)"))
+    trim: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: the fraction of uploads dropped at each end "
+                                                         "of every coordinate")
+    byzantine: int = Field(1, ge=0, description=(
+        "krum, bulyan: the hostile uploads a round is assumed to hold (fewer when too few uploads came: krum needs "
+        "n >= 2 byzantine + 3, bulyan n >= 4 byzantine + 3)"))
+    clip_norm: float | None = Field(None, gt=0, description=(
+        "each upload's update (its vector minus the global model's) scaled to at most this L2 norm before the "
+        "rule; None: no clipping"))
 
 
 class ModelConfig(_Section):
     name: Literal["alexnet-small", "lenet5", "mlp", "mobilenet-v1", "custom"] = Field(
         "alexnet-small", description="custom: a model given to dturbo.Experiment(model=...), not built from the config")
-    hidden: list[int] = Field(default_factory=lambda: [200, 100], description="mlp only")
+    hidden: list[int] = Field(default_factory=lambda: [200, 100], description="mlp only; each size at most 65536")
     width: float = Field(1.0, gt=0, le=4, description="mobilenet-v1 width multiplier")
 
     @field_validator("hidden")
@@ -110,6 +141,9 @@ class ModelConfig(_Section):
     def _positive(cls, v: list[int]) -> list[int]:
         if not v or any(h < 1 for h in v):
             raise ValueError("hidden sizes must be a non-empty list of positive integers")
+        if any(h > MAX_HIDDEN for h in v):
+            raise ValueError(f"hidden sizes must be at most {MAX_HIDDEN} (a layer of {max(v)} units does not fit "
+                             f"in memory)")
         return v
 
 
@@ -392,6 +426,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     dturbo: DturboConfig = Field(default_factory=DturboConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    robust: RobustConfig = Field(default_factory=RobustConfig)
     fedavg: FedAvgConfig = Field(default_factory=FedAvgConfig)
     fedpaq: FedPaqConfig = Field(default_factory=FedPaqConfig)
     dssm: DssmConfig = Field(default_factory=DssmConfig)

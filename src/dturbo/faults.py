@@ -1,4 +1,5 @@
-"""Injected faults (``[faults]``, docs/robustness.md): a transport wrapper that drops, delays or corrupts replies.
+"""Injected faults (``[faults]``, docs/robustness.md): a transport wrapper that drops, delays or corrupts replies,
+and rewrites the uploads of hostile clients (:mod:`dturbo.attacks`).
 
 Which client suffers which fault is a pure function of (seed, round, attempt), so a resumed run injects exactly the
 same faults as an uninterrupted one.
@@ -6,8 +7,11 @@ same faults as an uninterrupted one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from .attacks import ATTACKS, RoundView, hostile_clients
 from .codec import decode_message, encode_message
 from .config import Config
 from .transport import ClientLate, ClientLost, Downlinks, Reply, Transport
@@ -23,15 +27,15 @@ class Corrupted(bytes):
 def injects(cfg: Config) -> bool:
     """Whether ``[faults]`` injects anything (a straggler only matters with a deadline)."""
     f = cfg.faults
-    return bool(f.drop_prob or f.corrupt_prob or (f.deadline is not None and f.straggler_sigma))
+    return bool(f.drop_prob or f.corrupt_prob or (f.deadline is not None and f.straggler_sigma) or f.attackers)
 
 
 def draw_faults(cfg: Config, rnd: int, attempt: int, participants: list[int]) -> dict[int, str]:
     """Injected faults of one round attempt (``[faults]``), a pure function of (seed, round, attempt): client id
     -> "drop" | "late" | "corrupt:<how>"; clients without a fault are absent."""
-    if not injects(cfg):
-        return {}
     f = cfg.faults
+    if not (f.drop_prob or f.corrupt_prob or (f.deadline is not None and f.straggler_sigma)):
+        return {}
     rng = np.random.default_rng([cfg.experiment.seed, rnd, attempt, 0xFA17])
     n = len(participants)
     u_drop, u_corrupt, how = rng.random(n), rng.random(n), rng.integers(0, len(CORRUPTIONS), n)
@@ -69,12 +73,16 @@ def corrupt(data: bytes, how: str, rnd: int, cid: int) -> bytes:
 class FaultyTransport:
     """``inner`` with the faults of ``[faults]``: a dropped client is never sent the round (ClientLost), a
     straggler's upload arrives after the deadline (ClientLate), a corrupted one arrives as :class:`Corrupted`
-    bytes. A client whose own reply is already an error keeps it. Replies come in the order: the dropped clients,
-    then ``inner``'s replies in its order."""
+    bytes, a hostile client's upload arrives rewritten by its attack (``server``: the run's server algorithm, whose
+    messages the attacker reads and writes). A client whose own reply is already an error keeps it. Replies come in
+    the order: the dropped clients, then ``inner``'s replies in its order."""
 
-    def __init__(self, inner: Transport, cfg: Config) -> None:
+    def __init__(self, inner: Transport, cfg: Config, server: Any = None) -> None:
         self.inner = inner
         self.cfg = cfg
+        self.server = server
+        self.hostile = set(hostile_clients(cfg)) if server is not None else set()
+        self.attack = ATTACKS[cfg.faults.attack]()
         self._attempts: dict[int, int] = {}  # round -> attempts so far: a call for the same round is a retry
 
     def __call__(self, downlinks: Downlinks, round_idx: int) -> dict[int, Reply]:
@@ -89,9 +97,16 @@ class FaultyTransport:
             elif isinstance(reply, bytes) and fault is not None:  # "corrupt:<how>"
                 reply = Corrupted(corrupt(reply, fault.split(":", 1)[1], round_idx, cid))
             replies[cid] = reply
+        honest = {c: r for c, r in replies.items() if isinstance(r, bytes) and c not in self.hostile}
+        for cid in self.hostile & set(replies):
+            reply = replies[cid]
+            if isinstance(reply, bytes) and not isinstance(reply, Corrupted):
+                ctx = RoundView(self.server, self.cfg, round_idx, cid, downlinks[cid], honest)
+                replies[cid] = self.attack.rewrite(reply, ctx)
         return replies
 
 
-def with_faults(transport: Transport, cfg: Config) -> Transport:
-    """``transport`` wrapped in :class:`FaultyTransport` when ``[faults]`` injects anything, else itself."""
-    return FaultyTransport(transport, cfg) if injects(cfg) else transport
+def with_faults(transport: Transport, cfg: Config, server: Any = None) -> Transport:
+    """``transport`` wrapped in :class:`FaultyTransport` when ``[faults]`` injects anything, else itself;
+    ``server``: the run's server algorithm (hostile clients need it to rewrite their uploads)."""
+    return FaultyTransport(transport, cfg, server) if injects(cfg) else transport

@@ -1,5 +1,10 @@
 """The bit ledger of a round (docs/algorithm.md §9): 8 x the bytes of the messages really exchanged, each selected
-client's own downlink and every uplink once, by direction and part (headers, positions, values)."""
+client's own downlink and every uplink once, by direction and part (headers, positions, values).
+
+An uplink is sized from its framing, after the server's size bound: one longer than the bound is refused unread
+(:meth:`dturbo.algorithms.base.MessageSpec.open`) and booked as the bound's bytes, all headers (the server reads no
+further); one within it is split into parts reading only headers, in memory bounded whatever its headers claim
+(:func:`dturbo.codec.payload_bits`)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ class Traffic:
     """The bits of one round, summed over its attempts (a retried attempt's bits count: they were sent)."""
 
     layouts: dict[str, dict[str, str]]  # the server's message layouts (ServerAlgorithm.layouts)
+    max_uplink_bytes: int | None = None  # the server's size bound of an upload (None: none)
     up_bits: int = 0
     down_bits: int = 0
     parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEDGER_COLUMNS, 0))
@@ -30,12 +36,16 @@ class Traffic:
                 split[id(data)] = message_bits(data, self.layouts)
             for part, bits in split[id(data)].items():
                 self.parts[f"down_{part}_bits"] += bits
+        bound = self.max_uplink_bytes
         for data in uplinks:
-            try:
-                parts = message_bits(data, self.layouts)
-            except ValueError:
-                parts = {"headers": 8 * len(data)}
+            if bound is not None and len(data) > bound:
+                parts = {"headers": 8 * bound}
+            else:
+                try:
+                    parts = message_bits(data, self.layouts)
+                except ValueError:
+                    parts = {"headers": 8 * len(data)}
             for part, bits in parts.items():
                 self.parts[f"up_{part}_bits"] += bits
-        self.up_bits += 8 * sum(len(u) for u in uplinks)
+            self.up_bits += sum(parts.values())
         self.down_bits += 8 * sum(len(d) for d in downlinks)

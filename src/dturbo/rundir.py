@@ -10,6 +10,7 @@ rebuild the run's model with :meth:`RunDir.build_model`, the one way a saved run
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
 import json
 import os
@@ -22,6 +23,7 @@ from .checkpoint import (
     atomic_write_bytes,
     load_checkpoint,
     read_safetensors,
+    run_counters,
     save_checkpoint,
 )
 from .config import Config, ConfigError, load_config
@@ -33,7 +35,15 @@ if TYPE_CHECKING:
 
 
 class RunDirError(ValueError):
-    """A run directory cannot be read: a file is missing or unreadable, or its model cannot be built again."""
+    """A run directory cannot be read or written: a file is missing or unreadable, its model cannot be built again,
+    or a write failed (a full disk)."""
+
+
+class RunDirLocked(RuntimeError):
+    """Another run is writing into the run directory (it holds its lock)."""
+
+
+LOCK_FILE = ".lock"  # held (flock) by the process running into the folder; it names that process's id
 
 
 class RunDir:
@@ -43,6 +53,7 @@ class RunDir:
         self.path = Path(path)
         self._model_file: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None
         self._architecture: tuple[tuple[int, ...], int] | None = None
+        self._lock: int | None = None  # the lock file's descriptor while this process holds it
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -89,6 +100,40 @@ class RunDir:
                  self.model_path)
         return any(p.exists() for p in files)
 
+    # ------------------------------------------------------------------ the lock
+    @property
+    def lock_path(self) -> Path:
+        return self.path / LOCK_FILE
+
+    def lock(self) -> None:
+        """Hold the folder's lock (created with the folder) until :meth:`unlock` or the process ends: one run at a
+        time writes into a run directory. RunDirLocked when another process holds it; RunDirError when the folder
+        cannot be written."""
+        if self._lock is not None:
+            return
+        self._refuse_a_file()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            raise RunDirError(f"cannot write into --out {self.path}: {err.strerror or err}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunDirLocked(f"another run (process {holder}) is writing into {self.path}: wait for it to end, or "
+                               f"run into another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock = fd
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            os.close(self._lock)
+            self._lock = None
+
     # ------------------------------------------------------------------ starting or resuming a run
     def _refuse_a_file(self) -> None:
         if self.path.exists() and not self.path.is_dir():
@@ -96,8 +141,14 @@ class RunDir:
                                   f"for a new run, a run directory with --resume)")
 
     def create(self, cfg: Config) -> None:
-        """Start a new run here: the folder must be new or hold no run; writes ``config.toml``."""
+        """Start a new run here: the folder must be new or hold no run (nor a symbolic link where a run file goes);
+        writes ``config.toml``."""
         self._refuse_a_file()
+        links = [p.name for p in (self.config_path, self.metrics_path, self.checkpoint_dir, self.events_path,
+                                  self.messages_dir, self.model_path) if p.is_symlink()]
+        if links:
+            raise FileExistsError(f"{self.path} holds a symbolic link where a run file goes ({', '.join(links)}): "
+                                  f"a run never writes through one; remove it or choose another --out")
         if (self.checkpoint_dir / STATE_FILE).exists():
             raise FileExistsError(f"{self.path} already holds a run; use --resume to continue it, or another --out")
         if self.checkpoint_dir.exists() or self.metrics_path.exists():
@@ -119,6 +170,7 @@ class RunDir:
                 f"again without --resume into a fresh --out, or delete {self.path} and run again"
             )
         state, counters = load_checkpoint(self.checkpoint_dir)
+        counters = run_counters(self.checkpoint_dir / STATE_FILE, counters)
         if counters.get("fingerprint") != fingerprint:
             raise CheckpointError(
                 f"checkpoint in {self.checkpoint_dir} belongs to another configuration "
@@ -128,16 +180,41 @@ class RunDir:
 
     def rewind(self, rounds_done: int) -> list[dict[str, Any]]:
         """Go back to the checkpoint of round ``rounds_done``: metrics.csv keeps its rows up to that round (returned)
-        and events.log its events; the rounds after it will be run again."""
-        rows = [r for r in self.read_rows() if int(r["round"]) <= rounds_done]
+        and events.log its events; the rounds after it will be run again. CheckpointError naming the file and line
+        when either is not what a run writes (nothing is modified then)."""
+        try:
+            rows = [r for r in self.read_rows() if _row_round(r) <= rounds_done]
+            for r in rows:
+                float(r["accuracy"]), float(r["loss"])
+        except (KeyError, ValueError, TypeError, csv.Error, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{self.metrics_path} is not the metrics a run writes ({type(err).__name__}: "
+                                  f"{err}); restore it, or start the run again into a fresh --out") from None
         if len(rows) != rounds_done:
             raise CheckpointError(f"metrics.csv has {len(rows)} rows for {rounds_done} checkpointed rounds")
+        kept = self._events_up_to(rounds_done)
         self.write_rows(rows)
-        if self.events_path.exists():
-            kept = [ln for ln in self.events_path.read_text().splitlines(keepends=True)
-                    if ln.startswith("round ") and int(ln.split()[1].rstrip(":")) <= rounds_done]
+        if kept is not None:
             atomic_write_bytes(self.events_path, "".join(kept).encode())
         return rows
+
+    def _events_up_to(self, rounds_done: int) -> list[str] | None:
+        """events.log's lines of rounds up to ``rounds_done`` (None: no file); CheckpointError for a line that is not
+        ``round N: ...``."""
+        if not self.events_path.exists():
+            return None
+        try:
+            lines = self.events_path.read_text().splitlines(keepends=True)
+        except UnicodeDecodeError as err:
+            raise CheckpointError(f"{self.events_path} is not text ({err}); remove it, then --resume") from None
+        kept = []
+        for i, line in enumerate(lines, 1):
+            words = line.split(maxsplit=2)
+            if len(words) < 2 or words[0] != "round" or not words[1].rstrip(":").isdigit():
+                raise CheckpointError(f"{self.events_path} line {i} is not an event ('round N: ...'): {line[:80]!r}; "
+                                      f"fix or remove it, then --resume")
+            if int(words[1].rstrip(":")) <= rounds_done:
+                kept.append(line)
+        return kept
 
     # ------------------------------------------------------------------ what each round writes
     def read_rows(self) -> list[dict[str, Any]]:
@@ -159,7 +236,11 @@ class RunDir:
     def append_events(self, round_no: int, events: list[str]) -> None:
         """One line per event of round ``round_no`` in events.log (metrics.csv has the counts)."""
         if events:
-            with open(self.events_path, "a") as f:
+            try:  # never through a symbolic link
+                fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as err:
+                raise RunDirError(f"cannot write {self.events_path}: {err.strerror or err}") from None
+            with os.fdopen(fd, "a") as f:
                 f.writelines(f"round {round_no}: {e}\n" for e in events)
 
     def save_messages(self, round_no: int, arrays: dict[str, np.ndarray]) -> None:
@@ -256,6 +337,13 @@ class RunDir:
         tensors, _ = self.read_model()
         model.load_state_dict(tensors, strict=False)  # tied sigma (sigma_mode "client") is saved once per layer
         return model.eval()
+
+
+def _row_round(row: dict[str, Any]) -> int:
+    value = row["round"]
+    if not isinstance(value, str) or not value.isdigit():
+        raise ValueError(f"round {value!r} is not a round number")
+    return int(value)
 
 
 def _probe(cfg: Config, input_shape: tuple[int, ...]) -> nn.Module:

@@ -28,13 +28,14 @@ from .algorithms.base import ClientError, MessageError, RoundResult
 from .algorithms.local import num_local_steps
 from .algorithms.registry import ALGORITHMS, ModelFactory, build_algorithm
 from .checkpoint import CheckpointError, config_fingerprint
+from .codec import CodecError
 from .config import Config
 from .data import Dataset
 from .device import CPU, resolve_device
 from .faults import CORRUPTIONS, Corrupted, corrupt, draw_faults, with_faults
 from .federation import Federation, build_federation
 from .ledger import LEDGER_COLUMNS, Traffic
-from .rundir import RunDir
+from .rundir import RunDir, RunDirError
 from .sparsity import local_steps_a_round, pruning_schedule
 from .transport import ClientLate, ClientLost, InProcessClients, Reply, Transport
 
@@ -214,14 +215,22 @@ class Simulator:
             warnings.warn(msg, LocalStepsWarning, stacklevel=2)
         factory = model(self.fed.dataset) if model is not None else None
         self.server, self.client = build_algorithm(cfg, self.fed, factory)
-        self.transport = with_faults(transport or InProcessClients(self.client, self.fed.clients), cfg)
+        self.transport = with_faults(transport or InProcessClients(self.client, self.fed.clients), cfg, self.server)
         self.fingerprint = config_fingerprint(cfg.to_dict())
         self.final_model: nn.Module | None = None  # the global model saved at the end of run(), in eval mode
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> list[dict[str, Any]]:
         """Every round from the first (or, resuming, the checkpointed one) to ``experiment.rounds``; the rows of
-        metrics.csv. Each round is checkpointed before the next starts."""
+        metrics.csv. Each round is checkpointed before the next starts. The run directory's lock is held throughout
+        (:meth:`dturbo.rundir.RunDir.lock`: another run into it is refused)."""
+        self.run_dir.lock()
+        try:
+            return self._run()
+        finally:
+            self.run_dir.unlock()
+
+    def _run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         state, start, cum_bits, rows = self._open()
         acc = loss = float("nan")
@@ -260,7 +269,11 @@ class Simulator:
             if self.on_round:
                 self.on_round(row)
         self.final_model = self.server.global_model(state).eval()
-        self.run_dir.save_model(self.final_model, cfg, self.fed.dataset.input_norm)
+        try:
+            self.run_dir.save_model(self.final_model, cfg, self.fed.dataset.input_norm)
+        except OSError as err:
+            raise RunDirError(f"cannot write {err.filename or self.run_dir.model_path}: {err.strerror or err}; every "
+                              f"round is checkpointed: fix the cause and continue with --resume") from None
         return rows
 
     def fit_round(self, state: dict[str, Any], rnd: int) -> Round:
@@ -268,18 +281,23 @@ class Simulator:
         (``federation.on_too_few = "retry"``) while fewer than ``min_clients`` updates are valid. Raises
         TooFewClientsError when the round cannot be completed; nothing saved is touched."""
         fed = self.cfg.federation
-        traffic = Traffic(self.server.layouts)
+        traffic = Traffic(self.server.layouts, getattr(self.server, "max_uplink_bytes", None))
         events: list[str] = []
         for retries in range(fed.max_retries + 1):
             participants = self.server.select_clients(rnd)
-            downlinks = self.server.downlinks(state, rnd, participants)
+            try:
+                downlinks = self.server.downlinks(state, rnd, participants)
+            except CodecError as err:
+                raise PoisonedStateError(
+                    f"round {rnd + 1}: the server state of round {rnd} cannot be sent ({err}); its checkpoint cannot "
+                    f"be continued with --resume: start again into a fresh --out") from None
             attempt = Attempt(len(participants))
             for cid, reply in self.transport(downlinks, rnd).items():
                 attempt.take(cid, reply)
             events += attempt.events
             traffic.add(list(downlinks.values()), attempt.uplinks)
             try:
-                result = self.server.aggregate(state, attempt.uplinks, rnd)
+                result = self.server.aggregate(state, attempt.uplinks, rnd, attempt.senders)
             except MessageError as err:  # not a single valid update
                 result, valid, why = None, 0, f": {err}"
             else:
@@ -312,9 +330,18 @@ class Simulator:
             return self.server.init(), 0, 0.0, []
         state, counters = self.run_dir.checkpoint_to_resume(self.fingerprint)
         state = self._restore_client_state(state)
-        if set(state) != set(self.server.init().keys()):
+        fresh = self.server.init()
+        if set(state) != set(fresh):
             raise CheckpointError(f"checkpoint in {self.run_dir.checkpoint_dir} does not match the model; left "
                                   f"untouched")
+        odd = [k for k, v in fresh.items() if np.shape(state[k]) != np.shape(v)
+               or np.asarray(state[k]).dtype != np.asarray(v).dtype]
+        if odd:
+            k = odd[0]
+            raise CheckpointError(
+                f"checkpoint in {self.run_dir.checkpoint_dir} does not match the model: {k!r} is "
+                f"{np.asarray(state[k]).dtype} {np.shape(state[k])}, the model's is {np.asarray(fresh[k]).dtype} "
+                f"{np.shape(fresh[k])}; left untouched")
         done = int(counters["rounds_done"])
         return state, done, float(counters["cum_bits"]), self.run_dir.rewind(done)
 
@@ -322,13 +349,19 @@ class Simulator:
                 events: list[str]) -> None:
         """A finished round into the run directory: its events, Module B's messages (for the heat maps, Fig. 3),
         metrics.csv, and last the checkpoint, which makes the round count as done."""
-        self.run_dir.append_events(round_no, events)
-        if hasattr(self.server, "support_messages"):
-            self.run_dir.save_messages(round_no, self.server.support_messages(state))
-        self.run_dir.write_rows(rows)
-        self.run_dir.save_checkpoint({**state, **self._client_state()}, {
-            "rounds_done": round_no, "cum_bits": cum_bits, "fingerprint": self.fingerprint,
-        })
+        try:
+            self.run_dir.append_events(round_no, events)
+            if hasattr(self.server, "support_messages"):
+                self.run_dir.save_messages(round_no, self.server.support_messages(state))
+            self.run_dir.write_rows(rows)
+            self.run_dir.save_checkpoint({**state, **self._client_state()}, {
+                "rounds_done": round_no, "cum_bits": cum_bits, "fingerprint": self.fingerprint,
+            })
+        except OSError as err:  # a full disk: the files are written atomically, so the last checkpoint is whole
+            kept = f"the checkpoint of round {round_no - 1} is intact" if round_no > 1 else "no round was saved"
+            raise RunDirError(f"round {round_no}: cannot write {err.filename or self.run_dir.path}: "
+                              f"{err.strerror or err}; {kept}: fix the cause (free space) and continue with "
+                              f"--resume") from None
 
     def _client_state(self) -> dict[str, Any]:
         """The client algorithm's private state to checkpoint (CLIENT_STATE_PREFIX), if it keeps any."""

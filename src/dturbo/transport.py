@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from .algorithms.base import ClientAlgorithm, ClientData, ClientError
+from .algorithms.base import ClientAlgorithm, ClientData, ClientError, MessageError
+from .codec import CodecError
 
 # What a transport returns for one client: its upload, or why it has none.
 Reply = bytes | ClientError
@@ -54,4 +55,6 @@ class InProcessClients:
                 replies[cid] = self.client.fit(downlink, self.data[cid], cid)
             except ClientError as err:  # its own failure (e.g. diverged): a reason, not a crash
                 replies[cid] = err
+            except (MessageError, CodecError) as err:  # a downlink it cannot read: it fails the round, the run goes on
+                replies[cid] = ClientError(f"cannot read its downlink: {err}")
         return replies

@@ -6,15 +6,14 @@ Messages cross the boundary as encoded bytes made by :mod:`dturbo.codec`; a runn
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..codec import CodecError, decode_message, decode_values, encode_message, encode_values, payload_bits
+from ..codec import decode_message, decode_values, encode_message, encode_values, payload_bits
 
 # A server state is a flat mapping of names to numpy arrays plus scalars, so that it can be
 # checkpointed to safetensors without pickle.
@@ -76,7 +75,11 @@ class ServerAlgorithm(Protocol):
         method codes per client (D-Turbo-VBI's ``positions = "delta"``)."""
         ...
 
-    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult: ...
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
+                  ) -> RoundResult:
+        """The round's result from its uploads; ``senders``: the client each upload came from (the one the runner
+        asked), checked against the id the upload claims; None: unknown (not checked)."""
+        ...
 
     def global_model(self, state: State) -> nn.Module: ...
 
@@ -131,31 +134,25 @@ def need(fields: dict[str, bytes], name: str) -> bytes:
 def upload_samples(fields: dict[str, bytes], round_idx: int | None, total_samples: int) -> int:
     """n_t of an upload, from its ``meta`` (round, client id, n_t): the round must be this one (else stale or
     replayed) and n_t a whole number in 1..n."""
+    return upload_meta(fields, round_idx, total_samples)[0]
+
+
+NO_CLIENT = -1  # the client id of an upload whose meta names none that can be a client's
+
+
+def upload_meta(fields: dict[str, bytes], round_idx: int | None, total_samples: int) -> tuple[int, int]:
+    """(n_t, the client id it claims) of an upload, from its ``meta`` (round, client id, n_t): the round must be this
+    one (else stale or replayed) and n_t a whole number in 1..n; a claimed id that is no whole number in 0..2**31
+    reads as :data:`NO_CLIENT` (the server compares it with the sender)."""
     meta = unpack_scalars(need(fields, "meta"), 3)
     if round_idx is not None and meta[0] != round_idx:
         raise MessageError(f"upload of round {meta[0]:g}, this is round {round_idx} (stale or replayed)")
     n_t = meta[2]
     if not (np.isfinite(n_t) and n_t >= 1 and n_t == int(n_t) and n_t <= total_samples):
         raise MessageError(f"invalid sample count n_t={n_t}")
-    return int(n_t)
-
-
-Upload = TypeVar("Upload")
-
-
-def decode_uplinks(uplinks: list[bytes], decode: Callable[[bytes], Upload]) -> tuple[list[Upload], list[Rejection]]:
-    """Every upload through ``decode``: (the valid ones in order, a :class:`Rejection` for each refused one). A
-    round with no valid upload raises MessageError with every reason."""
-    valid: list[Upload] = []
-    rejected: list[Rejection] = []
-    for i, data in enumerate(uplinks):
-        try:
-            valid.append(decode(data))
-        except (MessageError, CodecError) as err:
-            rejected.append(Rejection(i, str(err)))
-    if not valid:
-        raise MessageError("no valid client update this round: " + "; ".join(rejected))
-    return valid, rejected
+    claimed = meta[1]
+    client = int(claimed) if np.isfinite(claimed) and claimed == int(claimed) and 0 <= claimed < 2**31 else NO_CLIENT
+    return int(n_t), client
 
 
 def client_weights(n_t: list[int] | np.ndarray, weighting: str) -> np.ndarray:

@@ -42,6 +42,7 @@ from ..prior import grid_shape, layer_kind, resolve_prior
 from ..sparsity import local_steps_a_round, make_policy, pruning_schedule
 from ..turbo import LayerInfo, LayerState
 from .base import ClientData, RoundResult, State, client_generator
+from .bounds import Limit, UploadBounds, magnitude, sigma_limit
 from .dturbo_messages import (
     NO_BASE,
     DownLayer,
@@ -54,7 +55,7 @@ from .dturbo_messages import (
 )
 from .local import round_lr, train_local
 from .plain import PlainState
-from .server import ServerBase
+from .server import Received, ServerBase
 
 
 def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
@@ -223,29 +224,78 @@ class DturboServer(ServerBase[DturboUplink]):
         supports = [int(self.support(state, info).sum()) for info in self.layers]
         return self.messages.decode_uplink(data, supports, round_idx, self.total_samples)
 
-    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
+    def bounds(self, state: State, round_idx: int) -> UploadBounds:
+        """Per layer: mu on S (for updates, the weights they make) and the biases within the magnitude of the global
+        layer, sigma > 0 within the growth of the global sigma (:mod:`~dturbo.algorithms.bounds`)."""
+        updates = self.cfg.dturbo.transmission.up_bits < 16
+        limits = {}
+        for info in self.layers:
+            n = info.name
+            mu, bias = state[f"{n}.mu"], state[f"{n}.bias"]
+            largest = magnitude(mu, bias)
+            limits[f"{n}.mu"] = Limit(largest, mu[self.support(state, info)] if updates else None)
+            limits[f"{n}.bias"] = Limit(largest)
+            limits[f"{n}.sigma"] = Limit(sigma_limit(state[f"{n}.sigma"]), positive=True)
+        return UploadBounds(limits, self.partitions)
+
+    def _combined(self, state: State, got: Received[DturboUplink], trained: list[np.ndarray]
+                  ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per layer, the combination of the uploads' (mu on S, sigma as sent, bias): their weighted mean, or
+        ``[robust]``'s rule on the whole vectors (the global values as the reference of an update)."""
+        p, ups = got.p, got.uploads
+        if self.robust.plain:
+            out = {}
+            for info in self.layers:
+                mine = [u.layers[info.name] for u in ups]
+                out[info.name] = (sum(pt * x.mu.astype(np.float64) for pt, x in zip(p, mine, strict=True)),
+                                  sum(pt * x.sigma.astype(np.float64) for pt, x in zip(p, mine, strict=True)),
+                                  sum(pt * x.bias for pt, x in zip(p, mine, strict=True)))
+            return out
+        updates = self.cfg.dturbo.transmission.up_bits < 16
+        parts, reference = [], []
+        for info, mask in zip(self.layers, trained, strict=True):
+            n = info.name
+            mu = state[f"{n}.mu"][mask]
+            reference += [np.zeros(mu.size) if updates else mu, sigma_as_sent(state[f"{n}.sigma"], mask),
+                          state[f"{n}.bias"]]
+            parts.append([u.layers[n] for u in ups])
+        rows = [np.concatenate([np.concatenate([layer.mu, layer.sigma, layer.bias]).astype(np.float64)
+                                for layer in (layers[i] for layers in parts)]) for i in range(len(ups))]
+        flat = self.robust.combine(rows, p, np.concatenate([np.asarray(r, np.float64).reshape(-1)
+                                                            for r in reference]), len(got.rejected))
+        out, pos = {}, 0
+        for info in self.layers:
+            first = ups[0].layers[info.name]
+            ends = np.cumsum([pos, first.mu.size, first.sigma.size, first.bias.size])
+            out[info.name] = (flat[ends[0]:ends[1]], flat[ends[1]:ends[2]], flat[ends[2]:ends[3]])
+            pos = int(ends[3])
+        return out
+
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
+                  ) -> RoundResult:
         """Server step of docs/algorithm.md §7.3-7.5 on the uploads that decode and validate."""
-        got = self.receive(state, uplinks, round_idx)
+        got = self.receive(state, uplinks, round_idx, senders)
         p, ups = got.p, got.uploads
         trained = [self.support(state, info) for info in self.layers]  # the S this round's clients trained on
         new = self.aggregate_plain(state, got)
         if self.messages.delta:
             new |= self._held_after(state, round_idx, trained, [u.client_id for u in ups])
+        combined = self._combined(state, got, trained)
         for info, mask in zip(self.layers, trained, strict=True):
             n = info.name
+            mu_on_s, sig, bias = combined[n]
             mu = np.zeros(info.grid, dtype=np.float64)
-            mu[mask] = sum(pt * u.layers[n].mu.astype(np.float64) for pt, u in zip(p, ups, strict=True))
+            mu[mask] = mu_on_s
             if self.cfg.dturbo.transmission.up_bits < 16:
                 # Updates: added to the server's own mu_G, so the download's quantisation noise never enters it.
                 mu[mask] += state[f"{n}.mu"][mask]
-            sig = sum(pt * u.layers[n].sigma.astype(np.float64) for pt, u in zip(p, ups, strict=True))
             if state[f"{n}.sigma"].size > 1:
                 full = state[f"{n}.sigma"].astype(np.float64).reshape(info.grid).copy()
                 full[mask] = sig
                 sig = full.reshape(-1)
             new[f"{n}.mu"] = mu
             new[f"{n}.sigma"] = np.asarray(sig, dtype=np.float32).reshape(state[f"{n}.sigma"].shape)
-            new[f"{n}.bias"] = sum(pt * u.layers[n].bias for pt, u in zip(p, ups, strict=True)).astype(np.float32)
+            new[f"{n}.bias"] = np.asarray(bias).astype(np.float32)
         t0 = time.perf_counter()
         metrics = self._server_step(new, trained, round_idx)
         metrics["server_seconds"] = round(time.perf_counter() - t0, 3)

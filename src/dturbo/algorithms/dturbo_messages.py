@@ -147,7 +147,13 @@ class DturboUplink(Upload):
     layers: dict[str, UpLayer]
     nll: float  # the client's mean training loss
     penalty: float  # its last KL penalty of E6
-    client_id: int = -1  # the sender's id as its meta says (positions = "delta": who now holds this round's S)
+
+    def vectors(self) -> dict[str, np.ndarray]:
+        return {f"{n}.{key}": getattr(layer, key) for n, layer in self.layers.items()
+                for key in ("mu", "sigma", "bias")}
+
+    def losses(self) -> dict[str, float]:
+        return {"nll": self.nll, "penalty": self.penalty}
 
 
 # ------------------------------------------------------------------------------------------------ the spec
@@ -369,10 +375,7 @@ class DturboMessages:
                       ) -> DturboUplink:
         """One upload, validated against the sizes of S this round (``supports``: |S| per layer); MessageError /
         CodecError with the reason it is refused."""
-        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
-        sender = float(unpack_scalars(fields["meta"], 3)[1])
-        # not a reason to refuse (it never was): an id that is no client's only means "nobody" for the positions
-        client_id = int(sender) if np.isfinite(sender) and sender == int(sender) and 0 <= sender < 2**31 else -1
+        fields, n_t, client_id = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
         layers: dict[str, UpLayer] = {}
         for info, k, scalar, nb in zip(self.layers, supports, self.scalar_sigma, self.n_bias, strict=True):
             n = info.name
@@ -396,7 +399,7 @@ class DturboMessages:
             layers[n] = UpLayer(mu, sigma, bias)
         plain = self.plain.decode(fields)
         metrics = upload_metrics(fields, 2)
-        return DturboUplink(n_t, plain, layers, float(metrics[0]), float(metrics[1]), client_id)
+        return DturboUplink(n_t, plain, layers, float(metrics[0]), float(metrics[1]), client_id=client_id)
 
 
 def _encode_sigma(sigma: np.ndarray, scalar: bool) -> bytes:

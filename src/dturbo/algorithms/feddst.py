@@ -67,12 +67,13 @@ from .base import (
     pack_scalars,
     unpack_scalars,
 )
+from .bounds import Limit, UploadBounds, magnitude
 from .held import NO_BASE, ClientSupports, HeldSupports
 from .local import LocalResult, num_local_steps, round_lr, train_local
 from .message import Layouts, MessageSpec, finite, ledger, upload_metrics
 from .plain import PlainState
 from .point import PointLayer, make_deterministic, point_layers, point_model
-from .server import ServerBase, Upload
+from .server import Received, ServerBase, Upload
 
 DOWN_KIND, UP_KIND = "feddst/down", "feddst/up"
 
@@ -144,11 +145,15 @@ class DstDownlink:
 
 @dataclass
 class DstUplink(Upload):
-    client_id: int
     masks: list[np.ndarray]
     weights: list[np.ndarray]  # float64 grids, 0 off the client's mask
     biases: list[np.ndarray]
     nll: float
+    names: list[str]  # the layers', in order
+
+    def vectors(self) -> dict[str, np.ndarray]:
+        out = {f"{n}.w": w for n, w in zip(self.names, self.weights, strict=True)}
+        return out | {f"{n}.bias": b for n, b in zip(self.names, self.biases, strict=True)}
 
 
 class FedDstMessages:
@@ -250,8 +255,7 @@ class FedDstMessages:
                       alpha: float) -> DstUplink:
         """One upload, checked against the round's global masks: a mask that moves in a round without
         readjustment, moves more than floor(alpha * k) weights in, or changes a layer's count is refused."""
-        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
-        client_id = int(unpack_scalars(need(fields, "meta"), 3)[1])
+        fields, n_t, client_id = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
         masks, weights, biases = [], [], []
         for info, g in zip(self.layers, global_masks, strict=True):
             payload = fields.get(f"{info.name}.support")
@@ -271,7 +275,8 @@ class FedDstMessages:
             weights.append(self._read_values(fields, info, mask))
             biases.append(self._read_bias(fields, info))
         nll = float(upload_metrics(fields, 1)[0])
-        return DstUplink(n_t, self.plain.decode(fields), client_id, masks, weights, biases, nll)
+        return DstUplink(n_t, self.plain.decode(fields), masks, weights, biases, nll,
+                         [info.name for info in self.layers], client_id=client_id)
 
 
 # ==================================================================================== server
@@ -330,24 +335,56 @@ class FedDstServer(ServerBase[DstUplink]):
         alpha = readjust_ratio(self.cfg, round_idx) if round_idx is not None else 1.0
         return self.messages.decode_uplink(data, round_idx, self.total_samples, self.masks(state), alpha)
 
-    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
+    def bounds(self, state: State, round_idx: int) -> UploadBounds:
+        """Each layer's weights and biases within the magnitude of the global layer."""
+        limits = {}
+        for info in self.layers:
+            largest = magnitude(state[f"{info.name}.w"], state[f"{info.name}.bias"])
+            limits[f"{info.name}.w"] = limits[f"{info.name}.bias"] = Limit(largest)
+        return UploadBounds(limits, self.partitions)
+
+    def _robust_layers(self, state: State, got: Received[DstUplink]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Per layer, ``[robust]``'s combination of the clients' (weights, bias), a weight a client does not hold
+        counting as 0 for it; None with the plain mean."""
+        if self.robust.plain:
+            return None
+        ups = got.uploads
+        rows = [np.concatenate([x.reshape(-1) for li in range(len(self.layers)) for x in (u.weights[li], u.biases[li])])
+                for u in ups]
+        reference = np.concatenate([state[f"{i.name}.{k}"].reshape(-1).astype(np.float64) for i in self.layers
+                                    for k in ("w", "bias")])
+        flat = self.robust.combine(rows, got.p, reference, len(got.rejected))
+        out, pos = [], 0
+        for info in self.layers:
+            n_w = info.grid[0] * info.grid[1]
+            out.append((flat[pos:pos + n_w].reshape(info.grid), flat[pos + n_w:pos + n_w + info.n_bias]))
+            pos += n_w + info.n_bias
+        return out
+
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
+                  ) -> RoundResult:
         t0 = time.perf_counter()
-        got = self.receive(state, uplinks, round_idx)
+        got = self.receive(state, uplinks, round_idx, senders)
         p, ups = got.p, got.uploads
         before = self.masks(state)
         new = self.aggregate_plain(state, got)
         new |= self.held.after_round(state, round_idx, self.select_clients(round_idx), [u.client_id for u in ups],
                                      before)
+        robust = self._robust_layers(state, got)
         kept = flips = total = 0
         for li, (info, k, old) in enumerate(zip(self.layers, self.counts, before, strict=True)):
-            num = sum(pt * u.weights[li] for pt, u in zip(p, ups, strict=True))
             den = sum(pt * u.masks[li].astype(np.float64) for pt, u in zip(p, ups, strict=True))
-            mean = np.divide(num, den, out=np.zeros(info.grid), where=den > 0)
+            if robust is None:
+                num = sum(pt * u.weights[li] for pt, u in zip(p, ups, strict=True))
+                mean = np.divide(num, den, out=np.zeros(info.grid), where=den > 0)
+                bias = sum(pt * u.biases[li] for pt, u in zip(p, ups, strict=True))
+            else:
+                mean, bias = np.where(den > 0, robust[li][0], 0.0), robust[li][1]
             union = den > 0
             mask = top_k(np.abs(mean), k, among=union) if int(union.sum()) > k else union
             new[f"{info.name}.w"] = np.where(mask, mean, 0.0).astype(np.float32)
             new[f"{info.name}.mask"] = mask.astype(np.uint8)
-            new[f"{info.name}.bias"] = sum(pt * u.biases[li] for pt, u in zip(p, ups, strict=True)).astype(np.float32)
+            new[f"{info.name}.bias"] = np.asarray(bias).astype(np.float32)
             kept += int(mask.sum())
             flips += int((mask != old).sum())
             total += mask.size

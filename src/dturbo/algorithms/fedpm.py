@@ -49,12 +49,16 @@ from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
 from .point import PointLayer, _theta, make_deterministic, point_layers
-from .server import ServerBase, Upload
+from .server import Received, ServerBase, Upload
 
 # Seed-sequence tags: every random draw is a pure function of (seed, round, client, tag), so resume is exact.
 _TAG_SCORES, _TAG_GATES, _TAG_UPLOAD, _TAG_EVAL = 0x5C0, 0x6A7, 0x0B1, 0xE7A
 # Scores are logit(theta_G) with theta_G kept this far from 0 and 1 (a wire level of 0 or 1 is finite then).
 _LOGIT_CLAMP = 1e-6
+# With a robust rule, a mask that costs more bits per parameter under theta_G than the round's median mask by more
+# than this is refused: a mask sampled near theta_G costs about its entropy (measured: within 0.13 bits), an inverted
+# one 0.5 to 4 bits more (benchmarks/attacks.py).
+MASK_SCREEN_BITS = 0.25
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
@@ -205,7 +209,7 @@ class FedPmMessages:
                       total_samples: int) -> FedPmUplink:
         """One upload, its masks decoded with theta_G ``probs``; MessageError / CodecError with a reason otherwise
         (wrong kind, stale round, bad n_t, missing layer, malformed or truncated mask)."""
-        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
+        fields, n_t, client_id = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
         masks = {}
         for info in self.layers:
             try:
@@ -217,7 +221,7 @@ class FedPmMessages:
         nll = float(upload_metrics(fields, 1)[0])
         if not math.isfinite(nll):
             raise MessageError(f"non-finite local loss {nll}")
-        return FedPmUplink(n_t, plain, masks, nll, len(data))
+        return FedPmUplink(n_t, plain, masks, nll, len(data), client_id=client_id)
 
 
 # ----------------------------------------------------------------------------------------------- server
@@ -280,19 +284,24 @@ class FedPmServer(ServerBase[FedPmUplink]):
         """One upload, its masks decoded with this round's theta_G (the range coder's shared model)."""
         return self.messages.decode_uplink(data, self.probs(state), round_idx, self.total_samples)
 
-    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
+                  ) -> RoundResult:
         t0 = time.perf_counter()
         f = self.cfg.fedpm
-        got = self.receive(state, uplinks, round_idx)
+        got = self.receive(state, uplinks, round_idx, senders)
         ups = got.uploads
         reset = round_idx % f.reset_every == 0
         new = self.aggregate_plain(state, got)
         new_probs = {}
+        ones = self._robust_ones(got)
         for info in self.layers:
             n = info.name
             a0 = np.full(info.size, f.lambda0) if reset else state[f"{n}.alpha"]
             b0 = np.full(info.size, f.lambda0) if reset else state[f"{n}.beta"]
-            alpha, beta = beta_update(a0, b0, np.stack([u.masks[n] for u in ups]))
+            if ones is None:
+                alpha, beta = beta_update(a0, b0, np.stack([u.masks[n] for u in ups]))
+            else:  # the robust mean of the bits, counted for every client that sent
+                alpha, beta = a0 + ones[n], b0 + (len(ups) - ones[n])
             level = quantize_probs(posterior_probs(alpha, beta, f.estimate, f.epsilon), self.bits)
             new[f"{n}.alpha"], new[f"{n}.beta"], new[f"{n}.level"] = alpha, beta, level
             new_probs[n] = dequantize_probs(level, self.bits)
@@ -313,6 +322,31 @@ class FedPmServer(ServerBase[FedPmUplink]):
             "server_seconds": round(time.perf_counter() - t0, 3),
         }
         return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
+
+    def screen(self, state: State, uploads: list[FedPmUplink]) -> dict[int, str]:
+        """Masks far less likely under this round's theta_G than the round's median mask (:data:`MASK_SCREEN_BITS`):
+        a flipped or made-up mask, which no bound of one upload can tell."""
+        probs = self.probs(state)
+        p = np.clip(np.concatenate([probs[i.name] for i in self.layers]), 1e-12, 1 - 1e-12)
+        cost = np.array([float(np.mean(-np.log2(np.where(np.concatenate([u.masks[i.name] for i in self.layers]) > 0,
+                                                         p, 1 - p)))) for u in uploads])
+        median = float(np.median(cost))
+        return {k: f"the mask costs {c:.3f} bits per parameter under the global probabilities, {c - median:.3f} more "
+                   f"than the round's median (at most {MASK_SCREEN_BITS})"
+                for k, c in enumerate(cost) if c - median > MASK_SCREEN_BITS}
+
+    def _robust_ones(self, got: Received[FedPmUplink]) -> dict[str, np.ndarray] | None:
+        """Per layer, the ones of the round's masks as ``[robust]``'s rule counts them (K times its combination of
+        the masks, every client alike as in the count); None with the plain mean (the exact count of
+        :func:`beta_update`)."""
+        if self.robust.plain:
+            return None
+        ups = got.uploads
+        flat = self.robust.combine([np.concatenate([u.masks[i.name] for i in self.layers]).astype(np.float64)
+                                    for u in ups], np.ones(len(ups)), np.zeros(self.n_params), len(got.rejected))
+        sizes = np.cumsum([0] + [info.size for info in self.layers])
+        return {info.name: len(ups) * flat[a:b] for info, a, b in zip(self.layers, sizes[:-1], sizes[1:],
+                                                                       strict=True)}
 
     def global_model(self, state: State) -> nn.Module:
         """The ordinary network with weights w_init * mask and biases b_init * mask, in eval mode."""

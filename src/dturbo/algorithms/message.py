@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import MessageError, fields_dict, frame, need, unpack_scalars, upload_samples
+from .base import MessageError, fields_dict, frame, need, unpack_scalars, upload_meta
 from .plain import LAYOUT as PLAIN_LAYOUT
 
 Layouts = dict[str, dict[str, str]]
@@ -46,11 +46,12 @@ class MessageSpec:
         return fields_dict(data, self.kind, max_bytes=max_bytes)
 
     def open_upload(self, data: bytes, round_idx: int | None, total_samples: int, max_bytes: int
-                    ) -> tuple[dict[str, bytes], int]:
-        """An upload's fields and its n_t, checked from ``meta`` (:func:`~dturbo.algorithms.base.upload_samples`).
-        The ``metrics`` field is read last by :func:`upload_metrics`, after the layers (the order of the reasons)."""
+                    ) -> tuple[dict[str, bytes], int, int]:
+        """An upload's fields, its n_t and the client id it claims, checked from ``meta``
+        (:func:`~dturbo.algorithms.base.upload_meta`). The ``metrics`` field is read last by :func:`upload_metrics`,
+        after the layers (the order of the reasons)."""
         fields = self.open(data, max_bytes=max_bytes)
-        return fields, upload_samples(fields, round_idx, total_samples)
+        return fields, *upload_meta(fields, round_idx, total_samples)
 
 
 def upload_metrics(fields: dict[str, bytes], count: int) -> np.ndarray:

@@ -28,10 +28,11 @@ from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
 from ..prior import grid_shape
 from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
+from .bounds import Limit, UploadBounds, magnitude
 from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, finite, ledger, upload_metrics
 from .plain import PlainState
-from .server import ServerBase, Upload
+from .server import Received, ServerBase, Upload
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class PointUplink(Upload):
     theta: dict[str, np.ndarray]  # per layer name: [weight (row-major), bias], float64; weights or an update
     nll: float  # the client's mean training loss
 
+    def vectors(self) -> dict[str, np.ndarray]:
+        return {f"{name}.theta": theta for name, theta in self.theta.items()}
+
 
 class PointMessages:
     """A baseline's two messages, defined once: the dense download in ``dtype``, the upload of one theta per layer
@@ -155,7 +159,7 @@ class PointMessages:
 
     def decode_uplink(self, data: bytes, round_idx: int | None, total_samples: int) -> PointUplink:
         """Decode and validate one upload; raises MessageError / CodecError with a reason."""
-        fields, n_t = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
+        fields, n_t, client_id = self.up.open_upload(data, round_idx, total_samples, self.max_uplink_bytes)
         out = {}
         for info in self.layers:
             theta = self.decode_theta(need(fields, f"{info.name}.theta"), info)
@@ -164,7 +168,7 @@ class PointMessages:
             out[info.name] = finite(f"{info.name}.theta", theta).astype(np.float64)
         plain = self.plain.decode(fields)
         nll = float(upload_metrics(fields, 1)[0])
-        return PointUplink(n_t, plain, out, nll)
+        return PointUplink(n_t, plain, out, nll, client_id=client_id)
 
 
 class PointServer(ServerBase[PointUplink]):
@@ -203,17 +207,49 @@ class PointServer(ServerBase[PointUplink]):
     def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> PointUplink:
         return self.messages.decode_uplink(data, round_idx, self.total_samples)
 
-    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
+    def global_theta(self, state: State, info: PointLayer) -> np.ndarray:
+        """A layer's global [weight (row-major), bias], float64."""
+        return np.concatenate([state[f"{info.name}.w"].reshape(-1), state[f"{info.name}.bias"]]).astype(np.float64)
+
+    def bounds(self, state: State, round_idx: int) -> UploadBounds:
+        """Each layer's theta (or, for updates, the weights it makes) within the magnitude of the global layer."""
+        limits = {}
+        for info in self.layers:
+            theta = self.global_theta(state, info)
+            limits[f"{info.name}.theta"] = Limit(magnitude(theta), theta if self.semantics == "update" else None)
+        return UploadBounds(limits, self.partitions)
+
+    def _combined(self, state: State, got: Received[PointUplink]) -> dict[str, np.ndarray]:
+        """Each layer's combination of the uploads' theta: the weighted mean, or ``[robust]``'s rule on the whole
+        vectors (the update's reference: the global weights, or 0 for updates)."""
+        p, ups = got.p, got.uploads
+        if self.robust.plain:
+            out = {}
+            for info in self.layers:
+                combined = np.zeros(info.size)
+                for pt, u in zip(p, ups, strict=True):
+                    combined += pt * u.theta[info.name]
+                out[info.name] = combined
+            return out
+        reference = None
+        if self.semantics == "weights":
+            reference = np.concatenate([self.global_theta(state, info) for info in self.layers])
+        flat = self.robust.combine([np.concatenate([u.theta[i.name] for i in self.layers]) for u in ups], p,
+                                   reference, len(got.rejected))
+        sizes = np.cumsum([0] + [info.size for info in self.layers])
+        return {info.name: flat[a:b] for info, a, b in zip(self.layers, sizes[:-1], sizes[1:], strict=True)}
+
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
+                  ) -> RoundResult:
         t0 = time.perf_counter()
-        got = self.receive(state, uplinks, round_idx)
+        got = self.receive(state, uplinks, round_idx, senders)
         p, ups = got.p, got.uploads
         new = self.aggregate_plain(state, got)
         nonzero = total = 0
+        combination = self._combined(state, got)
         for info in self.layers:
             n = info.name
-            combined = np.zeros(info.size)
-            for pt, u in zip(p, ups, strict=True):
-                combined += pt * u.theta[n]
+            combined = combination[n]
             if self.semantics == "update":
                 combined += np.concatenate([state[f"{n}.w"].reshape(-1), state[f"{n}.bias"]]).astype(np.float64)
             w = combined[: info.size - info.n_bias].reshape(info.grid).astype(np.float32)

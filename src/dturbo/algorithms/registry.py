@@ -63,7 +63,8 @@ def model_factory(cfg: Config, input_shape: Sequence[int], num_classes: int) -> 
 
 
 class Federated(Protocol):
-    """What :func:`build_algorithm` reads of a federation (:class:`dturbo.federation.Federation`)."""
+    """What :func:`build_algorithm` reads of a federation (:class:`dturbo.federation.Federation`); its ``clients``
+    too where it has them (their sizes are the n_t of valid uploads)."""
 
     dataset: Dataset
 
@@ -87,4 +88,8 @@ def build_algorithm(cfg: Config, fed: Federated, factory: ModelFactory | None = 
         models.check_input_shape(model, fed.dataset.input_shape, name, fed.dataset.num_classes,
                                  getattr(fed.dataset, "input_dtype", torch.float32))
     server_cls, client_cls = ALGORITHMS[cfg.experiment.algorithm]
-    return server_cls(cfg, factory, fed.total_samples), client_cls(cfg, factory)
+    server = server_cls(cfg, factory, fed.total_samples)
+    clients = getattr(fed, "clients", None)
+    if clients is not None:  # the partition sizes: n_t of a valid upload (algorithms.bounds)
+        server.partitions = [len(c) for c in clients]
+    return server, client_cls(cfg, factory)

@@ -81,8 +81,9 @@ from .base import (
     need,
     pack_scalars,
     unpack_scalars,
-    upload_samples,
+    upload_meta,
 )
+from .bounds import Limit, UploadBounds, magnitude
 from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
@@ -216,6 +217,9 @@ class StcUplink(Upload):
     kept: int  # entries it sends
     nll: float  # the client's mean training loss
 
+    def vectors(self) -> dict[str, np.ndarray]:
+        return {"update": self.update}
+
 
 class StcMessages:
     """STC's two messages, defined once (module docstring, Wire): specs, encoders, decoders, the uplink bound."""
@@ -289,10 +293,10 @@ class StcMessages:
                                *(t.field for t in self.plain.tensors)}
         if extra:
             raise MessageError(f"unexpected fields {sorted(extra)}")
-        n_t = upload_samples(fields, round_idx, total_samples)
+        n_t, client_id = upload_meta(fields, round_idx, total_samples)
         update, kept = _decode_update(fields, self.tensors, self.size, self.k_up)
         nll = float(upload_metrics(fields, 1)[0])
-        return StcUplink(n_t, self.plain.decode(fields), update, kept, nll)
+        return StcUplink(n_t, self.plain.decode(fields), update, kept, nll, client_id=client_id)
 
 
 # ========================================================================= server
@@ -343,11 +347,20 @@ class StcServer(ServerBase[StcUplink]):
     def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> StcUplink:
         return self.messages.decode_uplink(data, round_idx, self.total_samples)
 
-    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int) -> RoundResult:
+    def bounds(self, state: State, round_idx: int) -> UploadBounds:
+        """The weights an update makes within the magnitude of the global model."""
+        theta = _flat_state(state, self.layers).astype(np.float64)
+        return UploadBounds({"update": Limit(magnitude(theta), theta)}, self.partitions)
+
+    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
+                  ) -> RoundResult:
         t0 = time.perf_counter()
-        got = self.receive(state, uplinks, round_idx)
+        got = self.receive(state, uplinks, round_idx, senders)
         w, ups = got.p, got.uploads
-        mean = w @ np.stack([u.update for u in ups])  # sum_i w_i S_i, float64
+        if self.robust.plain:
+            mean = w @ np.stack([u.update for u in ups])  # sum_i w_i S_i, float64
+        else:
+            mean = self.robust.combine([u.update for u in ups], w, refused=len(got.rejected))
         theta = _flat_state(state, self.layers)
         new = self.aggregate_plain(state, got)
         step = np.zeros(self.size, dtype=np.float32)

@@ -27,6 +27,7 @@ import math
 import os
 import pickle
 import warnings
+import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -435,6 +436,54 @@ def check_arrays(x_train: Any, y_train: Any, x_test: Any, y_test: Any, num_class
             yte.astype(np.int64), nc)
 
 
+def _npz_header(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of one .npy member, from its header alone (nothing else is decompressed); ValueError when the
+    header is not one or does not fit the member's size."""
+    with z.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if read is None:
+            raise ValueError(f"unknown .npy format version {version}")
+        shape, _, dtype = read(f, max_header_size=10000)
+        data_at = f.tell()
+    if dtype.hasobject:
+        raise ValueError("it holds Python objects (pickles are refused)")
+    if info.file_size - data_at != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"its header says shape {shape} of {dtype}, {math.prod(shape) * dtype.itemsize} bytes, the "
+                         f"archive holds {info.file_size - data_at}")
+    return shape, dtype
+
+
+def _check_npz_headers(path: Path, need: str) -> None:
+    """The four arrays' shapes and dtypes, from the archive's headers, before any array is decompressed: rows of x
+    and y that differ, labels that are not one per row, non-numeric arrays are refused here (DataError), whatever
+    the arrays' sizes."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = {info.filename[:-4]: info for info in z.infolist() if info.filename.endswith(".npy")}
+            heads = {k: _npz_header(z, members[k]) for k in NPZ_KEYS if k in members}
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        raise DataError(f"{path} is not a readable .npz file ({type(err).__name__}: {err}); {need}") from None
+    for split in ("train", "test"):
+        x, y = heads.get(f"x_{split}"), heads.get(f"y_{split}")
+        if x is None or y is None:
+            continue  # named by the full reading
+        (xs, xt), (ys, yt) = x, y  # the messages of check_arrays, which reads the arrays
+        if len(ys) != 1:
+            raise DataError(f"{path}: y_{split} must be one label per row, shape (N,), got {ys}")
+        if len(xs) < 2:
+            raise DataError(f"{path}: x_{split} has shape {xs}, not rows of samples: give N,D flat features or N,H,W, "
+                            f"N,C,H,W or N,H,W,C images")
+        if xs[0] != ys[0]:
+            raise DataError(f"{path}: x_{split} has shape {xs} ({xs[0]} rows) but y_{split} has {ys[0]} rows; they "
+                            f"must match")
+        if xt.kind not in "buif":
+            raise DataError(f"{path}: x_{split} must be numeric (uint8 pixels or floats), got {xt}")
+        if yt.kind not in "iu":
+            raise DataError(f"{path}: y_{split} must hold integer class labels, got {yt} (convert with "
+                            f"y.astype(np.int64))")
+
+
 def _load_npz(path: Path, layout: str = "auto") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     need = f"data.path must point at a .npz file with arrays {', '.join(NPZ_KEYS)} (np.savez)"
     if not path.is_file():
@@ -448,6 +497,8 @@ def _load_npz(path: Path, layout: str = "auto") -> tuple[np.ndarray, np.ndarray,
     if not head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
         what = "empty" if not head else ("text" if _looks_like_text(path) else f"data starting {head.hex()}")
         raise DataError(f"{path} is not a readable .npz file: it is {what}, not an npz (zip) archive; {need}")
+    if head.startswith(b"PK"):
+        _check_npz_headers(path, need)
     try:
         z = np.load(path, allow_pickle=False)
         if not isinstance(z, np.lib.npyio.NpzFile):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import builtins
 import json
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from torch import fx, nn
 from ..kernels import as_pair, dense_linear
 from ..nn.bayes import BayesConv2d, BayesianLayer, BayesLinear
 from .compaction import compact_links, layer_stats, update_shapes
-from .format import FORMAT, GRAPH_VERSION, SPEC_FILE, ExportError, check_input_norm, save
+from .format import FORMAT, GRAPH_VERSION, SPEC_FILE, ExportError, check_input_norm, save, stored_tensor
 from .ops import ACTIVATIONS, BiasMap, Op, masked_weights
 
 # Largest allowed |exported - model| on example_input, relative to max(1, max |model output|).
@@ -761,31 +761,30 @@ def _check_value(v: Any, defined: set[str], where: str) -> None:
         raise ExportError(f"{SPEC_FILE}: {where} holds an argument export does not know: {v!r}")
 
 
-def _tensor(tensors: dict[str, torch.Tensor], key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    t = tensors.get(key)
-    if t is None:
-        raise ExportError(f"the exported weights file has no tensor {key!r}")
-    if shape is not None and tuple(t.shape) != shape:
-        raise ExportError(f"tensor {key!r} has shape {tuple(t.shape)}, {SPEC_FILE} says {shape}")
-    return t.float()
+def _tensor(tensors: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    return stored_tensor(tensors, key, shape).float()
 
 
-def _module(name: str, type_: str, a: dict[str, Any], tensors: dict[str, torch.Tensor],
+def _module(name: str, type_: str, a: dict[str, Any], tensors: Mapping[str, torch.Tensor],
             shape: list[int] | None) -> dict[str, nn.Module]:
-    """The module(s) of a module op (a conv2d with a bias map gives two)."""
+    """The module(s) of a module op (a conv2d with a bias map gives two). Every tensor is checked against the sizes
+    model.json claims before a module of those sizes is made: nothing is allocated beyond the tensors present."""
     if type_ == "conv2d":
         cin, cout, g = a["in_channels"], a["out_channels"], a["groups"]
+        weight = _tensor(tensors, f"{name}.weight", (cout, cin // g, *a["kernel_size"]))
+        bias = _tensor(tensors, f"{name}.bias", (cout,)) if a["bias"] else None
+        bias_map = (_tensor(tensors, f"{name}.bias_map", None if shape is None else (cout, *shape[2:]))
+                    if a.get("bias_map") else None)  # (out, H, W): the spatial size is the recorded output's
         conv = nn.Conv2d(cin, cout, tuple(a["kernel_size"]), stride=tuple(a["stride"]),
                          padding=a["padding"] if isinstance(a["padding"], str) else tuple(a["padding"]),
-                         dilation=tuple(a["dilation"]), groups=g, bias=a["bias"], padding_mode=a["padding_mode"])
-        with torch.no_grad():
-            conv.weight.copy_(_tensor(tensors, f"{name}.weight", (cout, cin // g, *a["kernel_size"])))
-            if a["bias"]:
-                conv.bias.copy_(_tensor(tensors, f"{name}.bias", (cout,)))
+                         dilation=tuple(a["dilation"]), groups=g, bias=a["bias"], padding_mode=a["padding_mode"],
+                         device="meta")
+        conv.weight = nn.Parameter(weight)
+        if bias is not None:
+            conv.bias = nn.Parameter(bias)
         out: dict[str, nn.Module] = {name: conv}
-        if a.get("bias_map"):  # (out, H, W): the spatial size is the recorded output's
-            out[f"{name}__bias_map"] = BiasMap(_tensor(tensors, f"{name}.bias_map",
-                                                       None if shape is None else (cout, *shape[2:])))
+        if bias_map is not None:
+            out[f"{name}__bias_map"] = BiasMap(bias_map)
         return out
     if type_ == "linear":
         fi, fo = a["in_features"], a["out_features"]
@@ -798,18 +797,19 @@ def _module(name: str, type_: str, a: dict[str, Any], tensors: dict[str, torch.T
         return {name: EvalBatchNorm(_tensor(tensors, f"{name}.running_mean", c),
                                     _tensor(tensors, f"{name}.running_var", c), w, b, float(a["eps"]))}
     if type_ == "layer_norm":
-        ln = nn.LayerNorm(a["normalized_shape"], eps=a["eps"], elementwise_affine=a["weight"], bias=a["bias"])
-        with torch.no_grad():
-            for key in ("weight", "bias"):
-                if a[key]:
-                    getattr(ln, key).copy_(_tensor(tensors, f"{name}.{key}", tuple(a["normalized_shape"])))
+        affine = {key: _tensor(tensors, f"{name}.{key}", tuple(a["normalized_shape"])) for key in ("weight", "bias")
+                  if a[key]}
+        ln = nn.LayerNorm(a["normalized_shape"], eps=a["eps"], elementwise_affine=a["weight"], bias=a["bias"],
+                          device="meta")
+        for key, value in affine.items():
+            setattr(ln, key, nn.Parameter(value))
         return {name: ln}
     if type_ == "group_norm":
-        gn = nn.GroupNorm(a["num_groups"], a["num_channels"], eps=a["eps"], affine=a["affine"])
-        if a["affine"]:
-            with torch.no_grad():
-                for key in ("weight", "bias"):
-                    getattr(gn, key).copy_(_tensor(tensors, f"{name}.{key}", (a["num_channels"],)))
+        affine = ({key: _tensor(tensors, f"{name}.{key}", (a["num_channels"],)) for key in ("weight", "bias")}
+                  if a["affine"] else {})
+        gn = nn.GroupNorm(a["num_groups"], a["num_channels"], eps=a["eps"], affine=a["affine"], device="meta")
+        for key, value in affine.items():
+            setattr(gn, key, nn.Parameter(value))
         return {name: gn}
     if type_ == "maxpool2d":
         return {name: nn.MaxPool2d(a["kernel_size"], a["stride"], a["padding"], a["dilation"],
@@ -845,7 +845,9 @@ def build_graph_net(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> t
         if t in _MODULE_OPS:
             try:
                 made = _module(name, t, attrs, tensors, entry.get("shape"))
-            except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            except ExportError:
+                raise
+            except (KeyError, TypeError, ValueError, RuntimeError, ArithmeticError, IndexError, AttributeError) as err:
                 raise ExportError(f"{SPEC_FILE}: operation {name!r} ({t}) is malformed: {err!r}") from None
             if any(k in modules or k in defined for k in made):
                 raise ExportError(f"{SPEC_FILE}: duplicate operation named {sorted(made)!r}")

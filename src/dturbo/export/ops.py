@@ -284,7 +284,9 @@ def build_net(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[n
                 mods[name] = nn.GroupNorm(entry["num_groups"], entry["num_channels"], eps=entry["eps"], affine=False)
             elif t == "input_select":
                 mods[name] = IndexSelect(stored_tensor(tensors, f"{name}.index", None), entry["dim"])
-        except (KeyError, TypeError, ValueError) as err:
+        except ExportError:
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError, ArithmeticError, IndexError, AttributeError) as err:
             raise ExportError(f"{SPEC_FILE}: operation {name!r} ({t}) is malformed: {err!r}") from None
     return nn.Sequential(OrderedDict(mods)), linears
 

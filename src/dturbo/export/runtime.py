@@ -4,6 +4,9 @@ channels_last and ``torch.compile``; :class:`InferenceModel` holds the network a
 
 from __future__ import annotations
 
+import copy
+import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,9 @@ from .format import GRAPH_VERSION, ExportError, read_spec
 from .ops import BiasMap, build_net
 
 INPUTS = ("normalised", "raw")
+# The largest activation (input included) one forward pass at the load's batch size may make: larger ones are
+# refused before anything runs (load with a smaller batch_size).
+MAX_ACTIVATION_BYTES = 256 << 20
 
 
 class InferenceModel(nn.Module):
@@ -276,6 +282,7 @@ def load(
         net, linears = build_graph_net(spec, tensors)
     else:
         net, linears = build_net(spec, tensors)
+    check_activations(net, tuple(spec["input_shape"]), batch_size)
     model = InferenceModel(net, spec)
     model.set_inputs(inputs)
     layer_info: dict[str, dict[str, Any]] = {}
@@ -305,6 +312,43 @@ def load(
     if dev.type == "cuda" and not model.compiled and cuda_graph is not False:
         _settle_graph(model, x, auto=cuda_graph is None)
     return model
+
+
+def largest_activation(net: nn.Module, input_shape: tuple[int, ...]) -> int:
+    """The elements of the largest tensor (the input included) one sample makes in a forward pass of ``net``, found
+    on the meta device (shapes only: nothing is allocated); ExportError when the network does not run on inputs of
+    ``input_shape``."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(net.parameters(), net.buffers()):
+        meta = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
+    shadow = copy.deepcopy(net, memo)
+    sizes = [math.prod(input_shape)]
+    hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel() if isinstance(out, torch.Tensor)
+                                                                       else 0)) for m in shadow.children()]
+    if hasattr(shadow, "record"):  # a graph: every op's output shape
+        shadow.record = {}
+    try:
+        with torch.no_grad():
+            shadow(torch.empty(1, *input_shape, device="meta"))
+    except Exception as err:  # noqa: BLE001 (any failure of the network on its own input is the export's fault)
+        raise ExportError(f"the exported network does not run on inputs of shape (N, "
+                          f"{', '.join(map(str, input_shape))}): {type(err).__name__}: {err}") from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    sizes += [math.prod(shape) for shape in (getattr(shadow, "record", None) or {}).values()]
+    return max(sizes)
+
+
+def check_activations(net: nn.Module, input_shape: tuple[int, ...], batch_size: int) -> None:
+    """ExportError when a forward pass at ``batch_size`` would make a tensor over :data:`MAX_ACTIVATION_BYTES`."""
+    largest = largest_activation(net, input_shape)
+    need = 4 * largest * batch_size
+    if need > MAX_ACTIVATION_BYTES:
+        raise ExportError(f"the exported network makes a tensor of {largest} values per sample: "
+                          f"{need / 2**20:.0f} MiB at batch_size {batch_size}, more than the "
+                          f"{MAX_ACTIVATION_BYTES >> 20} MiB a load allows; load it with a smaller batch_size")
 
 
 @torch.no_grad()

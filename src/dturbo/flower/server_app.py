@@ -13,7 +13,9 @@ Run config (``[tool.flwr.app.config]`` in pyproject.toml, overridden with ``flwr
 
 Client id <-> node id: each SuperNode's node config names its ``partition-id``, which IS the client id; the
 server learns it with a ``query.partition`` message to every node it does not know yet (at the first round,
-and later when a node joins or comes back under a new node id).
+and later when a node joins or comes back under a new node id). A partition-id two connected nodes claim is
+contested: neither node is sent that client's rounds for the rest of the run (the server cannot tell which one
+is the client; Flower's node authentication binds nodes to partitions).
 
 On Flower's simulation engine (``flwr run . <local simulation connection>``, ``flwr[simulation]``: Ray) the
 SuperNodes are virtual, one per partition, every one registered before the ServerApp starts, and their node
@@ -68,6 +70,8 @@ class FlowerTransport:
         self.config_text = cfg.to_toml()
         self.node_of: dict[int, int] = {}  # client id (= partition-id) -> node id
         self._ignored: set[int] = set()  # nodes that answered with no usable partition-id
+        # partition-ids two connected nodes claimed at once -> those nodes: neither is sent that client's rounds
+        self.contested: dict[int, set[int]] = {}
         self._connected = False
 
     # ------------------------------------------------------------ discovery
@@ -86,8 +90,8 @@ class FlowerTransport:
             new = sorted(n for n in online if n not in known)
             if new:
                 self._query_partitions(new)
-            if wanted <= self.node_of.keys() or time.monotonic() >= deadline:
-                missing = sorted(wanted - self.node_of.keys())
+            if wanted - self.contested.keys() <= self.node_of.keys() or time.monotonic() >= deadline:
+                missing = sorted(wanted - self.node_of.keys() - self.contested.keys())
                 if missing:
                     log.warning("no SuperNode connected for client(s) %s", missing)
                 return
@@ -114,10 +118,16 @@ class FlowerTransport:
                 log.warning("node %d: partition-id=%d num-partitions=%d does not fit federation.clients = %d; "
                             "ignored", node, pid, num, clients)
                 self._ignored.add(node)
-            elif pid in self.node_of and self.node_of[pid] != node:
-                log.warning("node %d also claims partition-id=%d (node %d has it); ignored",
-                            node, pid, self.node_of[pid])
-                self._ignored.add(node)
+            elif pid in self.contested or (pid in self.node_of and self.node_of[pid] != node):
+                # Which one is the client cannot be told (no identity beyond the claim): neither takes the slot.
+                nodes = self.contested.setdefault(pid, set()) | {node}
+                if pid in self.node_of:
+                    nodes.add(self.node_of.pop(pid))
+                self.contested[pid] = nodes
+                self._ignored |= nodes
+                log.warning("partition-id=%d is claimed by nodes %s: neither is sent client %d's rounds for the rest "
+                            "of the run (bind nodes to partitions with Flower's node authentication)",
+                            pid, sorted(nodes), pid)
             else:
                 self.node_of[pid] = node
                 log.info("client %d <-> node %d", pid, node)
@@ -158,6 +168,9 @@ class FlowerTransport:
             elif cid in self.node_of:
                 within = f" within {self.round_timeout:g} s" if self.round_timeout else ""
                 out[cid] = ClientLost(f"no reply from node {self.node_of[cid]}{within}")
+            elif cid in self.contested:
+                out[cid] = ClientLost(f"partition-id={cid} is claimed by more than one node "
+                                      f"({', '.join(map(str, sorted(self.contested[cid])))})")
             else:
                 out[cid] = ClientLost(f"no SuperNode with partition-id={cid} is connected")
         return out

@@ -1,0 +1,163 @@
+"""Robust aggregation (``[robust]``, docs/robustness.md): the rule that combines the clients' vectors of a round, as
+the trusted frameworks offer it (Flower's FedMedian, FedTrimmedAvg, Krum, Bulyan, and clipping of update norms).
+
+Every algorithm hands the same thing to :class:`RobustAggregation`: a matrix with one row per valid upload (the
+vector it aggregates: D-Turbo-VBI's mu on the support, sigma and biases before E3/E4, the baselines' weights or
+updates, FedPM's masks), the uploads' weights p_t, and the global values the rows move from (for clipping). The
+rule returns the combined vector. The plain weighted mean (``rule = "mean"``, no clipping) is the default: an
+algorithm then keeps its own sums, so recorded runs are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import RobustConfig
+
+
+class Rule:
+    """A combination of K vectors (rows of ``x``) with weights ``p`` (summing to 1) into one; ``refused``: the
+    round's uploads refused before (the hostile ones a rule that assumes some may count as gone)."""
+
+    name = ""
+
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
+        raise NotImplementedError
+
+
+class Mean(Rule):
+    """The weighted mean sum p_t x_t."""
+
+    name = "mean"
+
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
+        return p @ x
+
+
+class Median(Rule):
+    """The coordinate-wise median (unweighted, as Flower's FedMedian)."""
+
+    name = "median"
+
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
+        return np.median(x, axis=0)
+
+
+@dataclass
+class TrimmedMean(Rule):
+    """Per coordinate, the mean after dropping floor(trim * K) values at each end (unweighted, as Flower's
+    FedTrimmedAvg)."""
+
+    trim: float
+    name = "trimmed_mean"
+
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
+        k = x.shape[0]
+        cut = min(int(np.floor(self.trim * k)), (k - 1) // 2)
+        if cut == 0:
+            return x.mean(axis=0)
+        return np.sort(x, axis=0)[cut:k - cut].mean(axis=0)
+
+
+def krum_scores(x: np.ndarray, f: int) -> np.ndarray:
+    """Each row's Krum score (Blanchard et al. 2017): the sum of its squared distances to its K - f - 2 nearest
+    other rows (at least one)."""
+    sq = np.einsum("ij,ij->i", x, x)
+    d = np.maximum(sq[:, None] + sq[None, :] - 2.0 * (x @ x.T), 0.0)
+    np.fill_diagonal(d, np.inf)
+    near = max(1, x.shape[0] - f - 2)
+    return np.sort(d, axis=1)[:, :near].sum(axis=1)
+
+
+def krum_select(x: np.ndarray, f: int, keep: int) -> np.ndarray:
+    """The ``keep`` rows of lowest Krum score (ties: the lower index), in index order."""
+    if keep >= x.shape[0]:
+        return np.arange(x.shape[0])
+    return np.sort(np.argsort(krum_scores(x, f), kind="stable")[:keep])
+
+
+@dataclass
+class Krum(Rule):
+    """Multi-Krum: the K - f rows of lowest Krum score, combined by their weighted mean (f = ``byzantine`` less the
+    uploads already refused this round, fewer when K < 2f + 3)."""
+
+    byzantine: int
+    name = "krum"
+
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
+        k = x.shape[0]
+        f = min(max(0, self.byzantine - refused), max(0, (k - 3) // 2))
+        kept = krum_select(x, f, k - f)
+        return (p[kept] / p[kept].sum()) @ x[kept]
+
+
+@dataclass
+class Bulyan(Rule):
+    """Bulyan (El Mhamdi et al. 2018): theta = K - 2f rows chosen by Krum one at a time, then per coordinate the mean
+    of the theta - 2f values nearest their median (f = ``byzantine`` less the uploads already refused this round,
+    fewer when K < 4f + 3)."""
+
+    byzantine: int
+    name = "bulyan"
+
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
+        k = x.shape[0]
+        f = min(max(0, self.byzantine - refused), max(0, (k - 3) // 4))
+        left = list(range(k))
+        chosen: list[int] = []
+        for _ in range(k - 2 * f):
+            best = int(np.argmin(krum_scores(x[left], f))) if len(left) > 1 else 0
+            chosen.append(left.pop(best))
+        sel = x[np.sort(chosen)]
+        beta = max(1, sel.shape[0] - 2 * f)
+        med = np.median(sel, axis=0)
+        nearest = np.argsort(np.abs(sel - med), axis=0, kind="stable")[:beta]
+        return np.take_along_axis(sel, nearest, axis=0).mean(axis=0)
+
+
+def make_rule(cfg: RobustConfig) -> Rule:
+    """The rule ``[robust] rule`` names, with its settings."""
+    if cfg.rule == "median":
+        return Median()
+    if cfg.rule == "trimmed_mean":
+        return TrimmedMean(cfg.trim)
+    if cfg.rule == "krum":
+        return Krum(cfg.byzantine)
+    if cfg.rule == "bulyan":
+        return Bulyan(cfg.byzantine)
+    return Mean()
+
+
+def clip(x: np.ndarray, reference: np.ndarray, norm: float) -> np.ndarray:
+    """Each row's update from ``reference`` scaled to L2 norm at most ``norm`` (a row inside is left as it is)."""
+    step = x - reference
+    lengths = np.sqrt(np.einsum("ij,ij->i", step, step))
+    scale = np.minimum(1.0, norm / np.maximum(lengths, np.finfo(np.float64).tiny))
+    return reference + step * scale[:, None]
+
+
+class RobustAggregation:
+    """``[robust]``: clipping (when ``clip_norm`` is set) then the rule, on a round's matrix of client vectors."""
+
+    def __init__(self, cfg: RobustConfig) -> None:
+        self.rule = make_rule(cfg)
+        self.clip_norm = cfg.clip_norm
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is the plain weighted mean: the algorithms then keep their own sums, bit for bit."""
+        return isinstance(self.rule, Mean) and self.clip_norm is None
+
+    def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None,
+                refused: int = 0) -> np.ndarray:
+        """The combined vector of ``rows`` (one float vector per upload, all of one length) with weights ``p``;
+        ``reference``: the global values the rows move from (None: the rows are updates, from 0); ``refused``: the
+        round's uploads refused already."""
+        x = np.stack([np.asarray(r, dtype=np.float64).reshape(-1) for r in rows])
+        w = np.asarray(p, dtype=np.float64)
+        if self.clip_norm is not None:
+            ref = np.zeros(x.shape[1]) if reference is None else np.asarray(reference, np.float64).reshape(-1)
+            x = clip(x, ref, self.clip_norm)
+        return self.rule.combine(x, w / w.sum(), refused)

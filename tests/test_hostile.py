@@ -1,0 +1,313 @@
+"""Hostile clients: one upload never breaks, bloats or silently poisons a run. Well-formed uploads outside the round's
+bounds are refused with their reason (values, sigma, norms, n_t, the sender's id, the training loss), the robust rules
+are exact, the ledger sizes uploads from their framing in bounded memory, and runs with attackers finish, resume
+identically and are reproducible."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from run_helpers import cut_and_resume, rows_of
+
+from dturbo.algorithms.base import ClientData, decode_message, encode_message, pack_scalars, unpack_scalars
+from dturbo.algorithms.bounds import GROWTH, VALUE_CAP
+from dturbo.algorithms.registry import build_algorithm
+from dturbo.algorithms.robust import Bulyan, Krum, Median, RobustAggregation, TrimmedMean, krum_scores
+from dturbo.attacks import ATTACKS, RoundView, hostile_clients
+from dturbo.codec import decode_dense, decode_quantized, encode_grid, encode_quantized, encode_ternary, encode_values
+from dturbo.config import RobustConfig, parse_config
+from dturbo.federation import build_federation
+from dturbo.ledger import Traffic
+from dturbo.sim import Simulator
+from dturbo.transport import ClientLost, InProcessClients
+
+METHODS = ("dturbo", "fedavg", "fedpaq", "dssm", "stc", "fedpm", "feddst")
+
+
+@pytest.fixture(scope="module")
+def toy(make_toy) -> Path:
+    return make_toy(800)
+
+
+def config(toy: Path, rounds: int = 3, **sections) -> dict:
+    cfg = {
+        "experiment": {"seed": 4, "rounds": rounds, "threads": 1},
+        "data": {"name": "npz", "path": str(toy)},
+        "federation": {"clients": 6, "partition": "iid"},
+        "model": {"name": "mlp", "hidden": [16]},
+        "train": {"local_steps": 4, "lr": 0.01},
+        "dturbo": {"beta": 0.01, "sparsity": {"target_density": 0.5, "warmup_rounds": 1, "ramp_rounds": 1}},
+        "dssm": {"min_clients": 2},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return cfg
+
+
+def setup(toy: Path, algorithm: str, **sections):
+    cfg = parse_config(config(toy, experiment={"algorithm": algorithm}, **sections))
+    fed = build_federation(cfg)
+    server, client = build_algorithm(cfg, fed)
+    state = server.init()
+    ups = [client.fit(down, fed.clients[c], c) for c, down in server.downlinks(state, 0, [0, 1, 2]).items()]
+    return cfg, fed, server, client, state, ups
+
+
+def with_field(upload: bytes, name: str, payload: bytes) -> bytes:
+    kind, fields = decode_message(upload)
+    assert name in dict(fields), (name, [n for n, _ in fields])
+    return encode_message(kind, [(n, payload if n == name else p) for n, p in fields])
+
+
+def meta(upload: bytes, **changes: float) -> bytes:
+    r, c, n = unpack_scalars(dict(decode_message(upload)[1])["meta"], 3)
+    new = {"round": r, "client": c, "n_t": n} | changes
+    return with_field(upload, "meta", pack_scalars([new["round"], new["client"], new["n_t"]]))
+
+
+# ------------------------------------------------------------------------------------------- the bounds
+def test_overflowing_values_are_refused_and_the_next_downlink_is_sent(toy):
+    """sigma 3e38 (D-Turbo-VBI, one sigma per layer), a QSGD norm of 3e38 (FedPAQ), mu 3e38 (STC): finite, yet
+    beyond the round's bounds; refused with the reason, and the state stays sendable."""
+    cases = {
+        "dturbo": ("dense1.sigma", encode_values(np.array([3e38]), "float32")),
+        "fedpaq": ("dense1.theta", None),
+        "stc": ("dense1.w.delta", encode_ternary(np.array([0, 5]), np.array([False, True]), 3e38, 16 * 12,
+                                                 "float32")),
+    }
+    for algorithm, (name, payload) in cases.items():
+        _, _, server, _, state, ups = setup(toy, algorithm)
+        if payload is None:  # the honest symbols with the norm 3e38
+            sym, levels, _ = decode_quantized(dict(decode_message(ups[1])[1])[name])
+            payload = encode_quantized(sym, levels, [3e38])
+        bad = with_field(ups[1], name, payload)
+        result = server.aggregate(state, [ups[0], bad, ups[2]], 0, [0, 1, 2])
+        assert result.metrics["clients_ok"] == 2 and len(result.rejected) == 1, algorithm
+        assert result.rejected[0].uplink == 1 and "beyond the bound" in result.rejected[0].reason, result.rejected
+        server.downlinks(result.state, 1, [0, 1, 2])  # encodes: nothing of the refused upload got in
+
+
+@pytest.mark.parametrize("algorithm", METHODS)
+def test_float16_extremes_a_false_n_t_a_copy_a_spoof_and_a_bad_loss_are_refused(toy, algorithm):
+    cfg, fed, server, _, state, ups = setup(toy, algorithm)
+    n = fed.total_samples
+    hostile = {
+        "n_t": (meta(ups[1], n_t=n), "holds"),
+        "copy": (ups[0], "claims to be client 0's"),
+        "spoof": (meta(ups[1], client=2), "claims to be client 2's"),
+        "loss": (with_field(ups[1], "metrics", bytes([3, 1]) + np.array([np.nan], "<f8").tobytes()
+                            if algorithm != "dturbo" else bytes([3, 2]) + np.array([-1e300, 0.0], "<f8").tobytes()),
+                 "loss" if algorithm != "fedpm" else "non-finite"),
+    }
+    if algorithm != "fedpm":  # FedPM's upload is a mask: no value to exaggerate
+        hostile["values"] = (ATTACKS["values"]().rewrite(ups[1], RoundView(server, cfg, 0, 1, b"", {})), "bound")
+    for what, (bad, reason) in hostile.items():
+        result = server.aggregate(state, [ups[0], bad, ups[2]], 0, [0, 1, 2])
+        assert [r.uplink for r in result.rejected] == [1], (what, result.rejected)
+        assert reason in result.rejected[0].reason, (what, result.rejected)
+    honest = server.aggregate(state, ups, 0, [0, 1, 2])
+    assert honest.metrics["clients_rejected"] == 0 and honest.metrics["clients_ok"] == 3
+
+
+def test_the_bounds_follow_the_global_model():
+    from dturbo.algorithms.bounds import Limit, magnitude, sigma_limit
+
+    assert magnitude(np.array([0.3, -0.2])) == GROWTH  # at least 1 x GROWTH
+    assert magnitude(np.array([-5.0])) == 5 * GROWTH
+    assert magnitude(np.array([1e9])) == VALUE_CAP
+    assert sigma_limit(np.array([0.01, 0.02])) == pytest.approx(0.02 * GROWTH)
+    update = Limit(10.0, reference=np.array([9.0, 0.0]))
+    assert update.refusal("u", np.array([1.0, -10.0])) is None
+    assert "makes weights of magnitude 10.5" in update.refusal("u", np.array([1.5, 0.0]))
+    assert "> 0" in Limit(1.0, positive=True).refusal("s", np.array([0.5, 0.0]))
+
+
+# --------------------------------------------------------------------------------------- robust rules
+def test_robust_rules_against_independent_computations():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(7, 30))
+    p = rng.random(7)
+    p /= p.sum()
+    assert np.array_equal(Median().combine(x, p), np.median(x, axis=0))
+    for j in range(30):  # trimmed mean: drop the 2 lowest and 2 highest of 7 in every coordinate
+        col = sorted(x[:, j])
+        assert TrimmedMean(0.3).combine(x, p)[j] == pytest.approx(np.mean(col[2:5]))
+    f = 2
+    brute = [sum(sorted(float(np.sum((x[i] - x[k]) ** 2)) for k in range(7) if k != i)[: 7 - f - 2]) for i in range(7)]
+    np.testing.assert_allclose(krum_scores(x, f), brute, rtol=1e-10)
+    kept = np.sort(np.argsort(brute)[: 7 - f])
+    np.testing.assert_allclose(Krum(f).combine(x, p), (p[kept] / p[kept].sum()) @ x[kept], rtol=1e-12)
+    # Bulyan with f = 1 on 7 rows: 5 chosen one at a time by Krum, then per coordinate the mean of the 3 nearest
+    # their median
+    left, chosen = list(range(7)), []
+    for _ in range(5):
+        scores = [sum(sorted(float(np.sum((x[i] - x[k]) ** 2)) for k in left if k != i)[: max(1, len(left) - 3)])
+                  for i in left]
+        chosen.append(left.pop(int(np.argmin(scores))))
+    sel = x[sorted(chosen)]
+    med = np.median(sel, axis=0)
+    expected = [np.mean(sorted(sel[:, j], key=lambda v, m=med[j]: abs(v - m))[:3]) for j in range(30)]
+    np.testing.assert_allclose(Bulyan(1).combine(x, p), expected, rtol=1e-12)
+    # clipping: an update longer than the norm is scaled onto it, a shorter one kept
+    agg = RobustAggregation(RobustConfig(rule="mean", clip_norm=1.0))
+    ref = np.zeros(2)
+    out = agg.combine([np.array([3.0, 4.0]), np.array([0.3, 0.4])], np.array([0.5, 0.5]), ref)
+    np.testing.assert_allclose(out, 0.5 * np.array([0.6, 0.8]) + 0.5 * np.array([0.3, 0.4]))
+
+
+def test_a_robust_rule_aggregates_the_decoded_uploads(toy):
+    """FedAvg with the median: the new weights are the coordinate-wise median of the uploads' decoded bytes."""
+    _, _, server, _, state, ups = setup(toy, "fedavg", robust={"rule": "median"})
+    new = server.aggregate(state, ups, 0, [0, 1, 2]).state
+    thetas = [dict(decode_message(u)[1]) for u in ups]
+    for info in server.layers:
+        decoded = np.stack([decode_dense(t[f"{info.name}.theta"]).reshape(-1).astype(np.float64) for t in thetas])
+        median = np.median(decoded, axis=0)
+        np.testing.assert_array_equal(new[f"{info.name}.w"].reshape(-1), median[: -info.n_bias].astype(np.float32))
+        np.testing.assert_array_equal(new[f"{info.name}.bias"], median[-info.n_bias:].astype(np.float32))
+
+
+@pytest.mark.parametrize("algorithm", METHODS)
+@pytest.mark.parametrize("rule", ["median", "krum"])
+def test_every_method_runs_with_a_robust_rule_against_a_sign_flip(tmp_path, toy, algorithm, rule):
+    cfg = parse_config(config(toy, 2, experiment={"algorithm": algorithm}, robust={"rule": rule, "byzantine": 1},
+                              faults={"attackers": 1, "attack": "sign_flip"}))
+    rows = Simulator(cfg, tmp_path / "run").run()
+    assert len(rows) == 2 and all(np.isfinite(float(r["accuracy"])) for r in rows)
+
+
+# ------------------------------------------------------------------------------------------ attackers
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_a_run_with_attackers_finishes_and_counts_every_refusal(tmp_path, toy, attack):
+    cfg = parse_config(config(toy, 3, experiment={"algorithm": "dturbo"},
+                              faults={"attackers": 2, "attack": attack}))
+    rows = Simulator(cfg, tmp_path / "run").run()
+    assert len(rows) == 3
+    hostile = hostile_clients(cfg)
+    refused = [ln for ln in ((tmp_path / "run" / "events.log").read_text().splitlines()
+                             if (tmp_path / "run" / "events.log").exists() else []) if "upload rejected" in ln]
+    if attack == "sign_flip":  # inside the bounds: accepted (the robust rules are for it)
+        assert not refused
+    else:
+        assert sum(int(r["clients_rejected"]) for r in rows) == len(refused) == 2 * 3
+        assert {int(ln.split("client ")[1].split(":")[0]) for ln in refused} == set(hostile)
+
+
+def test_attackers_are_reproducible_and_resume_identically(tmp_path, toy):
+    cfg = config(toy, 4, experiment={"algorithm": "fedavg"}, faults={"attackers": 2, "attack": "sign_flip"},
+                 robust={"rule": "trimmed_mean", "trim": 0.2})
+    cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", 2)
+    assert rows_of(tmp_path / "whole") == rows_of(tmp_path / "part")
+    assert hostile_clients(parse_config(cfg)) == hostile_clients(parse_config(cfg)) != []
+
+
+def test_a_spoofed_id_with_positions_delta_never_crashes_the_run(tmp_path, toy):
+    """Client 0's upload claims to be client 1 while client 1 drops: refused, and client 1 is sent its support whole
+    next round (a client that cannot read its downlink would fail the round, never the run)."""
+    cfg = parse_config(config(toy, 3, experiment={"algorithm": "dturbo"},
+                              dturbo={"transmission": {"positions": "delta"}}))
+
+    class Spoofing(InProcessClients):
+        def __call__(self, downlinks, round_idx):
+            replies = super().__call__(downlinks, round_idx)
+            if round_idx == 0:
+                replies[0], replies[1] = meta(replies[0], client=1), ClientLost("gone")
+            return replies
+
+    sim = Simulator(cfg, tmp_path / "run")
+    sim.transport = Spoofing(sim.client, sim.fed.clients)
+    rows = sim.run()
+    assert len(rows) == 3 and int(rows[0]["clients_rejected"]) == 1
+    assert int(rows[1]["clients_failed"]) == 0  # client 1 decoded round 2's downlink
+
+
+def test_a_client_that_cannot_read_its_downlink_fails_the_round(toy):
+    cfg = parse_config(config(toy, experiment={"algorithm": "fedavg"}))
+    fed = build_federation(cfg)
+    _, client = build_algorithm(cfg, fed)
+    replies = InProcessClients(client, fed.clients)({0: b"DT\x01garbage"}, 0)
+    assert "cannot read its downlink" in str(replies[0])
+
+
+# -------------------------------------------------------------------------------------------- the ledger
+def test_the_ledger_sizes_a_hostile_grid_in_bounded_memory():
+    """A grid field whose rectangle records claim its whole payload (2 MB): sized reading its headers, in memory far
+    below the 64x an unpacking of every record's bits would take."""
+    head = bytes([1]) + bytes([0x80, 0x80, 0x40]) * 2 + bytes([0x80, 0xB5, 0x18]) + bytes([0])  # 2**20 x 2**20
+    msg = encode_message("dturbo/down", [("conv1.mu", head + bytes(2 << 20))])
+    traffic = Traffic({"dturbo/down": {"mu": "grid"}})
+    tracemalloc.start()
+    traffic.add([], [msg])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 24 << 20, peak
+    assert traffic.up_bits == 8 * len(msg) == sum(traffic.parts[f"up_{p}_bits"] for p in ("headers", "positions",
+                                                                                              "values"))
+
+
+def test_an_upload_over_the_bound_is_booked_at_the_bound():
+    grid = encode_grid(np.eye(4))
+    honest = encode_message("k/up", [("a.mu", grid)])
+    traffic = Traffic({"k/up": {"mu": "grid"}}, max_uplink_bytes=1000)
+    traffic.add([], [honest, honest + bytes(10_000)])
+    assert traffic.up_bits == 8 * len(honest) + 8 * 1000
+    assert traffic.parts["up_headers_bits"] >= 8 * 1000
+
+
+def test_the_faults_rewrite_with_the_payloads_own_encoders(toy):
+    """The value attacks give uploads that frame and decode: the server refuses them on their values, not their
+    bytes (which is what makes them well-formed attacks)."""
+    for algorithm in ("fedpaq", "stc", "dturbo"):
+        cfg, _, server, _, state, ups = setup(toy, algorithm)
+        ctx = RoundView(server, cfg, 0, 1, server.downlinks(state, 0, [1])[1], {})
+        for attack in ("values", "overflow", "sign_flip"):
+            bad = ATTACKS[attack]().rewrite(ups[1], ctx)
+            server.decode_uplink(state, bad, 0)  # decodes
+    cfg, _, server, _, state, ups = setup(toy, "fedpm")
+    ctx = RoundView(server, cfg, 0, 1, server.downlinks(state, 0, [1])[1], {})
+    flipped = server.decode_uplink(state, ATTACKS["values"]().rewrite(ups[1], ctx), 0)
+    honest = server.decode_uplink(state, ups[1], 0)
+    for name, mask in honest.masks.items():
+        assert np.array_equal(flipped.masks[name], 1 - mask)
+
+
+def test_data_of_the_partition_sizes_the_server_knows(toy):
+    cfg = parse_config(config(toy, experiment={"algorithm": "fedavg"}))
+    fed = build_federation(cfg)
+    server, client = build_algorithm(cfg, fed)
+    assert server.partitions == [len(c) for c in fed.clients]
+    state = server.init()
+    small = ClientData(fed.clients[0].x[:10], fed.clients[0].y[:10])
+    up = client.fit(server.downlink(state, 0), small, 0)
+    result = server.aggregate(state, [up, client.fit(server.downlink(state, 0), fed.clients[1], 1)], 0, [0, 1])
+    assert "n_t = 10, client 0 holds" in result.rejected[0].reason
+    assert torch.equal(small.y, fed.clients[0].y[:10])
+
+
+def test_a_robust_rule_refuses_a_flipped_fedpm_mask(toy):
+    """No bound of one upload tells a flipped mask from an honest one; next to the round's others it costs far more
+    bits under the global probabilities, and a robust rule refuses it (the plain mean keeps it, as before)."""
+    for robust, refused in (({"rule": "mean"}, []), ({"rule": "trimmed_mean", "trim": 0.1}, [1])):
+        cfg, _, server, _, state, _ = setup(toy, "fedpm", robust=robust)
+        fed = build_federation(cfg)
+        _, client = build_algorithm(cfg, fed)
+        downs = server.downlinks(state, 0, list(range(6)))
+        ups = [client.fit(downs[c], fed.clients[c], c) for c in range(6)]
+        ctx = RoundView(server, cfg, 0, 1, downs[1], {})
+        ups[1] = ATTACKS["values"]().rewrite(ups[1], ctx)
+        result = server.aggregate(state, ups, 0, list(range(6)))
+        assert [r.uplink for r in result.rejected] == refused, result.rejected
+        if refused:
+            assert "bits per parameter under the global probabilities" in result.rejected[0].reason
+
+
+def test_krum_counts_the_uploads_already_refused_among_the_hostile():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(9, 5))
+    p = np.full(9, 1 / 9)
+    np.testing.assert_allclose(Krum(3).combine(x, p, refused=3), x.mean(axis=0))  # the 3 assumed are gone
+    np.testing.assert_allclose(Krum(3).combine(x, p, refused=1), Krum(2).combine(x, p))

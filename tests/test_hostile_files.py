@@ -1,0 +1,208 @@
+"""Hostile or broken run files and settings: a checkpoint whose header was edited, two runs into one folder, tampered
+run files, a full disk, symbolic links, settings that cannot be right, a partition-id two Flower nodes claim. Each
+gives a clear error (or a refusal in events.log), never a traceback or a silent resume."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from dturbo.checkpoint import STATE_FILE, CheckpointError, CheckpointWarning, load_checkpoint, save_checkpoint
+from dturbo.cli import app
+from dturbo.config import ConfigError, parse_config
+from dturbo.rundir import RunDir, RunDirError, RunDirLocked
+from dturbo.sim import Simulator
+
+
+@pytest.fixture(scope="module")
+def toy(make_toy) -> Path:
+    return make_toy(300)
+
+
+def config(toy: Path, rounds: int = 2, **sections) -> dict:
+    cfg = {
+        "experiment": {"seed": 1, "rounds": rounds, "threads": 1, "algorithm": "fedavg"},
+        "data": {"name": "npz", "path": str(toy)},
+        "federation": {"clients": 3, "partition": "iid"},
+        "model": {"name": "mlp", "hidden": [8]},
+        "train": {"local_steps": 2, "lr": 0.01},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _edit_header(path: Path, edit) -> None:
+    """Rewrite the JSON header of a safetensors file (its length kept by padding with spaces)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n, "the edit must not lengthen the header"
+    path.write_bytes(raw[:8] + text.ljust(n) + raw[8 + n:])
+
+
+@pytest.mark.parametrize("edit", ["counters", "swap", "dtype"])
+def test_an_edited_checkpoint_header_is_refused(tmp_path, edit):
+    folder = tmp_path / "checkpoint"
+    state = {"a.mu": np.arange(6, dtype=np.float32), "a.pi": np.ones(6, dtype=np.float32)}
+    save_checkpoint(folder, state, {"rounds_done": 3, "cum_bits": 11_110_000.0, "fingerprint": "f"})
+    path = folder / STATE_FILE
+
+    def change(header: dict) -> None:
+        if edit == "counters":
+            counters = json.loads(header["__metadata__"]["counters"])
+            header["__metadata__"]["counters"] = json.dumps(counters | {"cum_bits": 1_320_000.0})
+        elif edit == "swap":
+            header["a.mu"], header["a.pi"] = header["a.pi"], header["a.mu"]
+        else:
+            header["a.pi"]["dtype"] = "I32"
+
+    _edit_header(path, change)
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError, match="does not match the sha256 checksum"):
+        load_checkpoint(folder)
+    assert path.read_bytes() == before
+
+
+def test_a_checkpoint_whose_checksum_covers_only_its_tensors_loads_with_a_warning(tmp_path):
+    import hashlib
+
+    from safetensors.numpy import save
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    state = {"w": np.ones(4, np.float32)}
+    data = save(state, metadata={"counters": json.dumps({"rounds_done": 1}), "sha256": "?" * 64})
+    start = 8 + int.from_bytes(data[:8], "little")
+    digest = hashlib.sha256(data[start:]).hexdigest()
+    (folder / STATE_FILE).write_bytes(data[:start].replace(b"?" * 64, digest.encode()) + data[start:])
+    with pytest.warns(CheckpointWarning, match="covers its tensors, not its header"):
+        got, counters = load_checkpoint(folder)
+    assert counters == {"rounds_done": 1} and np.array_equal(got["w"], state["w"])
+
+
+def test_resume_refuses_a_state_of_other_dtypes(tmp_path, toy):
+    cfg = parse_config(config(toy))
+    Simulator(cfg, tmp_path / "run").run()
+    state, counters = load_checkpoint(tmp_path / "run" / "checkpoint")
+    state["dense1.w"] = state["dense1.w"].astype(np.float64)  # a checkpoint written whole, of another layout
+    save_checkpoint(tmp_path / "run" / "checkpoint", state, counters)
+    with pytest.raises(CheckpointError, match="'dense1.w' is float64"):
+        Simulator(cfg, tmp_path / "run", resume=True).run()
+
+
+# ------------------------------------------------------------------------------------------- run directories
+def test_a_second_run_into_a_locked_folder_is_refused(tmp_path, toy):
+    cfg = parse_config(config(toy))
+    holder = RunDir(tmp_path / "run")
+    holder.lock()
+    try:
+        with pytest.raises(RunDirLocked, match="another run"):
+            Simulator(cfg, tmp_path / "run").run()
+        assert not (tmp_path / "run" / "config.toml").exists()  # nothing written
+    finally:
+        holder.unlock()
+    Simulator(cfg, tmp_path / "run").run()  # free again, and the lock is given back at the end
+    RunDir(tmp_path / "run").lock()
+
+
+def test_tampered_run_files_give_clear_errors_on_resume(tmp_path, toy):
+    cfg = parse_config(config(toy, 3))
+    Simulator(parse_config(config(toy, 2)), tmp_path / "run").run()
+    metrics, events = tmp_path / "run" / "metrics.csv", tmp_path / "run" / "events.log"
+    good = metrics.read_text()
+    metrics.write_text(good.replace("\n1,", "\nx,", 1))
+    with pytest.raises(CheckpointError, match="not the metrics a run writes"):
+        Simulator(cfg, tmp_path / "run", resume=True).run()
+    metrics.write_text(good)
+    events.write_text("round 1: fine\nnot an event\n")
+    with pytest.raises(CheckpointError, match="line 2 is not an event"):
+        Simulator(cfg, tmp_path / "run", resume=True).run()
+    events.write_text("round 1: fine\n")
+    assert len(Simulator(cfg, tmp_path / "run", resume=True).run()) == 3
+
+
+def test_a_symbolic_link_where_a_run_file_goes_is_refused(tmp_path, toy):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "events.log").symlink_to(tmp_path / "elsewhere.log")
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        Simulator(parse_config(config(toy)), out).run()
+    assert not (tmp_path / "elsewhere.log").exists()
+
+
+def test_a_full_disk_leaves_the_last_checkpoint_and_no_temporary_file(tmp_path, toy, monkeypatch):
+    import os
+
+    cfg = parse_config(config(toy, 3))
+    sim = Simulator(cfg, tmp_path / "run")
+    real = os.fsync
+    calls = {"n": 0}
+
+    def full(fd: int) -> None:
+        calls["n"] += 1
+        if sim.run_dir.checkpoint_dir.joinpath(STATE_FILE).exists() and calls["n"] > 12:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(RunDirError, match="No space left on device.*intact.*--resume"):
+        sim.run()
+    monkeypatch.setattr(os, "fsync", real)
+    assert not list((tmp_path / "run").rglob("*.tmp"))
+    _, counters = load_checkpoint(tmp_path / "run" / "checkpoint")
+    assert counters["rounds_done"] >= 1
+    assert len(Simulator(cfg, tmp_path / "run", resume=True).run()) == 3
+
+
+def test_settings_that_cannot_be_right_are_config_errors():
+    for key, value in (("train.lr", float("inf")), ("dturbo.beta", float("inf")),
+                       ("dturbo.sigma_init_ratio", float("inf")), ("dturbo.sigma_init_ratio", float("nan"))):
+        section, name = key.rsplit(".", 1)
+        tree: dict = {}
+        node = tree
+        for part in section.split("."):
+            node = node.setdefault(part, {})
+        node[name] = value
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            parse_config(tree)
+    with pytest.raises(ConfigError, match="experiment.seed"):
+        parse_config({"experiment": {"seed": 10**20}})
+    with pytest.raises(ConfigError, match="model.hidden.*at most 65536"):
+        parse_config({"model": {"hidden": [10**9]}})
+
+
+def test_an_out_that_cannot_be_written_is_a_clear_error(tmp_path, toy):
+    path = tmp_path / "c.toml"
+    import tomli_w
+
+    path.write_text(tomli_w.dumps(config(toy)))
+    result = CliRunner().invoke(app, ["run", str(path), "--out", "/proc/self", "--no-figures"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "cannot write" in result.output
+
+
+# ------------------------------------------------------------------------------------------------ Flower
+def test_a_partition_id_two_nodes_claim_is_given_to_neither(tmp_path, toy):
+    pytest.importorskip("flwr")
+    import tomli_w
+
+    from dturbo.flower import client_app
+    from dturbo.flower.inprocess import InProcessGrid, run_inprocess
+
+    path = tmp_path / "c.toml"
+    path.write_text(tomli_w.dumps(config(toy, 2)))
+    grid = InProcessGrid(client_app.app, 3)
+    grid._add_node(9_999_991, 1)  # a second node that says it is partition 1
+    run_inprocess(path, tmp_path / "flower", grid=grid)
+    events = (tmp_path / "flower" / "events.log").read_text().splitlines()
+    assert events == [f"round {r}: client 1: did not answer (partition-id=1 is claimed by more than one node "
+                      f"({grid.node_id(1)}, 9999991))" for r in (1, 2)]
