@@ -291,7 +291,7 @@ def execute(job: Job) -> bool:
         cmd = [sys.executable, "-m", "dturbo", "run", str(cfg_path), "--out", str(job.run_dir), "--no-figures"]
         if job.status == "resume":
             cmd.append("--resume")
-        log = job.run_dir.with_suffix(".log")
+        log = job.run_dir.parent / f"{job.name}.log"  # (with_suffix would cut a label at its first dot)
         say(f"{job.name}: {job.status}, {job.rounds_left} rounds (log {log})")
         t0 = time.perf_counter()
         with open(log, "a") as f:
