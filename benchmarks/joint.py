@@ -46,8 +46,8 @@ RULE = (
     "highest final validation accuracy. T_val is FedAvg-16's chosen final validation accuracy less t_margin. Every "
     "other method takes, among its candidates whose final validation accuracy is at least T_val, the one whose "
     "validation accuracy first reaches T_val with the fewest bits (up + down); when none ends at T_val, the one with "
-    "the highest final validation accuracy. The chosen setting then runs the protocol's other seeds. Test "
-    "accuracy is never read by the choice."
+    "the highest final validation accuracy. Ties go to the candidate listed first in the campaign file. The chosen "
+    "setting then runs the protocol's other seeds. Test accuracy is never read by the choice."
 )
 
 
