@@ -17,6 +17,7 @@ from torch import nn
 import dturbo
 from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.plain import PlainState
+from dturbo.checkpoint import CheckpointError
 from dturbo.config import load_config
 from dturbo.nn import BayesConv2d, BayesianizeError, BayesLinear, UnsupportedLayerError, bayesian_layers
 from dturbo.nn.convert import user_model_factory
@@ -275,6 +276,53 @@ def test_the_other_state_is_in_the_ledger_of_dturbo(tmp_path):
         sims[name] = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
     bits = {n: message_bits(s.server.downlink(s.server.init(), 0), s.server.layouts) for n, s in sims.items()}
     assert bits["bn"]["values"] - bits["no_bn"]["values"] == 16 * _plain_numel(ResNetTiny)
+
+
+@pytest.mark.filterwarnings("ignore::dturbo.sim.ScheduleWarning")
+def test_every_value_is_accounted_for_and_the_dense_modules_are_named(tmp_path):
+    """density covers the supports' weights; density_all every value of the model, counting what travels dense
+    (biases, BatchNorm) as nonzero; dense_share that share; one warning names the dense modules with their counts."""
+    from dturbo.algorithms.plain import DenseStateWarning
+
+    with pytest.warns(DenseStateWarning) as caught:
+        res = run(tmp_path / "run", ResNetTiny, rounds=2)
+    text = str(caught[0].message)
+    net = dturbo.bayesianize(ResNetTiny())
+    plain = PlainState(net)
+    assert plain.by_module() == {"stem.1": 32, "block.bn1": 32, "block.bn2": 32}  # weight, bias, mean, var of 8
+    assert "stem.1 32, block.bn1 32, block.bn2 32 values" in text
+    weights = sum(la.weight_mu.numel() for _, la in bayesian_layers(net))
+    dense = 96 + net.head.bias.numel()
+    assert f"{dense:,} of the model's {weights + dense:,} values" in text
+    state = server_state(tmp_path / "run")
+    kept = sum(int(np.count_nonzero(state[f"{name}.mu"])) for name, _ in bayesian_layers(net))
+    last = res.metrics[-1]
+    assert last["dense_share"] == pytest.approx(dense / (weights + dense))
+    assert last["density_all"] == pytest.approx((last["density"] * weights + dense) / (weights + dense))
+    assert last["density"] < last["density_all"] < 1 and kept <= last["density"] * weights + 1e-9
+    # a model whose state is all in Bayesian layers: no warning, biases still counted
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DenseStateWarning)
+        res = run(tmp_path / "dw", DepthwiseNet, rounds=1)
+    assert 0 < res.metrics[-1]["dense_share"] < 0.1
+
+
+def test_resume_refuses_other_data_naming_what_changed(tmp_path):
+    run(tmp_path / "run", DepthwiseNet, rounds=1)
+    before = (tmp_path / "run" / "checkpoint" / "state.safetensors").read_bytes()
+    x_train, y_train, x_test, y_test = images()
+    for data, what in [((x_train, np.roll(y_train, 1), x_test, y_test), r"y_train: the same dtype and shape, other"),
+                       ((x_train[:200], y_train[:200], x_test, y_test), r"x_train: float32 \[240, 1, 12, 12\] -> "
+                                                                         r"float32 \[200, 1, 12, 12\]")]:
+        with pytest.raises(CheckpointError, match=what):
+            dturbo.Experiment(config(rounds=2), data=data, model=DepthwiseNet, out=tmp_path / "run", resume=True,
+                              progress=False, figures=False).run()
+    assert (tmp_path / "run" / "checkpoint" / "state.safetensors").read_bytes() == before
+    res = dturbo.Experiment(config(rounds=2), data=images(), model=DepthwiseNet, out=tmp_path / "run", resume=True,
+                            progress=False, figures=False).run()
+    assert len(res.metrics) == 2
 
 
 def _without_bn(net: nn.Module) -> nn.Module:

@@ -82,6 +82,31 @@ def config_fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+DATA_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def data_fingerprint(dataset: Any) -> dict[str, str]:
+    """Each array of ``dataset`` (as loaded and normalised) as ``"dtype [shape] sha256"``: what a resumed run must
+    train and test on again."""
+    out = {}
+    for name in DATA_ARRAYS:
+        a = np.ascontiguousarray(getattr(dataset, name))
+        out[name] = f"{a.dtype} {list(a.shape)} {hashlib.sha256(a.data).hexdigest()[:16]}"
+    return out
+
+
+def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
+    """What differs between two :func:`data_fingerprint`, in words (empty: the same data)."""
+    out = []
+    for name in DATA_ARRAYS:
+        a, b = saved.get(name, "?"), now.get(name, "?")
+        if a != b:
+            same_form = a.rpartition(" ")[0] == b.rpartition(" ")[0]
+            out.append(f"{name}: {'the same dtype and shape, other values' if same_form else a.rpartition(' ')[0]}"
+                       f"{'' if same_form else ' -> ' + b.rpartition(' ')[0]}")
+    return out
+
+
 def _drop_later_defaults(data: dict[str, Any]) -> None:
     """Leave out the keys that came after the first checkpoints while they hold their defaults (the plain mean, no
     attackers), so that a run written before them still resumes."""

@@ -160,9 +160,11 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.config_path, cfg.to_toml().encode())
 
-    def checkpoint_to_resume(self, fingerprint: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def checkpoint_to_resume(self, fingerprint: str, config: Config | None = None
+                             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(state, counters) of the checkpoint a resumed run continues from, checked against the configuration's
-        ``fingerprint``; CheckpointError naming the problem (nothing is modified)."""
+        ``fingerprint``; CheckpointError naming the problem (nothing is modified), with the keys in which
+        ``config`` differs from the run's config.toml."""
         self._refuse_a_file()
         if not (self.checkpoint_dir / STATE_FILE).exists() and self.started():
             raise CheckpointError(
@@ -174,9 +176,27 @@ class RunDir:
         if counters.get("fingerprint") != fingerprint:
             raise CheckpointError(
                 f"checkpoint in {self.checkpoint_dir} belongs to another configuration "
-                f"(fingerprint {counters.get('fingerprint')} != {fingerprint}); it was left untouched"
+                f"(fingerprint {counters.get('fingerprint')} != {fingerprint}{self._config_changes(config)}); "
+                f"it was left untouched"
             )
         return state, counters
+
+    def _config_changes(self, config: Config | None) -> str:
+        """``"; differs in: key (run's -> now's), ..."`` between the run's config.toml and ``config``."""
+        if config is None:
+            return ""
+        try:
+            saved = _flat(load_config(self.config_path).to_dict())
+        except (ConfigError, OSError):
+            return ""
+        now = _flat(config.to_dict())
+        keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)
+                and k not in ("experiment.rounds", "experiment.eval_every", "experiment.threads", "experiment.name",
+                              "experiment.device")]
+        if not keys:
+            return ""
+        shown = ", ".join(f"{k} ({saved.get(k, 'absent')!r} -> {now.get(k, 'absent')!r})" for k in keys[:6])
+        return f"; it differs in {shown}{', ...' if len(keys) > 6 else ''}"
 
     def rewind(self, rounds_done: int) -> list[dict[str, Any]]:
         """Go back to the checkpoint of round ``rounds_done``: metrics.csv keeps its rows up to that round (returned)
@@ -225,10 +245,12 @@ class RunDir:
             return list(csv.DictReader(f))
 
     def write_rows(self, rows: list[dict[str, Any]]) -> None:
-        """metrics.csv, written whole and atomically (the columns of the first row)."""
+        """metrics.csv, written whole and atomically: every column any row has, in the order they first appear
+        (a run resumed by a dturbo that records more columns leaves the earlier rows' new cells empty)."""
         buf = io.StringIO()
         if rows:
-            writer = csv.DictWriter(buf, fieldnames=list(rows[0].keys()), lineterminator="\n")
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            writer = csv.DictWriter(buf, fieldnames=columns, restval="", lineterminator="\n")
             writer.writeheader()
             writer.writerows(rows)
         atomic_write_bytes(self.metrics_path, buf.getvalue().encode())
@@ -366,3 +388,14 @@ def classifier_rows(architecture: nn.Module, tensors: dict[str, torch.Tensor]) -
         raise RunDirError(f"the model file has no tensor '{last}.weight_mu' (the model's classifier): not a dturbo "
                           f"model of this layout")
     return int(tensors[f"{last}.weight_mu"].shape[0])
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -27,7 +27,7 @@ from torch import nn
 from .algorithms.base import ClientError, MessageError, RoundResult
 from .algorithms.local import num_local_steps
 from .algorithms.registry import ALGORITHMS, ModelFactory, build_algorithm
-from .checkpoint import CheckpointError, config_fingerprint
+from .checkpoint import CheckpointError, config_fingerprint, data_changes, data_fingerprint
 from .codec import CodecError
 from .config import Config
 from .data import Dataset
@@ -217,6 +217,7 @@ class Simulator:
         self.server, self.client = build_algorithm(cfg, self.fed, factory)
         self.transport = with_faults(transport or InProcessClients(self.client, self.fed.clients), cfg, self.server)
         self.fingerprint = config_fingerprint(cfg.to_dict())
+        self.data_fingerprint = data_fingerprint(self.fed.dataset)
         self.final_model: nn.Module | None = None  # the global model saved at the end of run(), in eval mode
 
     # ---------------------------------------------------------------- the loop
@@ -328,7 +329,13 @@ class Simulator:
         if not self.resume:
             self.run_dir.create(self.cfg)
             return self.server.init(), 0, 0.0, []
-        state, counters = self.run_dir.checkpoint_to_resume(self.fingerprint)
+        state, counters = self.run_dir.checkpoint_to_resume(self.fingerprint, self.cfg)
+        # Checkpoints written before the data were fingerprinted hold none: they resume unchecked.
+        if isinstance(counters.get("data"), dict) and (changed := data_changes(counters["data"],
+                                                                                 self.data_fingerprint)):
+            raise CheckpointError(f"--resume: the data differ from the data the run in {self.run_dir.path} trained "
+                                  f"on ({'; '.join(changed)}); resume with the same data, or start a new run into "
+                                  f"a fresh --out; the checkpoint was left untouched")
         state = self._restore_client_state(state)
         fresh = self.server.init()
         if set(state) != set(fresh):
@@ -356,6 +363,7 @@ class Simulator:
             self.run_dir.write_rows(rows)
             self.run_dir.save_checkpoint({**state, **self._client_state()}, {
                 "rounds_done": round_no, "cum_bits": cum_bits, "fingerprint": self.fingerprint,
+                "data": self.data_fingerprint,
             })
         except OSError as err:  # a full disk: the files are written atomically, so the last checkpoint is whole
             kept = f"the checkpoint of round {round_no - 1} is intact" if round_no > 1 else "no round was saved"

@@ -26,6 +26,7 @@ plain state. With ``transmission.positions = "delta"`` also what each client hol
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -54,7 +55,7 @@ from .dturbo_messages import (
     sigma_as_sent,
 )
 from .local import round_lr, train_local
-from .plain import PlainState
+from .plain import DenseStateWarning, PlainState
 from .server import Received, ServerBase
 
 
@@ -106,6 +107,15 @@ def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: n
             layer.prior_std.copy_(torch.from_numpy(prior_std.reshape(shape).astype(np.float32)))
 
 
+def _announce_dense(plain: PlainState, dense: int, everything: int) -> None:
+    """One line naming the modules whose state stays dense, with their value counts (a DenseStateWarning)."""
+    modules = ", ".join(f"{name or '(model)'} {n:,}" for name, n in plain.by_module().items())
+    warnings.warn(f"state outside the Bayesian layers travels dense every round and lies outside the supports: "
+                  f"{modules} values; with the biases {dense:,} of the model's {everything:,} values "
+                  f"({dense / everything:.1%}); metrics.csv's density counts the supports' weights, density_all "
+                  f"every value, dense_share the share that travels dense", DenseStateWarning, stacklevel=3)
+
+
 class DturboServer(ServerBase[DturboUplink]):
     """Server half of D-Turbo-VBI. ``model_factory`` builds the (seeded) initial model."""
 
@@ -116,6 +126,12 @@ class DturboServer(ServerBase[DturboUplink]):
         model = model_factory()
         self.layers = _layer_infos(model, cfg)
         self.plain = PlainState(model)  # the state outside the Bayesian layers (BatchNorm, ...): sent dense
+        # Values outside every support (biases, the plain state): they travel dense and count as nonzero.
+        self.dense_values = self.plain.size + sum(int(np.prod(layer.bias.shape)) for _, layer in
+                                                  bayesian_layers(model) if layer.bias is not None)
+        if self.plain:
+            weights = sum(int(np.prod(i.grid)) for i in self.layers)
+            _announce_dense(self.plain, self.dense_values, self.dense_values + weights)
         # docs/algorithm.md §11; the schedule paced by the mean client's local steps unless set in rounds.
         self.schedule = pruning_schedule(cfg.dturbo.sparsity, cfg.experiment.rounds, local_steps_a_round(
             cfg.train, self.total_samples, cfg.federation.clients))
@@ -375,6 +391,9 @@ class DturboServer(ServerBase[DturboUplink]):
             layer_density[f"density_{info.name}"] = float(mask.mean())
         return {
             "density": kept / total,
+            # Over every value of the model: what travels dense beside the supports, and all that is nonzero.
+            "dense_share": self.dense_values / (total + self.dense_values),
+            "density_all": (kept + self.dense_values) / (total + self.dense_values),
             **({"flops_density": flops_kept / flops} if d.sparsity.budget == "flops" else {}),
             **kl,
             "spmp_iters": float(iters),

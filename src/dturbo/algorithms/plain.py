@@ -63,6 +63,10 @@ def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+class DenseStateWarning(UserWarning):
+    """A model's state outside its Bayesian layers travels dense every round and is outside the supports."""
+
+
 class PlainState:
     """The floating-point state outside the Bayesian layers of one architecture, and how it travels (module
     docstring). Built from a fresh model of the algorithm's factory, so the fixed (non-float) tensors hold the
@@ -79,6 +83,19 @@ class PlainState:
 
     def __bool__(self) -> bool:
         return bool(self.tensors)
+
+    @property
+    def size(self) -> int:
+        """The values that travel dense each way every round."""
+        return sum(t.size for t in self.tensors)
+
+    def by_module(self) -> dict[str, int]:
+        """Values that travel dense, by the module that holds them (``""``: the model itself), in model order."""
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            module = t.key.rpartition(".")[0]
+            out[module] = out.get(module, 0) + t.size
+        return out
 
     def max_bytes(self) -> int:
         """A bound on the bytes of this state in one message (float16 values, shapes, names, framing)."""
