@@ -318,7 +318,8 @@ def test_panel_runs_and_kernels_on_clustered_weights():
 
 # ------------------------------------------------------------------------------------------------ format
 def test_files_are_json_and_safetensors_only(alexnet_export):
-    assert sorted(p.name for p in alexnet_export.iterdir()) == ["model.json", "model.safetensors"]
+    # (choices.json: what a load timed, written by the loads of other tests)
+    assert {p.name for p in alexnet_export.iterdir()} - {"choices.json"} == {"model.json", "model.safetensors"}
     spec = json.loads((alexnet_export / "model.json").read_text())
     assert spec["format"] == "dturbo-export" and spec["version"] == 3
     assert spec["input_norm"] == FMNIST_NORM
@@ -524,3 +525,43 @@ def test_conv_blocks_fused_with_bias_map_activation_and_pooling_are_exact(alexne
     assert all(set(v["times_ms"]) == {"layers", "fused"} for v in info.values())
     assert auto.fused == {n: v["layers"] for n, v in info.items() if v["fused"]}
     assert max_err(auto, ref, random_images()) <= TOL
+
+
+def test_a_load_keeps_its_timed_choices_for_the_next(alexnet_export, tmp_path):
+    """A load that times every choice writes them to choices.json; the next load with the same machine, threads and
+    batch size applies them without timing: the same kernels and the same outputs. A file that is not what a load
+    writes, or that names other layers, means timing again."""
+    import shutil
+
+    from dturbo.export import choices
+
+    model_dir = tmp_path / "alex"
+    shutil.copytree(alexnet_export, model_dir)
+    (model_dir / choices.FILE).unlink(missing_ok=True)  # what other tests' loads timed
+    x = torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    first = ex.load(model_dir, batch_size=16)
+    assert "choices" not in first.info and (model_dir / choices.FILE).is_file()
+    again = ex.load(model_dir, batch_size=16)
+    assert "choices" in again.info
+    assert (again.kernels, again.pools, again.fused, again.channels_last) == \
+        (first.kernels, first.pools, first.fused, first.channels_last)
+    with torch.no_grad():
+        assert torch.equal(first(x), again(x))
+    assert "choices" not in ex.load(model_dir, batch_size=8).info  # another batch size: timed
+    stored = json.loads((model_dir / choices.FILE).read_text())
+    assert len(stored) == 2
+    at = next(iter(stored))
+    for bad in ("{not json", json.dumps({at: {**stored[at], "linears": {"nope": "dense"}}}),
+                json.dumps({at: {**stored[at], "convs": {k: "mystery" for k in stored[at]["convs"]} or {"c": "x"}}}),
+                json.dumps([1, 2])):
+        (model_dir / choices.FILE).write_text(bad)
+        m = ex.load(model_dir, batch_size=16)
+        assert "choices" not in m.info
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), first(x))
+    (model_dir / choices.FILE).unlink()
+    model_dir.chmod(0o555)  # a folder that cannot be written: loads all the same
+    try:
+        assert "choices" not in ex.load(model_dir, batch_size=16).info
+    finally:
+        model_dir.chmod(0o755)

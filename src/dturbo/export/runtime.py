@@ -31,6 +31,7 @@ from ..kernels import (
     separable_supported,
     time_call,
 )
+from . import choices
 from .format import GRAPH_VERSION, ExportError, read_spec
 from .ops import BiasMap, build_net
 
@@ -218,7 +219,7 @@ class InferenceModel(nn.Module):
 
 def load(
     model_dir: str | Path, *, batch_size: int = 256, kernels: str = "auto", channels_last: bool | None = None,
-    compile: bool | None = None, conv: str = "auto", pool: str = "auto", device: str | torch.device = "cpu",
+    compile: bool | None = False, conv: str = "auto", pool: str = "auto", device: str | torch.device = "cpu",
     inputs: str = "normalised", cuda_graph: bool | None = None,
 ) -> InferenceModel:
     """Load an exported model as an :class:`InferenceModel` (a ``torch.nn.Module``) in eval mode.
@@ -230,8 +231,9 @@ def load(
             it beats dense) or one of ``dense``/``panel``/``bsr``/``csr`` for every linear layer.
         channels_last: ``None`` (auto: for networks with convolutions, time both memory formats and keep the
             faster), ``True`` or ``False``.
-        compile: ``None`` (auto: for networks with convolutions, compile with ``torch.compile`` and keep it if a
-            timing shows it faster; falls back to eager when compilation fails), ``True`` or ``False``.
+        compile: ``False`` (the default: eager, so a load takes well under a second), ``True``, or ``None``
+            (auto: for networks with convolutions, compile with ``torch.compile`` and keep it if a timing shows it
+            faster; falls back to eager when compilation fails; compiling takes seconds to tens of seconds).
         conv: ``"auto"`` (per convolution, time oneDNN against PyTorch's native CPU kernels and, for thin
             layers, dturbo's direct kernel (:mod:`dturbo.native`) on the layer's real input; keep another than
             oneDNN only where faster: they are for thin layers; then, with ``pool="auto"`` too, fuse a
@@ -285,9 +287,19 @@ def load(
     check_activations(net, tuple(spec["input_shape"]), batch_size)
     model = InferenceModel(net, spec)
     model.set_inputs(inputs)
+    # With every choice left to timing on a CPU, a previous load's choices for this machine and batch size apply.
+    timed = (kernels, conv, pool) == ("auto", "auto", "auto") and channels_last is None and not compile \
+        and dev.type == "cpu"
+    at = choices.key(spec, tensors, batch_size) if timed else ""
+    kept = choices.read(model_dir, at) if timed else None
+    if kept is not None and not choices.fits(kept, net, [name for name, _, _ in linears]):
+        kept = None
     layer_info: dict[str, dict[str, Any]] = {}
     for name, w, b in linears:
-        if kernels == "auto":
+        if kept is not None:
+            layer = make_linear(kept.linears[name], w.to(dev), None if b is None else b.to(dev), batch_size)
+            kind, times = kept.linears[name], {}
+        elif kernels == "auto":
             layer, kind, times = choose_linear_kernel(w.to(dev), None if b is None else b.to(dev), batch_size,
                                                       device=dev)
         else:
@@ -299,6 +311,10 @@ def load(
     model.to(dev).eval()
     model.requires_grad_(False)
     model.info = {"batch_size": batch_size, "device": str(dev), "layers": layer_info}
+    if kept is not None:
+        _apply(model, kept)
+        model.info["choices"] = f"as timed by an earlier load ({model_dir / choices.FILE})"
+        return model
     has_conv = any(isinstance(m, nn.Conv2d) for m in net.modules())
     x = _example_input(model, batch_size, dev)
     if channels_last is None:
@@ -311,7 +327,26 @@ def load(
         _settle_compile(model, x, auto=compile is None, conv=conv)
     if dev.type == "cuda" and not model.compiled and cuda_graph is not False:
         _settle_graph(model, x, auto=cuda_graph is None)
+    if timed:
+        lin = {name for name, _, _ in linears}
+        choices.write(model_dir, at, choices.Choices(
+            linears={n: model.kernels[n] for n in lin},
+            convs={n: k for n, k in model.kernels.items() if n not in lin and n not in model.fused},
+            pools=dict(model.pools),
+            channels_last=model.channels_last, fused=dict(model.fused)))
     return model
+
+
+def _apply(model: InferenceModel, kept: choices.Choices) -> None:
+    """Set the memory format, convolution and pooling kernels and fusions a timed load chose."""
+    model.set_channels_last(kept.channels_last)
+    model.set_conv_kernels(kept.convs)
+    for name, kind in kept.pools.items():
+        if kind != "fused":  # a fused one becomes an identity below
+            setattr(model.net, name, pool_as(kind, getattr(model.net, name)))
+        model.pools[name] = kind
+    for name, layers in kept.fused.items():
+        model.fuse(name, layers)
 
 
 def largest_activation(net: nn.Module, input_shape: tuple[int, ...]) -> int:
