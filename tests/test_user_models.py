@@ -5,6 +5,7 @@ concatenation."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -470,6 +471,32 @@ def test_conv1d_and_conv3d_become_bayesian_with_gemm_grids_and_federate(tmp_path
         if layer.weight_mu.dim() >= 3:  # whole output channels kept or removed
             rows = (layer.weight_mu * layer.mask).reshape(layer.weight_mu.shape[0], -1).ne(0)
             assert bool((rows.all(1) | ~rows.any(1)).all())
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")  # torch's, for the even kernel
+def test_conv1d_exports_as_a_2d_convolution_and_conv3d_is_refused(tmp_path):
+    """A Conv1d model (reflect padding, BatchNorm1d, groups, stride and dilation, 'same' with an even kernel, a
+    removed output channel) exports and loads with the function of the Bayesian model, each Conv1d a conv2d."""
+    from dturbo.export import ExportError, export_model, load
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv1d(3, 6, 3, padding=1, padding_mode="reflect"), nn.BatchNorm1d(6), nn.ReLU(),
+                        nn.Conv1d(6, 4, 3, groups=2, stride=2, dilation=2), nn.Conv1d(4, 4, 4, padding="same"),
+                        nn.Flatten(), nn.Linear(4 * 18, CLASSES))
+    bayes = dturbo.bayesianize(net).eval()
+    x = torch.randn(5, 3, 40)
+    with torch.no_grad():
+        bayes[0].mask[2] = 0  # output channel 2 removed: the support export reads
+        bayes[1].running_mean.uniform_(-0.5, 0.5)
+    want = bayes(x)
+    export_model(bayes, tmp_path / "m", example_input=x)
+    with torch.no_grad():
+        torch.testing.assert_close(load(tmp_path / "m", batch_size=5)(x), want, rtol=1e-5, atol=1e-5)
+    spec = json.loads((tmp_path / "m" / "model.json").read_text())
+    assert [n["type"] for n in spec["ops"]].count("conv2d") == 3
+    vol = dturbo.bayesianize(nn.Sequential(nn.Conv3d(2, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4 * 4, CLASSES)))
+    with pytest.raises(ExportError, match="BayesConv3d"):
+        export_model(vol.eval(), tmp_path / "v", example_input=torch.randn(2, 2, 6, 6, 6))
 
 
 def copy_of(net: nn.Module) -> nn.Module:

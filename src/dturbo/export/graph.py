@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..kernels import as_pair, dense_linear
-from ..nn.bayes import BayesConv2d, BayesianLayer, BayesLinear
+from ..nn.bayes import BayesConv1d, BayesConv2d, BayesianLayer, BayesLinear
 from .compaction import compact_links, layer_stats, update_shapes
 from .format import FORMAT, GRAPH_VERSION, SPEC_FILE, ExportError, check_input_norm, save, stored_tensor
 from .ops import ACTIVATIONS, BiasMap, Op, masked_weights
@@ -313,6 +313,8 @@ class _Capture:
             self.alias[node.name] = self.name(x)
         elif isinstance(m, BayesConv2d) or t is nn.Conv2d:
             self.add(node, "conv2d", [x], op=_conv_op(node, m, x))
+        elif isinstance(m, BayesConv1d) or t is nn.Conv1d:
+            self.conv1d(node, m, x)
         elif isinstance(m, BayesLinear) or t is nn.Linear:
             w, b = _weights(node.name, m)
             attrs = {"in_features": int(w.shape[1]), "out_features": int(w.shape[0])}
@@ -351,6 +353,34 @@ class _Capture:
             self.add(node, type_, [x], attrs)
         else:
             raise self.unknown(node, f"module {node.target!r} of type {t.__module__}.{t.__name__}")
+
+    def conv1d(self, node: fx.Node, m: nn.Module, x: fx.Node) -> None:
+        """A 1-d convolution as the 2-d one it is on a (N, C, 1, L) view: reshape, conv2d with a 1 x k kernel,
+        reshape back (so that the 2-d kernels run it)."""
+        meta, out = x.meta.get("tensor_meta"), node.meta.get("tensor_meta")
+        if meta is None or out is None or len(meta.shape) != 3:
+            raise ExportError(f"node {node.name!r} (conv1d {node.target}): export needs a 3-D (N, C, L) input")
+        (n, c, length), (_, o, length_out) = ([int(v) for v in meta.shape], [int(v) for v in out.shape])
+        w, b = _weights(node.name, m)
+        k, pad = int(w.shape[2]), m.padding
+        dil = int(m.dilation[0])  # type: ignore[index]
+        if pad == "valid":
+            pad = (0,)
+        elif pad == "same" and dil == 1 and k % 2:
+            pad = (k // 2,)
+        flat, conv = f"{node.name}__as_2d", f"{node.name}__conv2d"
+        taken = {v.name for v in self.gm.graph.nodes} | {v.name for v in self.nodes}
+        if flat in taken or conv in taken:
+            raise ExportError(f"node {node.name!r} (conv1d): the names {flat!r} and {conv!r} are taken")
+        attrs = {"in_channels": c, "out_channels": o, "kernel_size": [1, k],
+                 "stride": [1, int(m.stride[0])],  # type: ignore[index]
+                 "padding": pad if isinstance(pad, str) else [0, int(pad[0])], "dilation": [1, dil],
+                 "groups": int(m.groups), "padding_mode": str(m.padding_mode),  # type: ignore[arg-type]
+                 "input_hw": [1, length]}
+        self.nodes.append(Node(flat, "reshape", [{"ref": self.name(x)}, [-1, c, 1, length]], shape=[n, c, 1, length]))
+        self.nodes.append(Node(conv, "conv2d", [{"ref": flat}], op=Op("conv2d", conv, attrs, w.unsqueeze(2), b),
+                               shape=[n, o, 1, length_out]))
+        self.nodes.append(Node(node.name, "reshape", [{"ref": conv}, [-1, o, length_out]], shape=[n, o, length_out]))
 
     def function(self, node: fx.Node) -> None:
         f = node.target
