@@ -275,11 +275,12 @@ def _env() -> dict[str, str]:
 def execute(job: Job) -> bool:
     """Run, resume, copy or reuse one job; the committed copy is written last (a cut run leaves none)."""
     job.committed.mkdir(parents=True, exist_ok=True)
-    dest = job.committed / job.name
+    # (f-strings, not with_suffix, which would cut a label at its first dot)
+    csv_dest, toml_dest = job.committed / f"{job.name}.csv", job.committed / f"{job.name}.toml"
     if job.status == "reuse":
         assert job.source is not None
-        shutil.copyfile(job.source, dest.with_suffix(".csv"))
-        shutil.copyfile(job.source.with_suffix(".toml"), dest.with_suffix(".toml"))
+        shutil.copyfile(job.source, csv_dest)
+        shutil.copyfile(job.source.with_suffix(".toml"), toml_dest)
         say(f"{job.name}: reused {job.source.parent.name}/{job.source.name} (the same resolved config)")
         return True
     if job.status in ("todo", "resume"):
@@ -291,7 +292,7 @@ def execute(job: Job) -> bool:
         cmd = [sys.executable, "-m", "dturbo", "run", str(cfg_path), "--out", str(job.run_dir), "--no-figures"]
         if job.status == "resume":
             cmd.append("--resume")
-        log = job.run_dir.parent / f"{job.name}.log"  # (with_suffix would cut a label at its first dot)
+        log = job.run_dir.parent / f"{job.name}.log"
         say(f"{job.name}: {job.status}, {job.rounds_left} rounds (log {log})")
         t0 = time.perf_counter()
         with open(log, "a") as f:
@@ -302,8 +303,8 @@ def execute(job: Job) -> bool:
             return False
         say(f"{job.name}: finished in {(time.perf_counter() - t0) / 60:.1f} min")
     if job.status != "done":
-        shutil.copyfile(job.run_dir / "metrics.csv", dest.with_suffix(".csv"))
-        shutil.copyfile(job.run_dir / "config.toml", dest.with_suffix(".toml"))
+        shutil.copyfile(job.run_dir / "metrics.csv", csv_dest)
+        shutil.copyfile(job.run_dir / "config.toml", toml_dest)
     return True
 
 

@@ -272,3 +272,19 @@ note = "n"
     committed.write_text("\n".join([lines[0], ",".join(first), *lines[2:]]) + "\n")
     diffs = h.verify(job, committed, rounds=2)
     assert len(diffs) == 1 and diffs[0].startswith("cum_bits")
+
+
+def test_a_label_with_dots_is_committed_under_its_whole_name(mods, tmp_path):
+    """lr1.5e-3: the committed csv and toml keep the whole run name (a suffix swap would cut it at the first dot)."""
+    h, _ = mods
+    path = tmp_path / "c.toml"
+    path.write_text(CAMPAIGN.replace('label = "fa16_b"', 'label = "fa16_lr1.5e-3"'))
+    camp = h.load_campaign(path)
+    s = h.Settings(results=tmp_path / "results", runs_root=tmp_path / "runs")
+    src = tmp_path / "elsewhere" / "old_s0.csv"
+    src.parent.mkdir()
+    src.write_text("round,accuracy\n1,0.5\n")
+    src.with_suffix(".toml").write_text("[experiment]\n")
+    job = h.Job(camp, camp.by_label()["fa16_lr1.5e-3"], 0, s, status="reuse", source=src)
+    assert h.execute(job)
+    assert sorted(p.name for p in job.committed.iterdir()) == ["fa16_lr1.5e-3_s0.csv", "fa16_lr1.5e-3_s0.toml"]
