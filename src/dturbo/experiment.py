@@ -15,6 +15,7 @@ import csv
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .algorithms.plain import DenseStateWarning
 from .config import Config, ConfigError, load_config
 from .data import DataError, Dataset, dataset_from_arrays
 from .data.readers import NPZ_KEYS
@@ -91,8 +93,6 @@ class ExperimentResult:
         from .export import removed_nothing
 
         if compaction and (note := removed_nothing(exported.spec())) is not None:
-            import warnings
-
             warnings.warn(note, stacklevel=2)
         return exported
 
@@ -203,7 +203,8 @@ class Experiment:
             factory = self._model_factory(self.dataset)
         else:
             factory = model_factory(cfg, shape, classes)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DenseStateWarning)  # said once, when the run starts
             ALGORITHMS[cfg.experiment.algorithm][0](cfg, factory, 1)
 
     def _model_factory(self, dataset: Dataset | None) -> ModelFactory:
