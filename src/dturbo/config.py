@@ -16,6 +16,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic._internal._utils import deprecated_instance_property
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 Probability = float
 # how quantised values are written (dturbo.coding.values): fixed-length, or range-coded (lossless, fewer bits)
@@ -37,12 +40,22 @@ class ExperimentConfig(_Section):
     name: str = "experiment"
     seed: int = Field(0, ge=0, le=2**63 - 1, description="seeds every draw of the run (an integer below 2**63)")
     rounds: int = Field(10, ge=1, le=100_000)
-    algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc", "feddst"] = "dturbo"
+    algorithm: str = Field("dturbo", description="a registered method (dturbo.algorithms.ALGORITHMS)")
     eval_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and the last)")
     threads: int = Field(0, ge=0, description="torch threads; 0 keeps torch's default")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description=(
         "where clients train and the global model is evaluated (the server's closed forms and Module B stay on "
         "the CPU); auto: cuda when torch sees a GPU, else cpu"))
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _registered(cls, v: Any) -> Any:
+        names = list(_methods())
+        if v not in names:
+            quoted = [repr(n) for n in names]
+            expected = " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+        return v
 
 
 class DataConfig(_Section):
@@ -411,34 +424,33 @@ class FedPmConfig(_Section):
         return self
 
 
-# The learning rate of an unset [train] lr, by algorithm (docs/models.md#tune-for-a-new-dataset): D-Turbo-VBI's
-# Bayesian layers take a larger step than the dense baselines' (chosen on validation); FedPM trains scores, not
-# weights, at its authors' 0.1.
-DEFAULT_LR: dict[str, float] = {"dturbo": 5e-3, "fedavg": 2e-3, "fedpaq": 2e-3, "dssm": 2e-3, "stc": 2e-3,
-                                "fedpm": 0.1, "feddst": 2e-3}
-
-
 class Config(_Section):
+    """The whole configuration: the sections every run reads, and one section per registered method
+    (:func:`dturbo.algorithms.register` adds it; the default method's right after ``[train]``, the others after
+    ``[robust]``)."""
+
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    dturbo: DturboConfig = Field(default_factory=DturboConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
-    fedavg: FedAvgConfig = Field(default_factory=FedAvgConfig)
-    fedpaq: FedPaqConfig = Field(default_factory=FedPaqConfig)
-    dssm: DssmConfig = Field(default_factory=DssmConfig)
-    fedpm: FedPmConfig = Field(default_factory=FedPmConfig)
-    stc: StcConfig = Field(default_factory=StcConfig)
-    feddst: FedDstConfig = Field(default_factory=FedDstConfig)
+
+    def __init__(self, /, **data: Any) -> None:
+        _methods()
+        super().__init__(**data)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Config:
+        _methods()
+        return super().model_validate(obj, **kwargs)
 
     @model_validator(mode="after")
     def _algorithm_lr(self) -> Config:
         # Filled, not derived on use: config.json then records the rate a run trained with.
         if self.train.lr is None:
-            self.train.lr = DEFAULT_LR[self.experiment.algorithm]
+            self.train.lr = _methods()[self.experiment.algorithm].default_lr
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -446,6 +458,49 @@ class Config(_Section):
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
+
+
+_CORE_SECTIONS = tuple(Config.__pydantic_fields__)
+
+
+def _methods() -> dict[str, Any]:
+    """The registered methods by name (:data:`dturbo.algorithms.ALGORITHMS`), the built-in ones registered on first
+    use: the registry imports the methods (and torch), which ``import dturbo`` leaves for when a config is read."""
+    from .algorithms.registry import ALGORITHMS
+
+    return ALGORITHMS
+
+
+def _fields(cls: type[Config]) -> dict[str, FieldInfo]:
+    _methods()
+    return cls.__pydantic_fields__
+
+
+# Config's keys include the registered methods' sections, so listing them loads the registry first.
+type.__setattr__(Config, "model_fields", deprecated_instance_property(classmethod(_fields)))
+
+
+def set_method_sections(sections: Mapping[str, type[BaseModel]], default: str) -> None:
+    """Make ``sections`` (each registered method's, by name, in registration order) Config's method sections:
+    ``default``'s (the default method's) right after ``[train]``, the others after the sections every run reads.
+    The registry calls it whenever a method is registered or removed."""
+    core = {k: v for k, v in Config.__pydantic_fields__.items() if k in _CORE_SECTIONS}
+    fields: dict[str, FieldInfo] = {}
+    for name, info in core.items():
+        fields[name] = info
+        if name == "train" and default in sections:
+            fields[default] = FieldInfo(annotation=sections[default], default_factory=sections[default])
+    for name, section in sections.items():
+        if name not in fields:
+            fields[name] = FieldInfo(annotation=section, default_factory=section)
+    Config.__pydantic_fields__ = fields
+    Config.model_rebuild(force=True)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DEFAULT_LR":  # the learning rate of an unset [train] lr, by method
+        return {n: spec.default_lr for n, spec in _methods().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _known_keys(parts: list[str]) -> list[str]:

@@ -15,9 +15,10 @@ import math
 import numpy as np
 
 from ..codec import decode_sparse, encode_sparse
-from ..config import Config
+from ..config import Config, DssmConfig
+from ..protocol import AlgorithmSpec
 from .base import sample_uniform
-from .point import PointClient, PointLayer, PointMessages, PointServer
+from .point import PointClient, PointLayer, PointMessages, PointServer, sigma_options
 
 
 def dssm_count(round_idx: int, n: int, c0: float, decay: float, min_clients: int) -> int:
@@ -72,3 +73,7 @@ class DssmServer(PointServer):
 class DssmClient(PointClient):
     name = "dssm"
     messages_type = DssmMessages
+
+
+SPEC = AlgorithmSpec("dssm", DssmConfig, DssmServer, DssmClient,
+                     default_lr=2e-3, label="DSSM", model_options=sigma_options)

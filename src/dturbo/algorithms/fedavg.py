@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..codec import encode_dense
-from .point import PointClient, PointMessages, PointServer
+from ..config import FedAvgConfig
+from ..protocol import AlgorithmSpec
+from .point import PointClient, PointMessages, PointServer, sigma_options
 
 
 class FedAvgMessages(PointMessages):
@@ -34,3 +36,7 @@ class FedAvgServer(PointServer):
 class FedAvgClient(PointClient):
     name = "fedavg"
     messages_type = FedAvgMessages
+
+
+SPEC = AlgorithmSpec("fedavg", FedAvgConfig, FedAvgServer, FedAvgClient,
+                     default_lr=2e-3, label="FedAvg", model_options=sigma_options)

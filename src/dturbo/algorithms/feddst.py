@@ -53,9 +53,10 @@ from ..codec import (
     encode_support_delta,
     encode_values,
 )
-from ..config import Config
+from ..config import Config, FedDstConfig
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
+from ..protocol import AlgorithmSpec, ClientAlgorithm
 from .base import (
     ClientData,
     ClientError,
@@ -72,7 +73,7 @@ from .held import NO_BASE, ClientSupports, HeldSupports
 from .local import LocalResult, num_local_steps, round_lr, train_local
 from .message import Layouts, MessageSpec, finite, ledger, upload_metrics
 from .plain import PlainState
-from .point import PointLayer, make_deterministic, point_layers, point_model
+from .point import PointLayer, make_deterministic, point_layers, point_model, sigma_options
 from .server import Received, ServerBase, Upload
 
 DOWN_KIND, UP_KIND = "feddst/down", "feddst/up"
@@ -440,8 +441,10 @@ def _dense_gradients(model: nn.Module, data: ClientData, batch_size: int, gen: t
         model.to("cpu")
 
 
-class FedDstClient:
+class FedDstClient(ClientAlgorithm):
     """Client half: train the masked network, readjust the mask in readjustment rounds, upload the weights on it."""
+
+    keeps_state = True
 
     name = "feddst"
 
@@ -497,3 +500,7 @@ class FedDstClient:
 
     def import_state(self, arrays: dict[str, np.ndarray]) -> None:
         self.supports.import_state(arrays)
+
+
+SPEC = AlgorithmSpec("feddst", FedDstConfig, FedDstServer, FedDstClient,
+                     default_lr=2e-3, label="FedDST", model_options=sigma_options)

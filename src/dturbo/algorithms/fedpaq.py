@@ -16,9 +16,10 @@ import numpy as np
 
 from ..codec import decode_dense, decode_quantized, encode_dense, encode_quantized
 from ..coding.values import decode_symbols, encode_symbols
-from ..config import Config
+from ..config import Config, FedPaqConfig
+from ..protocol import AlgorithmSpec
 from .base import MessageError
-from .point import PointClient, PointLayer, PointMessages, PointServer
+from .point import PointClient, PointLayer, PointMessages, PointServer, sigma_options
 
 
 def qsgd_encode(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, float]:
@@ -87,3 +88,7 @@ class FedPaqServer(PointServer):
 class FedPaqClient(PointClient):
     name = "fedpaq"
     messages_type = FedPaqMessages
+
+
+SPEC = AlgorithmSpec("fedpaq", FedPaqConfig, FedPaqServer, FedPaqClient,
+                     default_lr=2e-3, label="FedPAQ", model_options=sigma_options)

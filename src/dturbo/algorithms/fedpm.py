@@ -41,14 +41,15 @@ from torch.nn.utils import parametrize
 
 from ..codec import CodecError, decode_quantized, encode_quantized
 from ..coding.masks import decode_mask_payload, encode_mask_payload
-from ..config import Config
+from ..config import Config, FedPmConfig
 from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
+from ..protocol import AlgorithmSpec, ClientAlgorithm
 from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
 from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
-from .point import PointLayer, _theta, make_deterministic, point_layers
+from .point import PointLayer, _theta, make_deterministic, point_layers, sigma_options
 from .server import Received, ServerBase, Upload
 
 # Seed-sequence tags: every random draw is a pure function of (seed, round, client, tag), so resume is exact.
@@ -365,7 +366,7 @@ class FedPmServer(ServerBase[FedPmUplink]):
 
 
 # ----------------------------------------------------------------------------------------------- client
-class FedPmClient:
+class FedPmClient(ClientAlgorithm):
     """Client half: scores from logit(theta_G), local training of the scores through sampled masks, one
     sampled mask uploaded range-coded (module docstring)."""
 
@@ -435,3 +436,8 @@ class FedPmClient:
             masks.append((rng.random(info.size) < theta_local).astype(np.uint8))
         return self.messages.encode_uplink(round_idx, client_id, len(data), masks, probs,
                                            self.plain.encode_model(self.model), result.nll)
+
+
+# FedPM trains scores, not weights, at its authors' 0.1.
+SPEC = AlgorithmSpec("fedpm", FedPmConfig, FedPmServer, FedPmClient,
+                     default_lr=0.1, label="FedPM", model_options=sigma_options)

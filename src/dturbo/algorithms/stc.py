@@ -68,9 +68,10 @@ import numpy as np
 from torch import nn
 
 from ..codec import decode_dense, decode_ternary, encode_dense, encode_ternary
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, StcConfig
 from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
+from ..protocol import AlgorithmSpec, ClientAlgorithm
 from .base import (
     ClientData,
     ClientError,
@@ -87,7 +88,7 @@ from .bounds import Limit, UploadBounds, magnitude
 from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
-from .point import PointLayer, _load, _theta, make_deterministic, point_layers, point_model
+from .point import PointLayer, _load, _theta, make_deterministic, point_layers, point_model, sigma_options
 from .server import ServerBase, Upload
 
 DOWN_KIND, UP_KIND = "stc/down", "stc/up"
@@ -409,9 +410,11 @@ class _Residual:
     after: np.ndarray  # float64, flat
 
 
-class StcClient:
+class StcClient(ClientAlgorithm):
     """Client half (Algorithm 2): rebuild W from the broadcast, train, send STC_{p_up}(update + residual), keep the
     new residual. State: residuals per client id, one model copy per process (module docstring)."""
+
+    keeps_state = True
 
     name = "stc"
 
@@ -523,3 +526,5 @@ class StcClient:
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(f"checkpointed STC client state is incomplete ({err})") from None
 
+
+SPEC = AlgorithmSpec("stc", StcConfig, StcServer, StcClient, default_lr=2e-3, label="STC", model_options=sigma_options)
