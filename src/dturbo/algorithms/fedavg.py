@@ -5,12 +5,21 @@ them weighted by n_t. ``fedavg.dtype`` = float32 (the 32-bit reference) or float
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
+from pydantic import Field
 
 from ..codec import encode_dense
-from ..config import FedAvgConfig
+from ..config import Section
 from ..protocol import AlgorithmSpec
 from .point import PointClient, PointMessages, PointServer, sigma_options
+
+
+class FedAvgConfig(Section):
+    """FedAvg: every client each round (or federation.clients_per_round), weights averaged by n_t."""
+
+    dtype: Literal["float16", "float32"] = Field("float16", description="transmission dtype, both directions")
 
 
 class FedAvgMessages(PointMessages):
