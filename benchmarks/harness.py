@@ -126,7 +126,7 @@ def preflight(cfg: Config) -> None:
         return
     shape, classes = SHAPES[cfg.data.name]
     with torch.random.fork_rng(devices=[]):
-        ALGORITHMS[cfg.experiment.algorithm][0](cfg, model_factory(cfg, shape, classes), 1000)
+        ALGORITHMS[cfg.experiment.algorithm].server(cfg, model_factory(cfg, shape, classes), 1000)
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -29,7 +29,7 @@ pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flo
 from flwr.app import Context, Message, RecordDict  # noqa: E402
 from run_helpers import rows_of  # noqa: E402
 
-from dturbo.algorithms.base import ClientError  # noqa: E402
+from dturbo.algorithms.base import ClientAlgorithm, ClientError  # noqa: E402
 from dturbo.checkpoint import load_checkpoint  # noqa: E402
 from dturbo.config import load_config  # noqa: E402
 from dturbo.flower import client_app as client_module  # noqa: E402
@@ -140,7 +140,7 @@ def test_failing_and_silent_clients_are_dropped_and_recorded(tmp_path, toy, monk
     diverge = {"on": False}
     real_runtime = client_module.client_runtime
 
-    class Diverging:
+    class Diverging(ClientAlgorithm):
         def __init__(self, inner):
             self.inner = inner
 

@@ -316,15 +316,18 @@ def test_sigma_modes_run_and_keep_their_shape(tmp_path, sigma_mode):
 
 
 def test_the_registry_offers_exactly_the_configurable_algorithms() -> None:
-    """algorithms/registry.py is where the runner looks a configured name up; every name the config accepts has a
-    (server, client) pair there, and nothing else is there. dturbo.sim.ALGORITHMS is the same table."""
-    from typing import get_args
-
+    """algorithms/registry.py is where the runner looks a configured name up; the config accepts exactly its names
+    and holds one section per method, each the spec's. dturbo.sim.ALGORITHMS is the same table."""
     from dturbo import sim
     from dturbo.algorithms.registry import ALGORITHMS
-    from dturbo.config import ExperimentConfig
+    from dturbo.config import Config, ConfigError, parse_config
+    from dturbo.protocol import ClientAlgorithm, ServerAlgorithm
 
-    assert set(get_args(ExperimentConfig.model_fields["algorithm"].annotation)) == set(ALGORITHMS)
     assert sim.ALGORITHMS is ALGORITHMS
-    for server_cls, client_cls in ALGORITHMS.values():
-        assert callable(getattr(server_cls, "aggregate", None)) and callable(getattr(client_cls, "fit", None))
+    assert list(ALGORITHMS) == ["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc", "feddst"]
+    for name, spec in ALGORITHMS.items():
+        assert spec.name == name and Config.model_fields[name].annotation is spec.section
+        assert issubclass(spec.server, ServerAlgorithm) and issubclass(spec.client, ClientAlgorithm)  # type: ignore
+        assert parse_config({"experiment": {"algorithm": name}}).experiment.algorithm == name
+    with pytest.raises(ConfigError, match="Input should be 'dturbo', 'fedavg', .* or 'feddst'"):
+        parse_config({"experiment": {"algorithm": "fedsgd"}})

@@ -16,6 +16,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic._internal._utils import deprecated_instance_property
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 Probability = float
 # how quantised values are written (dturbo.coding.values): fixed-length, or range-coded (lossless, fewer bits)
@@ -33,16 +36,30 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
+# The base of every config section, a method's own included: unknown keys refused, strict types, no inf or nan.
+Section = _Section
+
+
 class ExperimentConfig(_Section):
     name: str = "experiment"
     seed: int = Field(0, ge=0, le=2**63 - 1, description="seeds every draw of the run (an integer below 2**63)")
     rounds: int = Field(10, ge=1, le=100_000)
-    algorithm: Literal["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc", "feddst"] = "dturbo"
+    algorithm: str = Field("dturbo", description="a registered method (dturbo.algorithms.ALGORITHMS)")
     eval_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and the last)")
     threads: int = Field(0, ge=0, description="torch threads; 0 keeps torch's default")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description=(
         "where clients train and the global model is evaluated (the server's closed forms and Module B stay on "
         "the CPU); auto: cuda when torch sees a GPU, else cpu"))
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _registered(cls, v: Any) -> Any:
+        names = list(_methods())
+        if v not in names:
+            quoted = [repr(n) for n in names]
+            expected = " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+        return v
 
 
 class DataConfig(_Section):
@@ -306,139 +323,33 @@ class DturboConfig(_Section):
     prior: PriorsConfig = Field(default_factory=PriorsConfig)
 
 
-class FedAvgConfig(_Section):
-    """FedAvg: every client each round (or federation.clients_per_round), weights averaged by n_t."""
-
-    dtype: Literal["float16", "float32"] = Field("float16", description="transmission dtype, both directions")
-
-
-class FedPaqConfig(_Section):
-    """FedPAQ (REFERENCE.md): r = federation.clients_per_round clients, tau = the local steps of [train],
-    the QSGD quantiser with ``levels`` = s levels on the update; unquantised download."""
-
-    levels: int = Field(32767, ge=0, le=2**31 - 1, description="QSGD s; 0 = no quantisation (dtype values)")
-    dtype: Literal["float16", "float32"] = Field("float16", description="download, and the upload when levels = 0")
-    weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
-    values_code: ValuesCode = Field("fixed", description=(
-        "how the QSGD symbols are written: fixed, ceil(log2(2s + 1)) bits each; range, range-coded under a "
-        "discretised Gaussian or Laplace fitted per layer (lossless, as QSGD's own Elias coding; "
-        "dturbo.coding.values)"))
-
-    @model_validator(mode="after")
-    def _coded_levels(self) -> FedPaqConfig:
-        if self.values_code == "range" and not 1 <= self.levels <= 32767:
-            raise ValueError(f"values_code = 'range' codes QSGD symbols with levels in 1..32767, got {self.levels}")
-        return self
-
-
-class DssmConfig(_Section):
-    """DSSM (REFERENCE.md): clients sampled with fraction c_t = c0 * exp(-decay * t) (count floored at
-    min_clients), per-layer top-k upload with ratio gamma of the update (or of the weights); dense download."""
-
-    c0: Probability = Field(1.0, gt=0, le=1)
-    decay: float = Field(0.1, ge=0)
-    min_clients: int = Field(2, ge=1)
-    gamma: Probability = Field(0.1, gt=0, le=1)
-    mode: Literal["update", "weights"] = "update"
-    dtype: Literal["float16", "float32"] = "float16"
-    weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
-
-
-class StcConfig(_Section):
-    """STC (Sattler et al. 2019, sparse ternary compression): per tensor, clients send the top-k of (update +
-    their error-feedback residual) as {-mu, 0, +mu} with Golomb(-Rice) coded positions; the server averages,
-    compresses the global update the same way (its own residual) and broadcasts it. Needs every client every
-    round (federation.clients_per_round unset)."""
-
-    p_up: Probability = Field(0.01, gt=0, le=1, description="fraction kept of each tensor's client update, "
-                                                            "k = ceil(p_up * size) (the paper uses 1/25 .. 1/400)")
-    p_down: Probability = Field(0.01, gt=0, le=1, description="the same for the server's broadcast update")
-    dtype: Literal["float16", "float32"] = Field("float32", description="of mu, one value per tensor and message")
-    weighting: Literal["uniform", "samples"] = Field("samples", description="mean of the updates, or by n_t")
-
-
-class FedDstConfig(_Section):
-    """FedDST (Bibikar et al., AAAI 2022, dturbo.algorithms.feddst): one global mask at ``density``, trained sparse;
-    every ``readjust_every`` rounds each client removes a ratio of its smallest active weights and regrows as many by
-    gradient magnitude, and the server aggregates the masks by magnitude at the same density."""
-
-    density: Probability = Field(0.2, gt=0, le=1, description="fraction of the weights in the global mask (the "
-                                                               "paper's 1 - S)")
-    distribution: Literal["erk", "uniform"] = Field("erk", description=(
-        "how the density spreads over the layers: Erdos-Renyi-kernel (a layer's density proportional to the sum of "
-        "its weight's dimensions over their product) or the same in every layer"))
-    readjust_ratio: Probability = Field(0.05, ge=0, lt=1, description=(
-        "alpha: a readjustment moves floor(alpha_t * k) weights of a layer's k, alpha_t = alpha / 2 * "
-        "(1 + cos(pi t / readjust_until))"))
-    readjust_every: int = Field(3, ge=1, description="rounds between readjustments (the first in round 1)")
-    readjust_until: int | None = Field(None, ge=1, description="the round from which no readjustment happens; "
-                                                                "unset: half the rounds")
-    readjust_at: float = Field(1.0, gt=0, le=1, description=(
-        "fraction of a readjusting client's local steps trained before it readjusts: 1, after its local training "
-        "(the reference code); below 1 the regrown weights train in the same round"))
-    dtype: Literal["float16", "float32"] = Field("float16", description="the weights' and biases' values, both ways")
-    weighting: Literal["samples", "uniform"] = Field("samples", description="client weights by n_t, or alike")
-
-
-class FedPmConfig(_Section):
-    """FedPM (Isik et al., ICLR 2023): frozen seeded random weights, a trained keep probability per weight and
-    bias; clients upload one sampled mask, range-coded; the server's Beta-Bernoulli posterior gives the global
-    probabilities it sends down (quantised). The learning rate is [train].lr (the authors use Adam, lr 0.1)."""
-
-    lambda0: float = Field(1.0, gt=0, description="Beta(lambda0, lambda0) prior of every keep probability")
-    reset_every: int = Field(1, ge=1, description="reset the posterior to the prior every this many rounds "
-                                                  "(1: every round, as the authors' code)")
-    estimate: Literal["mode", "mean"] = Field("mode", description="theta_G = posterior mode (authors' code) or mean")
-    epsilon: float = Field(0.01, ge=0, lt=0.5, description="theta_G squeezed into [epsilon, 1 - epsilon] (authors' "
-                                                            "code: each received bit counts as epsilon / 1 - epsilon)")
-    score_init_std: float = Field(1.0, ge=0, description="round-0 scores ~ N(0, std^2), theta = sigmoid(score)")
-    weight_scale: float = Field(1.0, gt=0, description="the frozen weights and biases are this times the model's "
-                                                       "initial ones (> 1 can help deep models: a half-kept layer "
-                                                       "loses signal; the authors scale their init up)")
-    down_bits: int = Field(8, ge=2, le=16, description="theta_G sent on a uniform grid of 2^down_bits levels")
-    upload_model: Literal["best", "global", "empirical"] = Field(
-        "best", description="probability model of the coded mask: theta_G per weight ('global'), one "
-                            "Bernoulli(fraction of ones) per layer ('empirical', the cost the authors report), or "
-                            "the cheaper of the two per layer ('best')")
-    eval_mask: Literal["sample", "threshold"] = Field(
-        "sample", description="the global model's mask: one seeded sample from theta_G (authors' code) or "
-                              "theta_G >= 0.5")
-
-    @model_validator(mode="after")
-    def _mode_needs_lambda(self) -> FedPmConfig:
-        if self.estimate == "mode" and self.lambda0 < 1:
-            raise ValueError("estimate = 'mode' needs lambda0 >= 1 (the Beta mode is undefined below); use 'mean'")
-        return self
-
-
-# The learning rate of an unset [train] lr, by algorithm (docs/models.md#tune-for-a-new-dataset): D-Turbo-VBI's
-# Bayesian layers take a larger step than the dense baselines' (chosen on validation); FedPM trains scores, not
-# weights, at its authors' 0.1.
-DEFAULT_LR: dict[str, float] = {"dturbo": 5e-3, "fedavg": 2e-3, "fedpaq": 2e-3, "dssm": 2e-3, "stc": 2e-3,
-                                "fedpm": 0.1, "feddst": 2e-3}
-
-
 class Config(_Section):
+    """The whole configuration: the sections every run reads, and one section per registered method
+    (:func:`dturbo.algorithms.register` adds it; the default method's right after ``[train]``, the others after
+    ``[robust]``)."""
+
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    dturbo: DturboConfig = Field(default_factory=DturboConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
-    fedavg: FedAvgConfig = Field(default_factory=FedAvgConfig)
-    fedpaq: FedPaqConfig = Field(default_factory=FedPaqConfig)
-    dssm: DssmConfig = Field(default_factory=DssmConfig)
-    fedpm: FedPmConfig = Field(default_factory=FedPmConfig)
-    stc: StcConfig = Field(default_factory=StcConfig)
-    feddst: FedDstConfig = Field(default_factory=FedDstConfig)
+
+    def __init__(self, /, **data: Any) -> None:
+        _methods()
+        super().__init__(**data)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Config:
+        _methods()
+        return super().model_validate(obj, **kwargs)
 
     @model_validator(mode="after")
     def _algorithm_lr(self) -> Config:
         # Filled, not derived on use: config.json then records the rate a run trained with.
         if self.train.lr is None:
-            self.train.lr = DEFAULT_LR[self.experiment.algorithm]
+            self.train.lr = _methods()[self.experiment.algorithm].default_lr
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -446,6 +357,54 @@ class Config(_Section):
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
+
+
+_CORE_SECTIONS = tuple(Config.__pydantic_fields__)
+
+
+def _methods() -> dict[str, Any]:
+    """The registered methods by name (:data:`dturbo.algorithms.ALGORITHMS`), the built-in ones registered on first
+    use: the registry imports the methods (and torch), which ``import dturbo`` leaves for when a config is read."""
+    from .algorithms.registry import ALGORITHMS
+
+    return ALGORITHMS
+
+
+def _fields(cls: type[Config]) -> dict[str, FieldInfo]:
+    _methods()
+    return cls.__pydantic_fields__
+
+
+# Config's keys include the registered methods' sections, so listing them loads the registry first.
+type.__setattr__(Config, "model_fields", deprecated_instance_property(classmethod(_fields)))
+
+
+def set_method_sections(sections: Mapping[str, type[BaseModel]], default: str) -> None:
+    """Make ``sections`` (each registered method's, by name, in registration order) Config's method sections:
+    ``default``'s (the default method's) right after ``[train]``, the others after the sections every run reads.
+    The registry calls it whenever a method is registered or removed."""
+    core = {k: v for k, v in Config.__pydantic_fields__.items() if k in _CORE_SECTIONS}
+    fields: dict[str, FieldInfo] = {}
+    for name, info in core.items():
+        fields[name] = info
+        if name == "train" and default in sections:
+            fields[default] = FieldInfo(annotation=sections[default], default_factory=sections[default])
+    for name, section in sections.items():
+        if name not in fields:
+            fields[name] = FieldInfo(annotation=section, default_factory=section)
+    Config.__pydantic_fields__ = fields
+    Config.model_rebuild(force=True)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DEFAULT_LR":  # the learning rate of an unset [train] lr, by method
+        return {n: spec.default_lr for n, spec in _methods().items()}
+    if name.endswith("Config") and name.isidentifier() and not name.startswith("_"):
+        # a method's section class, importable from here as from its module (dturbo.config.StcConfig)
+        for spec in _methods().values():
+            if spec.section.__name__ == name:
+                return spec.section
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _known_keys(parts: list[str]) -> list[str]:

@@ -205,7 +205,7 @@ class Experiment:
             factory = model_factory(cfg, shape, classes)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore", DenseStateWarning)  # said once, when the run starts
-            ALGORITHMS[cfg.experiment.algorithm][0](cfg, factory, 1)
+            ALGORITHMS[cfg.experiment.algorithm].server(cfg, factory, 1)
 
     def _model_factory(self, dataset: Dataset | None) -> ModelFactory:
         """The factory of ``model`` for the run on ``dataset`` (its sample shape recorded on the model)."""

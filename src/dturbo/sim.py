@@ -3,7 +3,7 @@
 Shaped like Flower's ``Strategy.start``: each round the server algorithm selects clients and makes the downlink,
 the transport (:mod:`dturbo.transport`) carries it to the clients and brings their uplinks back, the server
 aggregates, the runner evaluates the global model and the run directory (:class:`dturbo.rundir.RunDir`) records
-the round. Nothing about an algorithm lives here (:mod:`dturbo.algorithms.base`), nor how bytes travel: in process
+the round. Nothing about an algorithm lives here (:mod:`dturbo.protocol`), nor how bytes travel: in process
 (:class:`~dturbo.transport.InProcessClients`, the default) or over Flower (:mod:`dturbo.flower`), with injected
 faults (:mod:`dturbo.faults`) wrapped around either. Bits are 8 x the bytes of the messages really exchanged
 (:mod:`dturbo.ledger`).
@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .algorithms.base import ClientError, MessageError, RoundResult
-from .algorithms.local import num_local_steps
 from .algorithms.registry import ALGORITHMS, ModelFactory, build_algorithm
 from .checkpoint import CheckpointError, config_fingerprint, data_changes, data_fingerprint
 from .codec import CodecError
@@ -35,86 +34,23 @@ from .device import CPU, resolve_device
 from .faults import CORRUPTIONS, Corrupted, corrupt, draw_faults, with_faults
 from .federation import Federation, build_federation
 from .ledger import LEDGER_COLUMNS, Traffic
+from .protocol import ScheduleWarning
 from .rundir import RunDir, RunDirError
-from .sparsity import local_steps_a_round, pruning_schedule
 from .transport import ClientLate, ClientLost, InProcessClients, Reply, Transport
 
 # Importable from here as before the runner was split (tests, users' scripts).
 __all__ = [
     "ALGORITHMS", "BASE_COLUMNS", "CLIENT_STATE_PREFIX", "CORRUPTIONS", "LEDGER_COLUMNS", "ClientLost", "Federation",
-    "LocalStepsWarning", "ModelFactory", "PoisonedStateError", "ScheduleWarning", "Simulator", "TooFewClientsError",
-    "build_algorithm", "build_federation", "check_finite", "corrupt", "draw_faults", "evaluate", "format_bits",
-    "local_steps_warning", "round_summary", "schedule_warning",
+    "ModelFactory", "PoisonedStateError", "ScheduleWarning", "Simulator", "TooFewClientsError", "build_algorithm",
+    "build_federation", "check_finite", "corrupt", "draw_faults", "evaluate", "format_bits", "round_summary",
 ]
 
 BASE_COLUMNS = ["round", "accuracy", "loss", "density", "up_bits", "down_bits", "cum_bits", "seconds"]
-# Private state a client algorithm keeps between rounds (STC's residuals and model copy): its optional
-# ``export_state()`` arrays go into the same atomic checkpoint file as the server state, under this prefix, and
-# back through ``import_state(arrays)`` on --resume, so that a resumed run is identical to an uninterrupted one.
+# Private state a client algorithm keeps between rounds (STC's residuals and model copy): its ``export_state()``
+# arrays go into the same atomic checkpoint file as the server state, under this prefix, and back through
+# ``import_state(arrays)`` on --resume, so that a resumed run is identical to an uninterrupted one.
 CLIENT_STATE_PREFIX = "clients/"
 _COUNTS = ("clients_failed", "clients_dropped", "clients_late", "clients_corrupted")
-
-
-class ScheduleWarning(UserWarning):
-    """The sparsity schedule does not reach its target within the run (a warning: short test runs do it
-    on purpose)."""
-
-
-def schedule_warning(cfg: Config, steps: int | None = None) -> str | None:
-    """For D-Turbo-VBI in target mode whose ramp ends after the last round: the density the schedule reaches
-    at the last round and how to reach the target; None when the target is reached. ``steps``: the mean client's
-    local steps a round, which pace a warm-up or ramp not set in rounds (:func:`dturbo.sparsity.pruning_schedule`);
-    None: unknown yet, taken as 1 (the longest paced schedule, which still fits the run)."""
-    sp = cfg.dturbo.sparsity
-    rounds = cfg.experiment.rounds
-    if cfg.experiment.algorithm != "dturbo" or sp.mode != "target":
-        return None
-    schedule = pruning_schedule(sp, rounds, steps or 1)
-    warmup, ramp = schedule.warmup, schedule.ramp
-    if warmup + ramp <= rounds:
-        return None
-    reached = schedule.density(rounds - 1, sp.target_density)
-    fix = f"set experiment.rounds >= {warmup + ramp}"
-    if rounds > warmup:
-        fix += f" or dturbo.sparsity.ramp_rounds <= {rounds - warmup}"
-    else:
-        fix += f" or dturbo.sparsity.warmup_rounds < {rounds} with a shorter ramp_rounds"
-    fix += " (or leave both unset: a schedule paced by local steps always fits the run)"
-    layers = " (the layer_targets likewise)" if sp.layer_targets else ""
-    return (f"the sparsity schedule does not reach target_density {sp.target_density:g} within the run: "
-            f"warmup_rounds {warmup} + ramp_rounds {ramp} > experiment.rounds {rounds}, so the "
-            f"scheduled density at the last round is {reached:.3f}{layers}; to reach the target, {fix}")
-
-
-# Fewer local steps a round than this (the median client's) and D-Turbo-VBI's pruning outpaces the training that
-# repairs it (docs/models.md#tune-for-a-new-dataset).
-FEW_LOCAL_STEPS = 10
-
-
-class LocalStepsWarning(ScheduleWarning):
-    """A D-Turbo-VBI run that prunes while its clients train only a few local steps a round."""
-
-
-def local_steps_warning(cfg: Config, fed: Federation) -> str | None:
-    """For D-Turbo-VBI pruning to a target (< 1): a warning when the median client trains fewer than
-    ``FEW_LOCAL_STEPS`` local steps a round, with the knobs that fix it; else None."""
-    sp = cfg.dturbo.sparsity
-    if cfg.experiment.algorithm != "dturbo" or sp.mode != "target" or sp.target_density >= 1 or not fed.clients:
-        return None
-    sizes = sorted(len(c) for c in fed.clients)
-    samples = sizes[len(sizes) // 2]
-    steps = num_local_steps(cfg.train, samples)
-    if steps >= FEW_LOCAL_STEPS:
-        return None
-    tr = cfg.train
-    warmup = (f"dturbo.sparsity.warmup_rounds = {sp.warmup_rounds}: leave it unset to pace it by local steps"
-              if sp.warmup_rounds is not None else "dturbo.sparsity.warmup_steps")
-    how = (f"train.local_steps = {tr.local_steps}" if tr.local_steps > 0 else
-           f"train.local_epochs = {tr.local_epochs:g} of {samples} samples in batches of {tr.batch_size}")
-    return (f"the median client trains only {steps} local steps a round ({how}): D-Turbo-VBI prunes between rounds, "
-            f"and so few steps leave the pruned model little training to recover, which costs accuracy; raise "
-            f"train.local_epochs or train.local_steps to >= {FEW_LOCAL_STEPS} steps a round, or warm up longer "
-            f"({warmup}); docs/models.md#tune-for-a-new-dataset")
 
 
 @torch.no_grad()
@@ -208,11 +144,8 @@ class Simulator:
             torch.set_num_threads(cfg.experiment.threads)
         self.device = resolve_device(cfg.experiment.device)  # "cuda" without a GPU fails here, before any work
         self.fed = federation or build_federation(cfg, dataset)
-        steps = local_steps_a_round(cfg.train, self.fed.total_samples, cfg.federation.clients)
-        if (msg := schedule_warning(cfg, steps)) is not None:
-            warnings.warn(msg, ScheduleWarning, stacklevel=2)
-        if (msg := local_steps_warning(cfg, self.fed)) is not None:
-            warnings.warn(msg, LocalStepsWarning, stacklevel=2)
+        for warning in ALGORITHMS[cfg.experiment.algorithm].run_warnings(cfg, self.fed):
+            warnings.warn(warning, stacklevel=2)
         factory = model(self.fed.dataset) if model is not None else None
         self.server, self.client = build_algorithm(cfg, self.fed, factory)
         self.transport = with_faults(transport or InProcessClients(self.client, self.fed.clients), cfg, self.server)
@@ -282,7 +215,7 @@ class Simulator:
         (``federation.on_too_few = "retry"``) while fewer than ``min_clients`` updates are valid. Raises
         TooFewClientsError when the round cannot be completed; nothing saved is touched."""
         fed = self.cfg.federation
-        traffic = Traffic(self.server.layouts, getattr(self.server, "max_uplink_bytes", None))
+        traffic = Traffic(self.server.layouts, self.server.max_uplink_bytes)
         events: list[str] = []
         for retries in range(fed.max_retries + 1):
             participants = self.server.select_clients(rnd)
@@ -358,8 +291,8 @@ class Simulator:
         metrics.csv, and last the checkpoint, which makes the round count as done."""
         try:
             self.run_dir.append_events(round_no, events)
-            if hasattr(self.server, "support_messages"):
-                self.run_dir.save_messages(round_no, self.server.support_messages(state))
+            if (messages := self.server.support_messages(state)) is not None:
+                self.run_dir.save_messages(round_no, messages)
             self.run_dir.write_rows(rows)
             self.run_dir.save_checkpoint({**state, **self._client_state()}, {
                 "rounds_done": round_no, "cum_bits": cum_bits, "fingerprint": self.fingerprint,
@@ -373,13 +306,14 @@ class Simulator:
 
     def _client_state(self) -> dict[str, Any]:
         """The client algorithm's private state to checkpoint (CLIENT_STATE_PREFIX), if it keeps any."""
-        export = getattr(self.client, "export_state", None)
-        return {} if export is None else {CLIENT_STATE_PREFIX + k: v for k, v in export().items()}
+        if not self.client.keeps_state:
+            return {}
+        return {CLIENT_STATE_PREFIX + k: v for k, v in self.client.export_state().items()}
 
     def _restore_client_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Hand the checkpointed client state back to the client algorithm; returns the server state alone."""
         private = {k[len(CLIENT_STATE_PREFIX):]: v for k, v in state.items() if k.startswith(CLIENT_STATE_PREFIX)}
-        if hasattr(self.client, "import_state"):
+        if self.client.keeps_state:
             try:
                 self.client.import_state(private)
             except ValueError as err:

@@ -107,8 +107,8 @@ def pruning_schedule(sp: SparsityConfig, rounds: int, steps: int) -> PruningSche
     the ramp lasts ``ramp_steps`` steps. Both are capped to fit the run: the warm-up takes at most
     ``(rounds - 1) // 2`` rounds (and leaves an explicit ramp room to end) and the ramp ends at the latest one round
     before the last (so one round trains at the target): a paced schedule always reaches ``target_density``, and a
-    half-paced one whenever its explicit half fits the run. Rounds set explicitly are kept as
-    they are (a ramp that ends after the run is :class:`dturbo.sim.ScheduleWarning`'s business)."""
+    half-paced one whenever its explicit half fits the run. Rounds set explicitly are kept as they are (a ramp that
+    ends after the run is :func:`dturbo.algorithms.dturbo_warnings.schedule_warning`'s business)."""
     steps = max(int(steps), 1)
     warmup = sp.warmup_rounds
     if warmup is None:

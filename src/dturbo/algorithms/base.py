@@ -1,91 +1,29 @@
-"""The one protocol every federated algorithm implements and every runner drives (docs/architecture.md).
-
-Messages cross the boundary as encoded bytes made by :mod:`dturbo.codec`; a runner counts
-``len(message) * 8`` bits, so bit accounting is what is really sent.
-"""
+"""What the federated methods share on top of the protocol (:mod:`dturbo.protocol`): framing messages, scalars,
+upload meta, client weights and sampling, per-client RNGs, and the ledger's split of a message's bits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-
 import numpy as np
 import torch
-from torch import nn
 
 from ..codec import decode_message, decode_values, encode_message, encode_values, payload_bits
+from ..protocol import (  # the protocol's types, importable from here too
+    ClientAlgorithm,
+    ClientData,
+    ClientError,
+    MessageError,
+    Rejection,
+    RoundResult,
+    ServerAlgorithm,
+    State,
+)
 
-# A server state is a flat mapping of names to numpy arrays plus scalars, so that it can be
-# checkpointed to safetensors without pickle.
-State = dict[str, Any]
-
-
-class ClientError(RuntimeError):
-    """A client could not produce a valid update (e.g. its local training diverged)."""
-
-
-class MessageError(ValueError):
-    """A message is malformed or does not fit the model (wrong layer count, length, values)."""
-
-
-@dataclass
-class ClientData:
-    """One client's local data, as tensors."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.y.shape[0])
-
-
-class Rejection(str):
-    """An upload the server refused, as data: ``uplink`` (its position in the list ``aggregate`` was given, which
-    the runner maps to the client that sent it) and ``reason``. It reads as the text ``"uplink i: reason"`` (a
-    ``str``), so that messages and logs built from it stay plain text."""
-
-    uplink: int
-    reason: str
-
-    def __new__(cls, uplink: int, reason: str) -> Rejection:
-        self = super().__new__(cls, f"uplink {uplink}: {reason}")
-        self.uplink, self.reason = uplink, reason
-        return self
-
-
-@dataclass
-class RoundResult:
-    state: State
-    metrics: dict[str, float]
-    rejected: list[Rejection] = field(default_factory=list)
-
-
-class ServerAlgorithm(Protocol):
-    # message kind -> field-name suffix -> payload layout (codec.PAYLOAD_LAYOUTS), for the bit ledger
-    layouts: dict[str, dict[str, str]]
-
-    def init(self) -> State: ...
-
-    def select_clients(self, round_idx: int) -> list[int]: ...
-
-    def downlink(self, state: State, round_idx: int) -> bytes: ...
-
-    def downlinks(self, state: State, round_idx: int, clients: list[int]) -> dict[int, bytes]:
-        """Each of ``clients``' downlink of the round, in their order: the same bytes (a broadcast) unless the
-        method codes per client (D-Turbo-VBI's ``positions = "delta"``)."""
-        ...
-
-    def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
-                  ) -> RoundResult:
-        """The round's result from its uploads; ``senders``: the client each upload came from (the one the runner
-        asked), checked against the id the upload claims; None: unknown (not checked)."""
-        ...
-
-    def global_model(self, state: State) -> nn.Module: ...
-
-
-class ClientAlgorithm(Protocol):
-    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes: ...
+__all__ = [
+    "LEDGER_PARTS", "NO_CLIENT", "ClientAlgorithm", "ClientData", "ClientError", "MessageError", "Rejection",
+    "RoundResult", "ServerAlgorithm", "State", "client_generator", "client_weights", "decode_message",
+    "encode_message", "fields_dict", "frame", "message_bits", "need", "pack_scalars", "sample_uniform",
+    "unpack_scalars", "upload_meta", "upload_samples",
+]
 
 
 def pack_scalars(values: list[float] | np.ndarray) -> bytes:

@@ -11,13 +11,16 @@ is dense.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
+from pydantic import Field
 
 from ..codec import decode_sparse, encode_sparse
-from ..config import Config
+from ..config import Config, Probability, Section
+from ..protocol import AlgorithmSpec
 from .base import sample_uniform
-from .point import PointClient, PointLayer, PointMessages, PointServer
+from .point import PointClient, PointLayer, PointMessages, PointServer, sigma_options
 
 
 def dssm_count(round_idx: int, n: int, c0: float, decay: float, min_clients: int) -> int:
@@ -34,6 +37,19 @@ def top_k(v: np.ndarray, ratio: float) -> np.ndarray:
     out = np.zeros_like(v)
     out[keep] = v[keep]
     return out
+
+
+class DssmConfig(Section):
+    """DSSM (REFERENCE.md): clients sampled with fraction c_t = c0 * exp(-decay * t) (count floored at
+    min_clients), per-layer top-k upload with ratio gamma of the update (or of the weights); dense download."""
+
+    c0: Probability = Field(1.0, gt=0, le=1)
+    decay: float = Field(0.1, ge=0)
+    min_clients: int = Field(2, ge=1)
+    gamma: Probability = Field(0.1, gt=0, le=1)
+    mode: Literal["update", "weights"] = "update"
+    dtype: Literal["float16", "float32"] = "float16"
+    weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
 
 
 class DssmMessages(PointMessages):
@@ -72,3 +88,7 @@ class DssmServer(PointServer):
 class DssmClient(PointClient):
     name = "dssm"
     messages_type = DssmMessages
+
+
+SPEC = AlgorithmSpec("dssm", DssmConfig, DssmServer, DssmClient,
+                     default_lr=2e-3, label="DSSM", model_options=sigma_options)

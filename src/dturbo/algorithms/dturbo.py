@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,11 +36,12 @@ from scipy.special import expit
 from torch import nn
 
 from .. import turbo, vbi
-from ..config import Config, PriorConfig
+from ..config import Config, DturboConfig, PriorConfig
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale, weight_uses
 from ..prior import grid_shape, layer_kind, resolve_prior
+from ..protocol import AlgorithmSpec, ClientAlgorithm
 from ..sparsity import local_steps_a_round, make_policy, pruning_schedule
 from ..turbo import LayerInfo, LayerState
 from .base import ClientData, RoundResult, State, client_generator
@@ -54,6 +56,7 @@ from .dturbo_messages import (
     UpLayer,
     sigma_as_sent,
 )
+from .dturbo_warnings import run_warnings
 from .local import round_lr, train_local
 from .plain import DenseStateWarning, PlainState
 from .server import Received, ServerBase
@@ -451,7 +454,7 @@ def rebuilt_prior_std(info: LayerInfo, mu: np.ndarray, sigma: np.ndarray, form: 
     return vbi.prior_std(a_tilde, b_tilde)
 
 
-class DturboClient:
+class DturboClient(ClientAlgorithm):
     """Client half: decode the downlink, train (E6) on the support, upload mu on the support.
 
     With ``transmission.positions = "delta"`` the client keeps, per client id (one object serves every client in
@@ -461,6 +464,8 @@ class DturboClient:
     decoded the round's own; with ``down_mu = "update"`` also the weights each of them left it holding (the next
     update is coded from them). :meth:`export_state` / :meth:`import_state` carry them through a checkpoint, and the
     Flower ClientApp keeps them in the node's state."""
+
+    keeps_state = True
 
     def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
         self.cfg = cfg
@@ -575,3 +580,11 @@ class DturboClient:
                     self._weights[cid] = weights
         except (KeyError, TypeError) as err:
             raise ValueError(f"checkpointed D-Turbo-VBI client state is incomplete ({err})") from None
+
+
+def _sigma_options(cfg: Config) -> dict[str, Any]:
+    return {"sigma_mode": cfg.dturbo.sigma_mode, "sigma_init_ratio": cfg.dturbo.sigma_init_ratio}
+
+
+SPEC = AlgorithmSpec("dturbo", DturboConfig, DturboServer, DturboClient, default_lr=5e-3, label="D-Turbo-VBI",
+                     run_warnings=run_warnings, model_options=_sigma_options)

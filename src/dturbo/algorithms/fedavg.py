@@ -5,10 +5,21 @@ them weighted by n_t. ``fedavg.dtype`` = float32 (the 32-bit reference) or float
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
+from pydantic import Field
 
 from ..codec import encode_dense
-from .point import PointClient, PointMessages, PointServer
+from ..config import Section
+from ..protocol import AlgorithmSpec
+from .point import PointClient, PointMessages, PointServer, sigma_options
+
+
+class FedAvgConfig(Section):
+    """FedAvg: every client each round (or federation.clients_per_round), weights averaged by n_t."""
+
+    dtype: Literal["float16", "float32"] = Field("float16", description="transmission dtype, both directions")
 
 
 class FedAvgMessages(PointMessages):
@@ -34,3 +45,7 @@ class FedAvgServer(PointServer):
 class FedAvgClient(PointClient):
     name = "fedavg"
     messages_type = FedAvgMessages
+
+
+SPEC = AlgorithmSpec("fedavg", FedAvgConfig, FedAvgServer, FedAvgClient,
+                     default_lr=2e-3, label="FedAvg", model_options=sigma_options)

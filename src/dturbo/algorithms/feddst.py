@@ -37,10 +37,12 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from ..codec import (
@@ -53,9 +55,10 @@ from ..codec import (
     encode_support_delta,
     encode_values,
 )
-from ..config import Config
+from ..config import Config, Probability, Section
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
+from ..protocol import AlgorithmSpec, ClientAlgorithm
 from .base import (
     ClientData,
     ClientError,
@@ -72,7 +75,7 @@ from .held import NO_BASE, ClientSupports, HeldSupports
 from .local import LocalResult, num_local_steps, round_lr, train_local
 from .message import Layouts, MessageSpec, finite, ledger, upload_metrics
 from .plain import PlainState
-from .point import PointLayer, make_deterministic, point_layers, point_model
+from .point import PointLayer, make_deterministic, point_layers, point_model, sigma_options
 from .server import Received, ServerBase, Upload
 
 DOWN_KIND, UP_KIND = "feddst/down", "feddst/up"
@@ -133,6 +136,29 @@ def readjusted(mask: np.ndarray, weights: np.ndarray, grad: np.ndarray, alpha: f
 
 
 # ================================================================================== messages
+class FedDstConfig(Section):
+    """FedDST (Bibikar et al., AAAI 2022, dturbo.algorithms.feddst): one global mask at ``density``, trained sparse;
+    every ``readjust_every`` rounds each client removes a ratio of its smallest active weights and regrows as many by
+    gradient magnitude, and the server aggregates the masks by magnitude at the same density."""
+
+    density: Probability = Field(0.2, gt=0, le=1, description="fraction of the weights in the global mask (the "
+                                                               "paper's 1 - S)")
+    distribution: Literal["erk", "uniform"] = Field("erk", description=(
+        "how the density spreads over the layers: Erdos-Renyi-kernel (a layer's density proportional to the sum of "
+        "its weight's dimensions over their product) or the same in every layer"))
+    readjust_ratio: Probability = Field(0.05, ge=0, lt=1, description=(
+        "alpha: a readjustment moves floor(alpha_t * k) weights of a layer's k, alpha_t = alpha / 2 * "
+        "(1 + cos(pi t / readjust_until))"))
+    readjust_every: int = Field(3, ge=1, description="rounds between readjustments (the first in round 1)")
+    readjust_until: int | None = Field(None, ge=1, description="the round from which no readjustment happens; "
+                                                                "unset: half the rounds")
+    readjust_at: float = Field(1.0, gt=0, le=1, description=(
+        "fraction of a readjusting client's local steps trained before it readjusts: 1, after its local training "
+        "(the reference code); below 1 the regrown weights train in the same round"))
+    dtype: Literal["float16", "float32"] = Field("float16", description="the weights' and biases' values, both ways")
+    weighting: Literal["samples", "uniform"] = Field("samples", description="client weights by n_t, or alike")
+
+
 @dataclass
 class DstDownlink:
     round_idx: int
@@ -440,8 +466,10 @@ def _dense_gradients(model: nn.Module, data: ClientData, batch_size: int, gen: t
         model.to("cpu")
 
 
-class FedDstClient:
+class FedDstClient(ClientAlgorithm):
     """Client half: train the masked network, readjust the mask in readjustment rounds, upload the weights on it."""
+
+    keeps_state = True
 
     name = "feddst"
 
@@ -497,3 +525,7 @@ class FedDstClient:
 
     def import_state(self, arrays: dict[str, np.ndarray]) -> None:
         self.supports.import_state(arrays)
+
+
+SPEC = AlgorithmSpec("feddst", FedDstConfig, FedDstServer, FedDstClient,
+                     default_lr=2e-3, label="FedDST", model_options=sigma_options)

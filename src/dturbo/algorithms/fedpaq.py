@@ -12,13 +12,17 @@ sends the update unquantised in ``fedpaq.dtype``.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
+from pydantic import Field, model_validator
 
 from ..codec import decode_dense, decode_quantized, encode_dense, encode_quantized
 from ..coding.values import decode_symbols, encode_symbols
-from ..config import Config
+from ..config import Config, Section, ValuesCode
+from ..protocol import AlgorithmSpec
 from .base import MessageError
-from .point import PointClient, PointLayer, PointMessages, PointServer
+from .point import PointClient, PointLayer, PointMessages, PointServer, sigma_options
 
 
 def qsgd_encode(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, float]:
@@ -34,6 +38,25 @@ def qsgd_encode(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.nda
 
 def qsgd_decode(symbols: np.ndarray, s: int, norm: float) -> np.ndarray:
     return norm * (symbols.astype(np.float64) - s) / s
+
+
+class FedPaqConfig(Section):
+    """FedPAQ (REFERENCE.md): r = federation.clients_per_round clients, tau = the local steps of [train],
+    the QSGD quantiser with ``levels`` = s levels on the update; unquantised download."""
+
+    levels: int = Field(32767, ge=0, le=2**31 - 1, description="QSGD s; 0 = no quantisation (dtype values)")
+    dtype: Literal["float16", "float32"] = Field("float16", description="download, and the upload when levels = 0")
+    weighting: Literal["uniform", "samples"] = Field("uniform", description="mean of updates (paper) or by n_t")
+    values_code: ValuesCode = Field("fixed", description=(
+        "how the QSGD symbols are written: fixed, ceil(log2(2s + 1)) bits each; range, range-coded under a "
+        "discretised Gaussian or Laplace fitted per layer (lossless, as QSGD's own Elias coding; "
+        "dturbo.coding.values)"))
+
+    @model_validator(mode="after")
+    def _coded_levels(self) -> FedPaqConfig:
+        if self.values_code == "range" and not 1 <= self.levels <= 32767:
+            raise ValueError(f"values_code = 'range' codes QSGD symbols with levels in 1..32767, got {self.levels}")
+        return self
 
 
 class FedPaqMessages(PointMessages):
@@ -87,3 +110,7 @@ class FedPaqServer(PointServer):
 class FedPaqClient(PointClient):
     name = "fedpaq"
     messages_type = FedPaqMessages
+
+
+SPEC = AlgorithmSpec("fedpaq", FedPaqConfig, FedPaqServer, FedPaqClient,
+                     default_lr=2e-3, label="FedPAQ", model_options=sigma_options)

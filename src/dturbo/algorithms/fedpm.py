@@ -33,22 +33,25 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 from torch.nn.utils import parametrize
 
 from ..codec import CodecError, decode_quantized, encode_quantized
 from ..coding.masks import decode_mask_payload, encode_mask_payload
-from ..config import Config
+from ..config import Config, Section
 from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
+from ..protocol import AlgorithmSpec, ClientAlgorithm
 from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
 from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
-from .point import PointLayer, _theta, make_deterministic, point_layers
+from .point import PointLayer, _theta, make_deterministic, point_layers, sigma_options
 from .server import Received, ServerBase, Upload
 
 # Seed-sequence tags: every random draw is a pure function of (seed, round, client, tag), so resume is exact.
@@ -96,6 +99,37 @@ def _entropy_bits(p: np.ndarray) -> float:
     """Mean binary entropy (bits) of the probabilities."""
     q = np.clip(p, 1e-12, 1 - 1e-12)
     return float(np.mean(-(q * np.log2(q) + (1 - q) * np.log2(1 - q))))
+
+
+class FedPmConfig(Section):
+    """FedPM (Isik et al., ICLR 2023): frozen seeded random weights, a trained keep probability per weight and
+    bias; clients upload one sampled mask, range-coded; the server's Beta-Bernoulli posterior gives the global
+    probabilities it sends down (quantised). The learning rate is [train].lr (the authors use Adam, lr 0.1)."""
+
+    lambda0: float = Field(1.0, gt=0, description="Beta(lambda0, lambda0) prior of every keep probability")
+    reset_every: int = Field(1, ge=1, description="reset the posterior to the prior every this many rounds "
+                                                  "(1: every round, as the authors' code)")
+    estimate: Literal["mode", "mean"] = Field("mode", description="theta_G = posterior mode (authors' code) or mean")
+    epsilon: float = Field(0.01, ge=0, lt=0.5, description="theta_G squeezed into [epsilon, 1 - epsilon] (authors' "
+                                                            "code: each received bit counts as epsilon / 1 - epsilon)")
+    score_init_std: float = Field(1.0, ge=0, description="round-0 scores ~ N(0, std^2), theta = sigmoid(score)")
+    weight_scale: float = Field(1.0, gt=0, description="the frozen weights and biases are this times the model's "
+                                                       "initial ones (> 1 can help deep models: a half-kept layer "
+                                                       "loses signal; the authors scale their init up)")
+    down_bits: int = Field(8, ge=2, le=16, description="theta_G sent on a uniform grid of 2^down_bits levels")
+    upload_model: Literal["best", "global", "empirical"] = Field(
+        "best", description="probability model of the coded mask: theta_G per weight ('global'), one "
+                            "Bernoulli(fraction of ones) per layer ('empirical', the cost the authors report), or "
+                            "the cheaper of the two per layer ('best')")
+    eval_mask: Literal["sample", "threshold"] = Field(
+        "sample", description="the global model's mask: one seeded sample from theta_G (authors' code) or "
+                              "theta_G >= 0.5")
+
+    @model_validator(mode="after")
+    def _mode_needs_lambda(self) -> FedPmConfig:
+        if self.estimate == "mode" and self.lambda0 < 1:
+            raise ValueError("estimate = 'mode' needs lambda0 >= 1 (the Beta mode is undefined below); use 'mean'")
+        return self
 
 
 class _BernoulliSTE(torch.autograd.Function):
@@ -365,7 +399,7 @@ class FedPmServer(ServerBase[FedPmUplink]):
 
 
 # ----------------------------------------------------------------------------------------------- client
-class FedPmClient:
+class FedPmClient(ClientAlgorithm):
     """Client half: scores from logit(theta_G), local training of the scores through sampled masks, one
     sampled mask uploaded range-coded (module docstring)."""
 
@@ -435,3 +469,8 @@ class FedPmClient:
             masks.append((rng.random(info.size) < theta_local).astype(np.uint8))
         return self.messages.encode_uplink(round_idx, client_id, len(data), masks, probs,
                                            self.plain.encode_model(self.model), result.nll)
+
+
+# FedPM trains scores, not weights, at its authors' 0.1.
+SPEC = AlgorithmSpec("fedpm", FedPmConfig, FedPmServer, FedPmClient,
+                     default_lr=0.1, label="FedPM", model_options=sigma_options)

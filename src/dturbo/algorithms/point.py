@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from ..config import Config
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
 from ..prior import grid_shape
+from ..protocol import ClientAlgorithm
 from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
 from .bounds import Limit, UploadBounds, magnitude
 from .local import round_lr, train_local
@@ -268,7 +270,7 @@ class PointServer(ServerBase[PointUplink]):
         return point_model(self.model_factory, self.layers, state, self.plain)
 
 
-class PointClient:
+class PointClient(ClientAlgorithm):
     """Client half shared by the baselines: load the dense model, train, encode theta per layer."""
 
     name = "point"
@@ -297,3 +299,10 @@ class PointClient:
         thetas = [(_theta(layer), start) for (_, layer), start in zip(bayesian_layers(self.model), starts, strict=True)]
         return self.messages.encode_uplink(round_idx, client_id, len(data), thetas, self.plain.encode_model(self.model),
                                            result.nll, rng)
+
+
+def sigma_options(cfg: Config) -> dict[str, Any]:
+    """``AlgorithmSpec.model_options`` of the baselines: the Bayesian layers' sigma as ``[dturbo]`` sets it. A
+    baseline never trains sigma, but its saved model holds it: built as D-Turbo-VBI's, a model has the same shape and
+    values whichever method trained it."""
+    return {"sigma_mode": cfg.dturbo.sigma_mode, "sigma_init_ratio": cfg.dturbo.sigma_init_ratio}

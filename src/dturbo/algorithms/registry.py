@@ -1,45 +1,56 @@
-"""The algorithm registry: ``experiment.algorithm`` -> (server class, client class), and how a configuration
-becomes the pair on its model.
+"""The registry of federated methods: ``experiment.algorithm`` -> :class:`~dturbo.protocol.AlgorithmSpec`, the one
+list of methods the runners, the config and the command line read; and how a configuration becomes a method's two
+halves on its model.
 
-Every pair is written against the protocol of :mod:`dturbo.algorithms.base`; the runner (:mod:`dturbo.sim`) and the
-Flower apps build theirs with :func:`build_algorithm`. A new method adds its pair here and its name to the
-``algorithm`` choices of :class:`dturbo.config.ExperimentConfig`.
+Every method is written against :mod:`dturbo.protocol`; the runner (:mod:`dturbo.sim`) and the Flower apps build
+theirs with :func:`build_algorithm`. A new method is a module defining its halves, its config section and its
+``AlgorithmSpec``, and one :func:`register` call: its section then appears in :class:`dturbo.config.Config`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from .. import config as _config
 from ..config import Config, ConfigError
 from ..data import Dataset
 from ..nn import models
-from .base import ClientAlgorithm, ServerAlgorithm
-from .dssm import DssmClient, DssmServer
-from .dturbo import DturboClient, DturboServer
-from .fedavg import FedAvgClient, FedAvgServer
-from .feddst import FedDstClient, FedDstServer
-from .fedpaq import FedPaqClient, FedPaqServer
-from .fedpm import FedPmClient, FedPmServer
-from .stc import StcClient, StcServer
+from ..protocol import AlgorithmSpec, ClientAlgorithm, ModelFactory, ServerAlgorithm
 
-__all__ = ["ALGORITHMS", "ModelFactory", "build_algorithm", "model_factory"]
+__all__ = ["ALGORITHMS", "AlgorithmSpec", "ModelFactory", "build_algorithm", "model_factory", "register",
+           "unregister"]
 
-ALGORITHMS: dict[str, tuple[type, type]] = {  # (ServerAlgorithm, ClientAlgorithm) of algorithms/base
-    "dturbo": (DturboServer, DturboClient),
-    "fedavg": (FedAvgServer, FedAvgClient),
-    "fedpaq": (FedPaqServer, FedPaqClient),
-    "dssm": (DssmServer, DssmClient),
-    "fedpm": (FedPmServer, FedPmClient),
-    "stc": (StcServer, StcClient),
-    "feddst": (FedDstServer, FedDstClient),
-}
+# The registered methods by name, in registration order (the order of their config sections).
+ALGORITHMS: dict[str, AlgorithmSpec] = {}
+# The method of a config that names none (``experiment.algorithm``'s default).
+DEFAULT_ALGORITHM = _config.ExperimentConfig.model_fields["algorithm"].default
 
-# A zero-argument function returning the seeded initial model, the same every call: what both halves start from.
-ModelFactory = Callable[[], nn.Module]
+
+def register(spec: AlgorithmSpec) -> AlgorithmSpec:
+    """Add a method: ``experiment.algorithm = spec.name`` runs it, and ``[spec.name]`` (its section) joins the
+    config. A name taken by a method or by a section every run reads is refused (ValueError)."""
+    if spec.name in ALGORITHMS or spec.name in _config.Config.__pydantic_fields__:
+        raise ValueError(f"algorithm {spec.name!r}: the name is taken (a registered method or a config section)")
+    ALGORITHMS[spec.name] = spec
+    _sync_config()
+    return spec
+
+
+def unregister(name: str) -> AlgorithmSpec:
+    """Remove a registered method and its config section; returns its spec (KeyError: none of that name)."""
+    if name not in ALGORITHMS:
+        raise KeyError(f"no registered algorithm {name!r}")
+    spec = ALGORITHMS.pop(name)
+    _sync_config()
+    return spec
+
+
+def _sync_config() -> None:
+    _config.set_method_sections({name: spec.section for name, spec in ALGORITHMS.items()}, DEFAULT_ALGORITHM)
 
 
 def model_factory(cfg: Config, input_shape: Sequence[int], num_classes: int) -> ModelFactory:
@@ -51,13 +62,11 @@ def model_factory(cfg: Config, input_shape: Sequence[int], num_classes: int) -> 
         raise ConfigError("config key 'model.name': 'custom' stands for a model given to dturbo.Experiment(model=...) "
                           "in Python; it cannot be built from the config (dturbo run, Flower): name a built-in model")
     shape = tuple(int(d) for d in input_shape)
+    options = _spec(cfg).model_options(cfg)
 
     def make() -> nn.Module:
-        return models.build_model(
-            cfg.model.name, shape, num_classes, sigma_mode=cfg.dturbo.sigma_mode,
-            sigma_init_ratio=cfg.dturbo.sigma_init_ratio, hidden=cfg.model.hidden, width=cfg.model.width,
-            seed=cfg.experiment.seed,
-        )
+        return models.build_model(cfg.model.name, shape, num_classes, hidden=cfg.model.hidden, width=cfg.model.width,
+                                  seed=cfg.experiment.seed, **options)
 
     return make
 
@@ -78,8 +87,7 @@ def build_algorithm(cfg: Config, fed: Federated, factory: ModelFactory | None = 
     model of ``[model]`` for the federation's data."""
     if factory is None:
         factory = model_factory(cfg, fed.dataset.input_shape, fed.dataset.num_classes)
-    if cfg.experiment.algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {cfg.experiment.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    spec = _spec(cfg)
     # Input size and classes vs model, before anything runs: a clear ModelInputError / ModelOutputError instead of
     # a traceback mid-round. fork_rng: building reseeds torch's global RNG, which the run's own draws must not notice.
     with torch.random.fork_rng(devices=[]):
@@ -87,9 +95,21 @@ def build_algorithm(cfg: Config, fed: Federated, factory: ModelFactory | None = 
         name = cfg.model.name if cfg.model.name != "custom" else type(model).__name__
         models.check_input_shape(model, fed.dataset.input_shape, name, fed.dataset.num_classes,
                                  getattr(fed.dataset, "input_dtype", torch.float32))
-    server_cls, client_cls = ALGORITHMS[cfg.experiment.algorithm]
-    server = server_cls(cfg, factory, fed.total_samples)
+    server = spec.server(cfg, factory, fed.total_samples)
     clients = getattr(fed, "clients", None)
     if clients is not None:  # the partition sizes: n_t of a valid upload (algorithms.bounds)
         server.partitions = [len(c) for c in clients]
-    return server, client_cls(cfg, factory)
+    return server, spec.client(cfg, factory)
+
+
+def _spec(cfg: Config) -> AlgorithmSpec:
+    if cfg.experiment.algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {cfg.experiment.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[cfg.experiment.algorithm]
+
+
+# The built-in methods, in the order of their config sections; each module defines its SPEC.
+from . import dssm, dturbo, fedavg, feddst, fedpaq, fedpm, stc  # noqa: E402
+
+for _module in (dturbo, fedavg, fedpaq, dssm, fedpm, stc, feddst):
+    register(_module.SPEC)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..codec import CodecError
 from ..config import Config
+from ..protocol import ServerAlgorithm
 from .base import NO_CLIENT, MessageError, Rejection, State, client_weights, sample_uniform
 from .bounds import UploadBounds
 from .plain import PlainState
@@ -60,7 +61,7 @@ class Received(Generic[U]):
         return {"clients_ok": float(len(self.uploads)), "clients_rejected": float(len(self.rejected))}
 
 
-class ServerBase(Generic[U]):
+class ServerBase(ServerAlgorithm, Generic[U]):
     """Shared mechanics of a server: ``cfg``, ``total_samples`` (n) and ``plain`` are set by the subclass;
     ``partitions`` (each client's sample count) by whoever knows the federation (:func:`build_algorithm`)."""
 
@@ -71,7 +72,7 @@ class ServerBase(Generic[U]):
     partitions: Sequence[int] | None = None
 
     @property
-    def max_uplink_bytes(self) -> int:
+    def max_uplink_bytes(self) -> int:  # type: ignore[override]
         """The size bound of an upload (its messages'): a longer one is refused unread, and booked up to it."""
         return int(self.messages.max_uplink_bytes)  # type: ignore[attr-defined]
 
@@ -84,14 +85,6 @@ class ServerBase(Generic[U]):
         """``federation.clients_per_round`` of the clients uniformly, a pure function of (seed, round)."""
         f = self.cfg.federation
         return sample_uniform(self.cfg.experiment.seed, round_idx, f.clients, f.clients_per_round)
-
-    def downlink(self, state: State, round_idx: int) -> bytes:
-        """The round's broadcast: the message every client is sent."""
-        raise NotImplementedError
-
-    def downlinks(self, state: State, round_idx: int, clients: list[int]) -> dict[int, bytes]:
-        """Each selected client's downlink: by default the broadcast, one bytes object for all of them."""
-        return dict.fromkeys(clients, self.downlink(state, round_idx))
 
     def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> U:
         """One upload as its record; raises MessageError / CodecError with the reason it is refused."""

@@ -63,14 +63,17 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+from pydantic import Field
 from torch import nn
 
 from ..codec import decode_dense, decode_ternary, encode_dense, encode_ternary
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, Probability, Section
 from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
+from ..protocol import AlgorithmSpec, ClientAlgorithm
 from .base import (
     ClientData,
     ClientError,
@@ -87,7 +90,7 @@ from .bounds import Limit, UploadBounds, magnitude
 from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
-from .point import PointLayer, _load, _theta, make_deterministic, point_layers, point_model
+from .point import PointLayer, _load, _theta, make_deterministic, point_layers, point_model, sigma_options
 from .server import ServerBase, Upload
 
 DOWN_KIND, UP_KIND = "stc/down", "stc/up"
@@ -149,6 +152,19 @@ def model_digest(theta: np.ndarray) -> bytes:
 
 
 # ================================================================== tensor layout
+class StcConfig(Section):
+    """STC (Sattler et al. 2019, sparse ternary compression): per tensor, clients send the top-k of (update +
+    their error-feedback residual) as {-mu, 0, +mu} with Golomb(-Rice) coded positions; the server averages,
+    compresses the global update the same way (its own residual) and broadcasts it. Needs every client every
+    round (federation.clients_per_round unset)."""
+
+    p_up: Probability = Field(0.01, gt=0, le=1, description="fraction kept of each tensor's client update, "
+                                                            "k = ceil(p_up * size) (the paper uses 1/25 .. 1/400)")
+    p_down: Probability = Field(0.01, gt=0, le=1, description="the same for the server's broadcast update")
+    dtype: Literal["float16", "float32"] = Field("float32", description="of mu, one value per tensor and message")
+    weighting: Literal["uniform", "samples"] = Field("samples", description="mean of the updates, or by n_t")
+
+
 @dataclass(frozen=True)
 class StcTensor:
     """One compressed tensor (a layer's weight or bias) as a slice of the flat model vector."""
@@ -409,9 +425,11 @@ class _Residual:
     after: np.ndarray  # float64, flat
 
 
-class StcClient:
+class StcClient(ClientAlgorithm):
     """Client half (Algorithm 2): rebuild W from the broadcast, train, send STC_{p_up}(update + residual), keep the
     new residual. State: residuals per client id, one model copy per process (module docstring)."""
+
+    keeps_state = True
 
     name = "stc"
 
@@ -523,3 +541,5 @@ class StcClient:
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(f"checkpointed STC client state is incomplete ({err})") from None
 
+
+SPEC = AlgorithmSpec("stc", StcConfig, StcServer, StcClient, default_lr=2e-3, label="STC", model_options=sigma_options)

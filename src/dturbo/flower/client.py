@@ -182,7 +182,7 @@ def runtime(task: protocol.Task, model: nn.Module) -> Runtime:
     def factory() -> nn.Module:
         return copy.deepcopy(snapshot)
 
-    client = ALGORITHMS[task.algorithm][1](cfg, factory)
+    client = ALGORITHMS[task.algorithm].client(cfg, factory)
     if task.algorithm == "dturbo":
         align_priors(client, task.layers, cfg)
     _CACHE.clear()

@@ -156,7 +156,7 @@ def restore_state(runtime: ClientRuntime, context: Context, partition_id: int, r
     client = runtime.client
     state = context.state
     meta = None if state is None else state.get(STATE_META)
-    if not hasattr(client, "import_state") or not isinstance(meta, ConfigRecord):
+    if not client.keeps_state or not isinstance(meta, ConfigRecord):
         return
     token, saved_round = str(meta["token"]), int(meta["round"])
     if runtime.synced.get(partition_id) == token:
@@ -176,11 +176,10 @@ def restore_state(runtime: ClientRuntime, context: Context, partition_id: int, r
 def save_state(runtime: ClientRuntime, context: Context, partition_id: int, round_idx: int) -> None:
     """After a successful ``fit`` of ``round_idx``: this node's part of ``export_state()`` into
     ``context.state`` (the state it replaces kept as the one entering the round, unless the round was a retry)."""
-    export = getattr(runtime.client, "export_state", None)
     state = context.state
-    if export is None or state is None:
+    if not runtime.client.keeps_state or state is None:
         return
-    arrays = own_state(export(), partition_id)
+    arrays = own_state(runtime.client.export_state(), partition_id)
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
     meta = state.get(STATE_META)
     if not isinstance(meta, ConfigRecord) or int(meta["round"]) != round_idx:

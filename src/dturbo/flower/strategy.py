@@ -47,6 +47,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -229,17 +230,17 @@ class DturboStrategy(Strategy):
         node_of, total = self._connect(grid, nodes)
         cfg = self.config_for(num_rounds, len(node_of))
         from ..algorithms.registry import ALGORITHMS
-        from ..sim import schedule_warning
-        from ..sparsity import local_steps_a_round
 
         model = self.initial_model(cfg, initial_arrays)
 
         def factory() -> nn.Module:
             return copy.deepcopy(model)
 
-        server = ALGORITHMS[self.algorithm][0](cfg, factory, total)
-        if (msg := schedule_warning(cfg, local_steps_a_round(cfg.train, total, len(node_of)))) is not None:
-            log.warning("dturbo: %s", msg)
+        spec = ALGORITHMS[self.algorithm]
+        server = spec.server(cfg, factory, total)
+        # The nodes' sample counts are unknown here: the warnings that need them stay silent.
+        for warning in spec.run_warnings(cfg, SimpleNamespace(total_samples=total, clients=None)):
+            log.warning("dturbo: %s", warning)
         self.session = _Session(cfg, server, server.init(), node_of, total, protocol.settings_text(cfg),
                         protocol.model_layers(model))
         log.info("dturbo %s: %d clients, n = %d training samples, %d rounds, %s clients a round", self.algorithm,
