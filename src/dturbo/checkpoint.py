@@ -70,13 +70,18 @@ def read_safetensors(path: Path, *, what: str, error: type[Exception]
     return tensors, meta
 
 
+# [experiment] keys a resumed run may change: how long it runs, how often it is evaluated, its name, its threads and
+# device.
+RESUMABLE_CHANGES = ("rounds", "eval_every", "threads", "name", "device")
+
+
 def config_fingerprint(config: dict[str, Any]) -> str:
     """Hash of the parts of a config that define the experiment (not how long it runs, how often it is
     evaluated, or on which device), so a run may be resumed with more rounds or on a GPU, but not with another
     model or data."""
     data = json.loads(json.dumps(config))
     exp = data.get("experiment", {})
-    for key in ("rounds", "eval_every", "threads", "name", "device"):
+    for key in RESUMABLE_CHANGES:
         exp.pop(key, None)
     _drop_later_defaults(data)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -101,9 +106,9 @@ def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
     for name in DATA_ARRAYS:
         a, b = saved.get(name, "?"), now.get(name, "?")
         if a != b:
-            same_form = a.rpartition(" ")[0] == b.rpartition(" ")[0]
-            out.append(f"{name}: {'the same dtype and shape, other values' if same_form else a.rpartition(' ')[0]}"
-                       f"{'' if same_form else ' -> ' + b.rpartition(' ')[0]}")
+            form_a, form_b = a.rpartition(" ")[0], b.rpartition(" ")[0]  # "dtype [shape]" without the hash
+            out.append(f"{name}: the same dtype and shape, other values" if form_a == form_b
+                       else f"{name}: {form_a} -> {form_b}")
     return out
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import (
+    RESUMABLE_CHANGES,
     STATE_FILE,
     CheckpointError,
     atomic_write_bytes,
@@ -190,9 +191,8 @@ class RunDir:
         except (ConfigError, OSError):
             return ""
         now = _flat(config.to_dict())
-        keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)
-                and k not in ("experiment.rounds", "experiment.eval_every", "experiment.threads", "experiment.name",
-                              "experiment.device")]
+        resumable = {f"experiment.{k}" for k in RESUMABLE_CHANGES}
+        keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k) and k not in resumable]
         if not keys:
             return ""
         shown = ", ".join(f"{k} ({saved.get(k, 'absent')!r} -> {now.get(k, 'absent')!r})" for k in keys[:6])

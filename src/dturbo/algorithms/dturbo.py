@@ -130,8 +130,8 @@ class DturboServer(ServerBase[DturboUplink]):
         self.layers = _layer_infos(model, cfg)
         self.plain = PlainState(model)  # the state outside the Bayesian layers (BatchNorm, ...): sent dense
         # Values outside every support (biases, the plain state): they travel dense and count as nonzero.
-        self.dense_values = self.plain.size + sum(int(np.prod(layer.bias.shape)) for _, layer in
-                                                  bayesian_layers(model) if layer.bias is not None)
+        self.dense_values = self.plain.size + sum(layer.bias.numel() for _, layer in bayesian_layers(model)
+                                                  if layer.bias is not None)
         if self.plain:
             weights = sum(int(np.prod(i.grid)) for i in self.layers)
             _announce_dense(self.plain, self.dense_values, self.dense_values + weights)
