@@ -29,6 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from dturbo.testing import Residual  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 GOAL_S = 1.0
 
@@ -46,21 +50,11 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "kernels": m.kernels, 
 """
 
 
-class ResBlock(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
-
-
 class SmallResNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
-        self.block = ResBlock(16)
+        self.block = Residual(16)
         self.head = nn.Linear(16 * 7 * 7, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,19 +25,10 @@ from dturbo.nn.convert import user_model_factory
 from dturbo.nn.models import ModelOutputError
 from dturbo.prior import grid_shape
 from dturbo.sparsity import SETTLED_SHORTFALL
+from dturbo.testing import Residual
 
 TIMING = {"seconds", "server_seconds"}
 CLASSES = 4
-
-
-class Residual(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
 
 
 class ResNetTiny(nn.Module):

@@ -1,8 +1,25 @@
-"""Helpers shared by the test suite and the fuzzing benchmark (they need ``hypothesis``, a test extra)."""
+"""Helpers shared by the test suite and the benchmarks: hostile message variants (they need ``hypothesis``, a test
+extra) and a residual block with BatchNorm, a model of one's own that dturbo does not build."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Residual(nn.Module):
+    """conv-BN-ReLU-conv-BN on ``c`` channels, added to its input, then ReLU."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
 
 
 def mutate(base: bytes, data: Any) -> bytes:
