@@ -22,6 +22,7 @@ from .checkpoint import (
     STATE_FILE,
     CheckpointError,
     atomic_write_bytes,
+    data_changes,
     load_checkpoint,
     read_safetensors,
     run_counters,
@@ -161,11 +162,12 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.config_path, cfg.to_toml().encode())
 
-    def checkpoint_to_resume(self, fingerprint: str, config: Config | None = None
-                             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def checkpoint_to_resume(self, fingerprint: str, config: Config | None = None,
+                             data: dict[str, str] | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(state, counters) of the checkpoint a resumed run continues from, checked against the configuration's
-        ``fingerprint``; CheckpointError naming the problem (nothing is modified), with the keys in which
-        ``config`` differs from the run's config.toml."""
+        ``fingerprint`` and the ``data`` (:func:`dturbo.checkpoint.data_fingerprint`); CheckpointError naming the
+        problem (nothing is modified): the keys in which ``config`` differs from the run's config.toml, the arrays
+        that differ."""
         self._refuse_a_file()
         if not (self.checkpoint_dir / STATE_FILE).exists() and self.started():
             raise CheckpointError(
@@ -180,6 +182,12 @@ class RunDir:
                 f"(fingerprint {counters.get('fingerprint')} != {fingerprint}{self._config_changes(config)}); "
                 f"it was left untouched"
             )
+        # Checkpoints written before the data were fingerprinted hold none: they resume unchecked.
+        if data is not None and isinstance(counters.get("data"), dict) and (
+                changed := data_changes(counters["data"], data)):
+            raise CheckpointError(f"--resume: the data differ from the data the run in {self.path} trained on "
+                                  f"({'; '.join(changed)}); resume with the same data, or start a new run into a "
+                                  f"fresh --out; the checkpoint was left untouched")
         return state, counters
 
     def _config_changes(self, config: Config | None) -> str:

@@ -26,7 +26,7 @@ from torch import nn
 
 from .algorithms.base import ClientError, MessageError, RoundResult
 from .algorithms.registry import ALGORITHMS, ModelFactory, build_algorithm
-from .checkpoint import CheckpointError, config_fingerprint, data_changes, data_fingerprint
+from .checkpoint import CheckpointError, config_fingerprint, data_fingerprint
 from .codec import CodecError
 from .config import Config
 from .data import Dataset
@@ -262,13 +262,7 @@ class Simulator:
         if not self.resume:
             self.run_dir.create(self.cfg)
             return self.server.init(), 0, 0.0, []
-        state, counters = self.run_dir.checkpoint_to_resume(self.fingerprint, self.cfg)
-        # Checkpoints written before the data were fingerprinted hold none: they resume unchecked.
-        if isinstance(counters.get("data"), dict) and (changed := data_changes(counters["data"],
-                                                                                 self.data_fingerprint)):
-            raise CheckpointError(f"--resume: the data differ from the data the run in {self.run_dir.path} trained "
-                                  f"on ({'; '.join(changed)}); resume with the same data, or start a new run into "
-                                  f"a fresh --out; the checkpoint was left untouched")
+        state, counters = self.run_dir.checkpoint_to_resume(self.fingerprint, self.cfg, self.data_fingerprint)
         state = self._restore_client_state(state)
         fresh = self.server.init()
         if set(state) != set(fresh):
