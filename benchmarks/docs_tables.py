@@ -48,7 +48,9 @@ def joint_table(res: dict) -> list[str] | None:
 def presets_table(res: dict) -> list[str]:
     what = {"quick": "`--preset quick` (the main job)", "quick_paper": "the main job, the paper's 16-bit protocol",
             "recommended": "`--preset recommended`"}
-    out = [f"{res['protocol']}, seed 0 ([results](docs/results.md)):", "",
+    # Float sums depend on the thread count: a run on torch's default threads ends a little apart.
+    out = [f"{res['protocol']}, seed 0, one torch thread (`--set experiment.threads=1`; other thread counts sum in "
+           f"another order and end a little apart) ([results](docs/results.md)):", "",
            "| run | test accuracy | nonzero weights | bits up + down |", "|---|---|---|---|"]
     for name, r in res["runs"].items():
         out.append(f"| {what.get(name, name)} | {100 * r['final_accuracy']:.2f}% | {100 * r['final_density']:.0f}% | "
