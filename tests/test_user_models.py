@@ -235,7 +235,9 @@ def _plain_numel(make: type[nn.Module]) -> int:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fedavg_federates_and_counts_the_other_state(tmp_path, name):
     make = MODELS[name]
-    res = run(tmp_path / "run", make, algorithm="fedavg", rounds=2, fedavg={"dtype": "float32"})
+    # the training messages alone (a BatchNorm model's calibration: tests/test_batchnorm.py)
+    res = run(tmp_path / "run", make, algorithm="fedavg", rounds=2, fedavg={"dtype": "float32"},
+              federation={"batchnorm": "averaged"})
     net = dturbo.bayesianize(make())
     weights = sum(p.numel() for _, la in bayesian_layers(net) for p in (la.weight_mu, la.bias) if p is not None)
     # the ledger's values: every weight and bias at 32 bits, the other state at 16, to each of 3 clients and back

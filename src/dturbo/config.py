@@ -91,6 +91,9 @@ class FederationConfig(_Section):
         "retry", description="a round with fewer than min_clients valid updates is run again, or the run stops"
     )
     max_retries: int = Field(3, ge=0, description="attempts after the first before the run stops")
+    batchnorm: Literal["calibrated", "averaged"] = Field("calibrated", description=(
+        "BatchNorm's running statistics of the global model: measured on it by the next round's clients after "
+        "every evaluated round (one more downlink and a few floats up, counted), or the clients' averaged"))
 
     @model_validator(mode="after")
     def _per_round_le_clients(self) -> FederationConfig:

@@ -14,6 +14,7 @@ from .algorithms.base import LEDGER_PARTS, message_bits
 
 # metrics.csv's ledger columns: up and down apart, each split into headers, positions and values.
 LEDGER_COLUMNS = [f"{d}_{part}_bits" for d in ("up", "down") for part in LEDGER_PARTS]
+STATISTICS_LAYOUT = {"statistics": {"mean": "dense", "var": "dense"}}  # a calibration reply's fields
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Traffic:
     max_uplink_bytes: int | None = None  # the server's size bound of an upload (None: none)
     up_bits: int = 0
     down_bits: int = 0
+    calibration_bits: int = 0  # of up_bits + down_bits: BatchNorm calibration's (add_calibration)
     parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEDGER_COLUMNS, 0))
 
     def add(self, downlinks: list[bytes], uplinks: list[bytes]) -> None:
@@ -49,3 +51,26 @@ class Traffic:
                 self.parts[f"up_{part}_bits"] += bits
             self.up_bits += sum(parts.values())
         self.down_bits += 8 * sum(len(d) for d in downlinks)
+
+    def add_calibration(self, requests: list[tuple[bytes, bytes]], replies: list[bytes]) -> None:
+        """A BatchNorm calibration (:mod:`dturbo.algorithms.statistics`): each request as (the ``calibrate``
+        message, the downlink it frames), booked as that downlink plus its frame in headers; each reply by part."""
+        split: dict[int, dict[str, int]] = {}
+        for wrapped, inner in requests:
+            if id(wrapped) not in split:
+                split[id(wrapped)] = message_bits(inner, self.layouts)
+                split[id(wrapped)]["headers"] += 8 * (len(wrapped) - len(inner))
+            for part, bits in split[id(wrapped)].items():
+                self.parts[f"down_{part}_bits"] += bits
+            self.down_bits += 8 * len(wrapped)
+            self.calibration_bits += 8 * len(wrapped)
+        for data in replies:
+            try:
+                parts = message_bits(data, STATISTICS_LAYOUT)
+            except ValueError:
+                parts = {"headers": 8 * len(data)}
+            for part, bits in parts.items():
+                self.parts[f"up_{part}_bits"] += bits
+            self.up_bits += 8 * len(data)
+            self.calibration_bits += 8 * len(data)
+

@@ -89,6 +89,7 @@ class ServerAlgorithm:
     layouts: dict[str, dict[str, str]]
     # The size bound of an upload: a longer one is refused unread and booked up to it; None: booked as sent.
     max_uplink_bytes: int | None = None
+    partitions: list[int] | None = None  # each client's sample count, where the federation is known
 
     def init(self) -> State:
         """The state of round 0."""
@@ -128,10 +129,23 @@ class ClientAlgorithm:
     # Whether the client keeps private state between rounds (export_state / import_state carry it through a
     # checkpoint and a Flower node's state); a stateless client is never asked for it.
     keeps_state: ClassVar[bool] = False
+    cfg: Config
+    device: torch.device  # where local work runs
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         """Client ``client_id``'s upload of the round ``downlink`` opens, trained on ``data``."""
         raise NotImplementedError
+
+    def receive(self, downlink: bytes, client_id: int) -> nn.Module:
+        """The model ``downlink`` gives client ``client_id``, loaded exactly as :meth:`fit` loads it before training
+        and holding nothing from earlier rounds the server did not send (BatchNorm calibration measures it:
+        :mod:`dturbo.algorithms.statistics`). A method without it cannot calibrate; its statistics are averaged."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load a downlink without training")
+
+    @classmethod
+    def can_receive(cls) -> bool:
+        """Whether the method implements :meth:`receive`."""
+        return cls.receive is not ClientAlgorithm.receive
 
     def export_state(self) -> dict[str, np.ndarray]:
         """The private state to checkpoint, as flat arrays by name; none by default."""

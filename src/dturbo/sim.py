@@ -26,6 +26,7 @@ from torch import nn
 
 from .algorithms.base import ClientError, MessageError, RoundResult
 from .algorithms.registry import ALGORITHMS, ModelFactory, build_algorithm
+from .algorithms.statistics import Statistics, request
 from .checkpoint import CheckpointError, config_fingerprint, data_fingerprint
 from .codec import CodecError
 from .config import Config
@@ -148,7 +149,10 @@ class Simulator:
             warnings.warn(warning, stacklevel=2)
         factory = model(self.fed.dataset) if model is not None else None
         self.server, self.client = build_algorithm(cfg, self.fed, factory)
-        self.transport = with_faults(transport or InProcessClients(self.client, self.fed.clients), cfg, self.server)
+        # the clients as reached without injected faults: BatchNorm calibration goes to them (statistics module)
+        self.carrier = transport or InProcessClients(self.client, self.fed.clients)
+        self.transport = with_faults(self.carrier, cfg, self.server)
+        self._statistics: Statistics | None = None
         self.fingerprint = config_fingerprint(cfg.to_dict())
         self.data_fingerprint = data_fingerprint(self.fed.dataset)
         self.final_model: nn.Module | None = None  # the global model saved at the end of run(), in eval mode
@@ -182,6 +186,8 @@ class Simulator:
             cum_bits += traffic.up_bits + traffic.down_bits
             last = rnd == cfg.experiment.rounds - 1
             if (rnd + 1) % cfg.experiment.eval_every == 0 or last:
+                state = self.calibrate(state, rnd + 1, traffic, outcome.events)
+                cum_bits += traffic.calibration_bits
                 model = self.server.global_model(state)
                 acc, loss = evaluate(model, self.fed.x_test, self.fed.y_test, device=self.device)
                 if self.fed.x_val is not None:
@@ -192,6 +198,7 @@ class Simulator:
                 "density": result.metrics.pop("density"),
                 "up_bits": traffic.up_bits, "down_bits": traffic.down_bits, "cum_bits": cum_bits,
                 "seconds": round(time.perf_counter() - t0, 3),
+                **({"calibration_bits": traffic.calibration_bits} if traffic.calibration_bits else {}),
                 **traffic.parts,
                 "participants": outcome.attempt.participants,
                 **outcome.attempt.counts,
@@ -255,6 +262,45 @@ class Simulator:
             f"round {rnd + 1}: fewer than federation.min_clients = {fed.min_clients} valid client updates after "
             f"{retries + 1} attempt(s) (see {self.run_dir.events_path}); {then}"
         )
+
+    def calibrate(self, state: dict[str, Any], next_round: int, traffic: Traffic, events: list[str]
+                  ) -> dict[str, Any]:
+        """``state`` with BatchNorm's running statistics measured on its model by the clients of ``next_round``
+        (:mod:`dturbo.algorithms.statistics`); itself when there is nothing to calibrate. Its messages are booked
+        in ``traffic``; a refused or missing reply is an event, and with no valid reply the averaged statistics
+        stay."""
+        if self.cfg.federation.batchnorm != "calibrated":
+            return state
+        if self._statistics is None:
+            self._statistics = Statistics(self.server.global_model(state))
+            if self._statistics and not self.client.can_receive():
+                warnings.warn(f"{self.cfg.experiment.algorithm} cannot calibrate BatchNorm statistics: they are the "
+                              f"clients' averaged ones (federation.batchnorm = 'averaged')", UserWarning,
+                              stacklevel=3)
+        if not self._statistics or not self.client.can_receive():
+            return state
+        participants = self.server.select_clients(next_round)
+        downlinks = self.server.downlinks(state, next_round, participants)
+        framed: dict[int, bytes] = {}
+        requests = {cid: framed.setdefault(id(down), request(down)) for cid, down in downlinks.items()}
+        replies = self.carrier(requests, next_round)
+        good, weights = [], []
+        for cid, reply in replies.items():
+            if not isinstance(reply, bytes):
+                events.append(f"client {cid}: no BatchNorm statistics ({reply})")
+                continue
+            try:
+                good.append(self._statistics.decode(reply))
+            except (MessageError, CodecError) as err:
+                events.append(f"client {cid}: BatchNorm statistics rejected: {err}")
+                continue
+            weights.append(self.server.partitions[cid] if self.server.partitions else 1)
+        traffic.add_calibration([(requests[c], downlinks[c]) for c in requests],
+                                [r for r in replies.values() if isinstance(r, bytes)])
+        if not good:
+            events.append("BatchNorm calibration: no valid statistics, the averaged ones are kept")
+            return state
+        return self._statistics.pool(state, weights, good)
 
     # ---------------------------------------------------------------- the run directory
     def _open(self) -> tuple[dict[str, Any], int, float, list[dict[str, Any]]]:

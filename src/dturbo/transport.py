@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from .algorithms.base import ClientAlgorithm, ClientData, ClientError, MessageError
+from .algorithms.statistics import answer
 from .codec import CodecError
 
 # What a transport returns for one client: its upload, or why it has none.
@@ -52,7 +53,7 @@ class InProcessClients:
         replies: dict[int, Reply] = {}
         for cid, downlink in downlinks.items():
             try:
-                replies[cid] = self.client.fit(downlink, self.data[cid], cid)
+                replies[cid] = answer(self.client, downlink, self.data[cid], cid)
             except ClientError as err:  # its own failure (e.g. diverged): a reason, not a crash
                 replies[cid] = err
             except (MessageError, CodecError) as err:  # a downlink it cannot read: it fails the round, the run goes on

@@ -478,6 +478,10 @@ class DturboClient(ClientAlgorithm):
         self._held: dict[int, dict[int, list[np.ndarray]]] = {}  # client id -> round -> S of every layer
         self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": -> the weights held
 
+    def receive(self, downlink: bytes, client_id: int) -> nn.Module:
+        self._load(self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id)))
+        return self.model
+
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         down = self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id))
         if self.messages.delta:
@@ -486,17 +490,7 @@ class DturboClient(ClientAlgorithm):
         round_idx = down.round_idx
         model = self.model
         layers = bayesian_layers(model)
-        starts = []
-        for info, (_, layer), d in zip(self.layers, layers, down.layers, strict=True):
-            ps = np.ones(info.grid)
-            if d.prior_std is not None:
-                ps[d.support] = d.prior_std
-            else:
-                ps[d.support] = rebuilt_prior_std(info, d.mu, sigma_grid_on(d.sigma, d.support),
-                                                  self.cfg.dturbo.gamma_update)[d.support]
-            _load_layer(layer, d.mu, d.support, d.sigma, d.bias if layer.bias is not None else None, ps)
-            starts.append(layer.weight_mu.detach().double().numpy().reshape(info.grid))  # what training starts from
-        self.plain.load_values(model, down.plain)
+        starts = self._load(down)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         for _, layer in layers:
             layer.generator = gen
@@ -520,6 +514,21 @@ class DturboClient(ClientAlgorithm):
         msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
         return self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng)
+
+    def _load(self, down: DturboDownlink) -> list[np.ndarray]:
+        """Put a decoded downlink into the client's model; the weights training starts from, per layer."""
+        starts = []
+        for info, (_, layer), d in zip(self.layers, bayesian_layers(self.model), down.layers, strict=True):
+            ps = np.ones(info.grid)
+            if d.prior_std is not None:
+                ps[d.support] = d.prior_std
+            else:
+                ps[d.support] = rebuilt_prior_std(info, d.mu, sigma_grid_on(d.sigma, d.support),
+                                                  self.cfg.dturbo.gamma_update)[d.support]
+            _load_layer(layer, d.mu, d.support, d.sigma, d.bias if layer.bias is not None else None, ps)
+            starts.append(layer.weight_mu.detach().double().numpy().reshape(info.grid))  # what training starts from
+        self.plain.load_values(self.model, down.plain)
+        return starts
 
     # -------------------------------------------------- the supports held (positions = "delta")
     def _keep(self, client_id: int, round_idx: int, supports: list[np.ndarray],

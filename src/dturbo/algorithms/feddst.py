@@ -482,13 +482,15 @@ class FedDstClient(ClientAlgorithm):
         self.device = resolve_device(cfg.experiment.device)
         self.supports = ClientSupports([i.name for i in self.layers], [i.grid for i in self.layers])
 
+    def receive(self, downlink: bytes, client_id: int) -> nn.Module:
+        self._load(self.messages.decode_downlink(downlink, lambda r: self.supports.get(client_id, r)))
+        return self.model
+
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         down = self.messages.decode_downlink(downlink, lambda r: self.supports.get(client_id, r))
         self.supports.keep(client_id, down.round_idx, down.masks)
         layers = [layer for _, layer in bayesian_layers(self.model)]
-        for layer, w, m, b in zip(layers, down.weights, down.masks, down.biases, strict=True):
-            _load(layer, w, m, b)
-        self.plain.load_values(self.model, down.plain)
+        self._load(down)
         gen = client_generator(self.cfg.experiment.seed, down.round_idx, client_id)
         lr = round_lr(self.cfg, down.round_idx)
         steps = num_local_steps(self.cfg.train, len(data))
@@ -514,6 +516,12 @@ class FedDstClient(ClientAlgorithm):
         biases = [layer.bias.detach().double().numpy() if layer.bias is not None else np.zeros(0) for layer in layers]
         return self.messages.encode_uplink(down.round_idx, client_id, len(data), down.masks, masks, weights, biases,
                                            self.plain.encode_model(self.model), nll)
+
+    def _load(self, down: DstDownlink) -> None:
+        for (_, layer), w, m, b in zip(bayesian_layers(self.model), down.weights, down.masks, down.biases,
+                                       strict=True):
+            _load(layer, w, m, b)
+        self.plain.load_values(self.model, down.plain)
 
     def _train(self, data: ClientData, gen: torch.Generator, lr: float, steps: int) -> LocalResult:
         train = self.cfg.train.model_copy(update={"local_steps": steps})

@@ -284,14 +284,23 @@ class PointClient(ClientAlgorithm):
         self.messages = self.messages_type(self.name, cfg, self.layers, self.plain)
         self.device = resolve_device(cfg.experiment.device)
 
-    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        down = self.messages.decode_downlink(downlink)
-        round_idx = down.round_idx
+    def _load(self, down: PointDownlink) -> list[np.ndarray]:
+        """Put a decoded downlink into the client's model; the parameters training starts from, per layer."""
         starts = []
         for (w, b), (_, layer) in zip(down.weights, bayesian_layers(self.model), strict=True):
             _load(layer, w, b)
             starts.append(_theta(layer))
         self.plain.load_values(self.model, down.plain)
+        return starts
+
+    def receive(self, downlink: bytes, client_id: int) -> nn.Module:
+        self._load(self.messages.decode_downlink(downlink))
+        return self.model
+
+    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
+        down = self.messages.decode_downlink(downlink)
+        round_idx = down.round_idx
+        starts = self._load(down)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         result = train_local(self.model, data, self.cfg.train, gen, device=self.device,
                              lr=round_lr(self.cfg, round_idx))

@@ -484,15 +484,13 @@ class StcClient(ClientAlgorithm):
         raise ClientError(f"client {client_id}: holds the residual of round {e.round}, cannot run round {round_idx}")
 
     # ------------------------------------------------------------------ fit
+    def receive(self, downlink: bytes, client_id: int) -> nn.Module:
+        self._load(downlink, self.global_weights(downlink, client_id)[1])
+        return self.model
+
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         round_idx, start = self.global_weights(downlink, client_id)
-        pos = 0
-        for info, (_, layer) in zip(self.layers, bayesian_layers(self.model), strict=True):
-            n_w = info.size - info.n_bias
-            _load(layer, start[pos : pos + n_w], start[pos + n_w : pos + info.size])
-            pos += info.size
-        if self.plain or self.plain.fixed:  # the other state comes dense in every downlink
-            self.plain.load_fields(self.model, self.messages.down.open(downlink))
+        self._load(downlink, start)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
         result = train_local(self.model, data, self.cfg.train, gen, device=self.device,
                              lr=round_lr(self.cfg, round_idx))
@@ -508,6 +506,15 @@ class StcClient(ClientAlgorithm):
         return up
 
     # ------------------------------------------------------------ resume
+    def _load(self, downlink: bytes, start: np.ndarray) -> None:
+        pos = 0
+        for info, (_, layer) in zip(self.layers, bayesian_layers(self.model), strict=True):
+            n_w = info.size - info.n_bias
+            _load(layer, start[pos : pos + n_w], start[pos + n_w : pos + info.size])
+            pos += info.size
+        if self.plain or self.plain.fixed:  # the other state comes dense in every downlink
+            self.plain.load_fields(self.model, self.messages.down.open(downlink))
+
     def export_state(self) -> dict[str, np.ndarray]:
         """The private state to checkpoint after a round: the model copy and every client's residual (each
         with the round that made it). Empty when no client of this object has run."""

@@ -110,8 +110,10 @@ def partition(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Run the client algorithm on this node's partition; reply with the upload bytes."""
+    """Run the client algorithm on this node's partition; reply with the upload bytes (or, to a calibration,
+    BatchNorm statistics)."""
     from ..algorithms.base import ClientError
+    from ..algorithms.statistics import answer
 
     pid, num = wire.partition_of(context)
     task = wire.task_record(msg.content)
@@ -124,7 +126,7 @@ def train(msg: Message, context: Context) -> Message:
     down = wire.record_bytes(msg.content, wire.DOWN)
     try:
         restore_state(runtime, context, pid, rnd)
-        up = runtime.client.fit(down, data, pid)
+        up = answer(runtime.client, down, data, pid)  # a training upload, or BatchNorm statistics
     except ClientError as err:  # the algorithm's own failure (e.g. diverged): a reason, not a crash
         log.warning("client %d, round %d: %s", pid, rnd + 1, err)
         failure = ConfigRecord({"client": pid, "round": rnd, "reason": str(err)})

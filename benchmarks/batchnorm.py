@@ -1,0 +1,224 @@
+"""BatchNorm under pruning: models with BatchNorm trained by D-Turbo-VBI with the library's defaults, against FedAvg
+with float16 transmission (the `fedavg` preset's), with the global model's BatchNorm statistics calibrated (the
+default, ``[federation] batchnorm = "calibrated"``) and, for D-Turbo-VBI, averaged as the clients send them.
+
+Models of one's own through ``dturbo.Experiment(model=...)``, plain torch layers that ``bayesianize`` converts:
+
+* ``resnet8``: a ResNet-8 (conv 3x3 16 + BN, three residual stages of 16, 32, 64 channels with BN, the last two at
+  stride 2 with a 1x1 projection + BN, global average pooling, a dense head);
+* ``mobilenet``: MobileNetV1 as published (conv 3x3, 13 depthwise-separable blocks, each convolution followed by
+  BatchNorm and ReLU; the CIFAR stem at stride 1) at width 0.25.
+
+Protocol: Fashion-MNIST (28x28, the first 6,000 training images, 2,000 test images), 10 clients, Dirichlet 0.5,
+12 rounds of one local epoch, seeds 0, 1 and 2, one torch thread a run. Goal: D-Turbo-VBI ends within 1.5 points of
+FedAvg-16 and no round after the third falls more than 5 points below the round before it.
+Writes ``benchmarks/results/batchnorm.{json,md}``.
+
+Usage: .venv/bin/python benchmarks/batchnorm.py [--runs runs/batchnorm] [--jobs 2]
+       .venv/bin/python benchmarks/batchnorm.py one NAME OUT   (one run, in this process)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from harness import read_csv, say  # noqa: E402
+
+RESULTS = HERE / "results"
+ROUNDS = 12
+SEEDS = (0, 1, 2)
+GOAL = {"points": 1.5, "drop": 5.0, "after_round": 3}
+MODELS = ("resnet8", "mobilenet")
+# variant -> (algorithm, overrides); FedAvg-16 is the `fedavg` preset's transmission and learning rate
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dturbo": ("dturbo", {}),
+    "dturbo_averaged": ("dturbo", {"federation": {"batchnorm": "averaged"}}),
+    "fedavg16": ("fedavg", {"fedavg": {"dtype": "float16"},
+                            "train": {"lr": 0.002, "lr_schedule": "cosine", "lr_final": 0.1}}),
+}
+AVERAGED_SEEDS = (0,)  # the averaged statistics are shown on one seed: the failure they illustrate
+
+
+def build(model: str) -> Any:
+    import torch.nn.functional as F
+    from torch import nn
+
+    def cbr(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, c_out, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(c_out),
+                nn.ReLU()]
+
+    class Block(nn.Module):
+        def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+            super().__init__()
+            self.body = nn.Sequential(*cbr(c_in, c_out, 3, stride)[:3], nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False),
+                                      nn.BatchNorm2d(c_out))
+            self.skip = (nn.Identity() if stride == 1 and c_in == c_out else
+                         nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)))
+
+        def forward(self, x: Any) -> Any:
+            return F.relu(self.body(x) + self.skip(x))
+
+    if model == "resnet8":
+        return nn.Sequential(*cbr(1, 16, 3), Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    blocks = ((64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), (512, 1), (512, 1), (512, 1), (512, 1),
+              (512, 1), (1024, 2), (1024, 1))
+    width = 0.25
+    c = int(32 * width)
+    layers: list[nn.Module] = cbr(1, c, 3)
+    for c_out, stride in blocks:
+        c_out = int(c_out * width)
+        layers += cbr(c, c, 3, stride, groups=c) + cbr(c, c_out, 1)
+        c = c_out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
+
+
+def run_name(model: str, variant: str, seed: int) -> str:
+    return f"{model}_{variant}_s{seed}"
+
+
+def one(name: str, out: Path) -> None:
+    """Train run ``name`` into ``out`` in this process."""
+    import torch
+
+    import dturbo
+
+    model, variant, seed = name.rsplit("_s", 1)[0].split("_", 1) + [int(name.rsplit("_s", 1)[1])]
+    algorithm, over = VARIANTS[variant]
+    cfg: dict[str, Any] = {
+        "experiment": {"name": name, "seed": seed, "rounds": ROUNDS, "threads": 1, "algorithm": algorithm},
+        "data": {"name": "fashion-mnist", "limit_train": 6000, "limit_test": 2000},
+        "federation": {"clients": 10, "partition": "dirichlet", "alpha": 0.5},
+        "model": {"name": "custom"},
+        "train": {"local_epochs": 1.0, "batch_size": 64},
+    }
+    for section, keys in over.items():
+        cfg[section] = {**cfg.get(section, {}), **keys}
+    torch.manual_seed(seed)
+    dturbo.Experiment(cfg, model=build(model), out=out, progress=False, figures=False).run()
+
+
+def runs() -> list[str]:
+    return [run_name(m, v, s) for s in SEEDS for m in MODELS for v in VARIANTS
+            if v != "dturbo_averaged" or s in AVERAGED_SEEDS]
+
+
+def train(name: str, root: Path) -> Path:
+    """One run in a subprocess (one torch thread), reusing a finished one."""
+    out = root / name
+    if (out / "model.safetensors").exists():
+        return out
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    say(f"{name}: training")
+    log = root / f"{name}.log"
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, __file__, "one", name, str(out)], check=True, env=env, stdout=f,
+                       stderr=subprocess.STDOUT)
+    say(f"{name}: done")
+    return out
+
+
+def summarize(root: Path) -> dict[str, Any]:
+    curves = {n: read_csv(root / n / "metrics.csv") for n in runs()}
+    out: dict[str, Any] = {"protocol": {
+        "data": "Fashion-MNIST, first 6,000 training images, 2,000 test images", "clients": 10,
+        "partition": "dirichlet 0.5", "rounds": ROUNDS, "local_epochs": 1, "seeds": list(SEEDS),
+        "averaged_seeds": list(AVERAGED_SEEDS), "goal": GOAL, "threads": 1, "machine": platform.machine(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d")}, "runs": [], "models": {}}
+    for name, cols in curves.items():
+        model, variant = name.rsplit("_s", 1)[0].split("_", 1)
+        acc = [float(a) for a in cols["accuracy"]]
+        after = GOAL["after_round"]  # rounds after it (1-based) against the round before each
+        drops = [100 * (a - b) for a, b in zip(acc[after - 1 : -1], acc[after:], strict=True)]
+        calibration = cols.get("calibration_bits", np.zeros(0))
+        out["runs"].append({"model": model, "variant": variant, "seed": int(name.rsplit("_s", 1)[1]),
+                            "final_accuracy": acc[-1], "final_density": float(cols["density"][-1]),
+                            "largest_drop_after_round_3": max(drops, default=0.0),
+                            "bits": float(cols["cum_bits"][-1]),
+                            "calibration_bits": float(np.nansum(calibration)),
+                            "curve": [[int(r), a] for r, a in zip(cols["round"], acc, strict=True)]})
+    for model in MODELS:
+        by = {v: [r for r in out["runs"] if r["model"] == model and r["variant"] == v] for v in VARIANTS}
+        mean = {v: float(np.mean([r["final_accuracy"] for r in rs])) for v, rs in by.items()}
+        gap = 100 * (mean["fedavg16"] - mean["dturbo"])
+        drop = max(r["largest_drop_after_round_3"] for r in by["dturbo"])
+        out["models"][model] = {
+            "mean_final_accuracy": mean, "points_below_fedavg16": gap, "largest_drop_after_round_3": drop,
+            "averaged_largest_drop": max(r["largest_drop_after_round_3"] for r in by["dturbo_averaged"]),
+            "dturbo_density": float(np.mean([r["final_density"] for r in by["dturbo"]])),
+            "calibration_share_of_bits": float(np.mean([r["calibration_bits"] / r["bits"] for r in by["dturbo"]])),
+            "met": bool(gap <= GOAL["points"] and drop <= GOAL["drop"])}
+    return out
+
+
+def markdown(res: dict[str, Any]) -> str:
+    p = res["protocol"]
+    lines = [
+        "# BatchNorm under pruning", "",
+        f"{p['data']}, {p['clients']} clients, {p['partition']}, {p['rounds']} rounds of {p['local_epochs']} local "
+        f"epoch, seeds {', '.join(map(str, p['seeds']))} (averaged statistics: seed "
+        f"{', '.join(map(str, p['averaged_seeds']))}); generated by `benchmarks/batchnorm.py`. Goal: D-Turbo-VBI "
+        f"within {GOAL['points']} points of FedAvg-16, no round after the {GOAL['after_round']}rd more than "
+        f"{GOAL['drop']} points below the one before.", "",
+        "| model | FedAvg-16 | D-Turbo-VBI | points below | nonzero | largest drop | averaged statistics: largest "
+        "drop | calibration share of bits | goal |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for model, m in res["models"].items():
+        a = m["mean_final_accuracy"]
+        lines.append(f"| {model} | {100 * a['fedavg16']:.2f}% | {100 * a['dturbo']:.2f}% | "
+                     f"{m['points_below_fedavg16']:.2f} | {100 * m['dturbo_density']:.1f}% | "
+                     f"{m['largest_drop_after_round_3']:.2f} | {m['averaged_largest_drop']:.2f} | "
+                     f"{100 * m['calibration_share_of_bits']:.1f}% | {'met' if m['met'] else 'missed'} |")
+    lines += ["", "Accuracy per round (%), seed 0:", "",
+              "| run | " + " | ".join(str(r) for r in range(1, ROUNDS + 1)) + " |",
+              "|---|" + "---|" * ROUNDS]
+    for r in res["runs"]:
+        if r["seed"] == 0:
+            lines.append(f"| {r['model']} {r['variant']} | "
+                         + " | ".join(f"{100 * a:.1f}" for _, a in r["curve"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("command", nargs="?", default="all", choices=["all", "one", "report"])
+    ap.add_argument("name", nargs="?")
+    ap.add_argument("out", nargs="?", type=Path)
+    ap.add_argument("--runs", type=Path, default=HERE.parent / "runs" / "batchnorm")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.command == "one":
+        one(args.name, args.out)
+        return 0
+    args.runs.mkdir(parents=True, exist_ok=True)
+    if args.command == "all":
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(lambda n: train(n, args.runs), runs()))
+    res = summarize(args.runs)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "batchnorm.json").write_text(json.dumps(res, indent=1) + "\n")
+    (RESULTS / "batchnorm.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

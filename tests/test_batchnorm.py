@@ -1,0 +1,142 @@
+"""BatchNorm's running statistics measured on the global model (dturbo.algorithms.statistics): exact against
+statistics computed independently, pooled exactly, in the ledger, refused when hostile, and the global model's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_user_models import ResNetTiny, config, images, rows, run, server_state
+from torch import nn
+
+import dturbo
+from dturbo.algorithms.base import ClientData
+from dturbo.algorithms.statistics import Statistics, _kind
+from dturbo.codec import decode_message, encode_dense, encode_message
+from dturbo.sim import Simulator
+from dturbo.transport import InProcessClients
+
+pytestmark = pytest.mark.filterwarnings("ignore::dturbo.sim.ScheduleWarning")
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.LazyLinear(2))
+
+
+def test_a_client_measures_the_input_of_every_batchnorm_over_all_its_samples():
+    net = _net()
+    x = torch.randn(37, 1, 6, 6)
+    net(x)  # materialise the lazy layer
+    reply = Statistics(net).measure(net, ClientData(x, torch.zeros(37, dtype=torch.long)), 10, torch.device("cpu"))
+    got = dict(decode_message(reply)[1])
+    stats = Statistics(net).decode(reply)
+    with torch.no_grad():
+        h = net[0](x).double().transpose(0, 1).reshape(4, -1)
+    np.testing.assert_allclose(stats["1"][0], h.mean(1).numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(stats["1"][1], h.var(1, unbiased=False).numpy(), rtol=1e-5)
+    assert set(got) == {"1.mean", "1.var", "4.mean", "4.var"} and not net.training
+    # the second layer's input: each batch normalised by its own statistics, as in local training
+    with torch.no_grad():
+        net.train()
+        outs = [net[3](net[2](net[1](net[0](x[i : i + 10])))) for i in range(0, 37, 10)]
+    h2 = torch.cat(outs).double().transpose(0, 1).reshape(3, -1)
+    np.testing.assert_allclose(stats["4"][0], h2.mean(1).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_pooled_statistics_are_those_of_the_union():
+    rng = np.random.default_rng(1)
+    parts = [rng.normal(m, s, size=(n, 3)) for m, s, n in ((0.0, 1.0, 40), (2.0, 0.5, 10), (-1.0, 2.0, 25))]
+    net = nn.Sequential(nn.BatchNorm1d(3))
+    stats = Statistics(net)
+    decoded = [{"0": (p.mean(0), p.var(0))} for p in parts]
+    pooled = stats.pool({"x": 1}, [len(p) for p in parts], decoded)
+    union = np.concatenate(parts)
+    np.testing.assert_allclose(pooled["0.running_mean.plain"], union.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(pooled["0.running_var.plain"], union.var(0), rtol=1e-6)
+    assert pooled["x"] == 1
+
+
+# (algorithm, its own section, how far the clients' copy of the model is from the server's: float32 none, a lossy
+# downlink a little)
+CASES = {"fedavg32": ("fedavg", {"fedavg": {"dtype": "float32"}}, 1e-5), "dturbo": ("dturbo", {}, 0.03),
+         "stc": ("stc", {}, 0.01), "feddst": ("feddst", {}, 0.01)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_global_model_carries_the_statistics_of_its_own_weights(tmp_path, case):
+    algorithm, section, tol = CASES[case]
+    exp = dturbo.Experiment(config(algorithm, 2, **section), data=images(), model=ResNetTiny, out=tmp_path / "run",
+                            progress=False, figures=False)
+    res = exp.run()
+    model = res.model.eval()
+    x = torch.from_numpy(exp.dataset.x_train).float()
+    with torch.no_grad():
+        h = model.stem[0](x).double().transpose(0, 1).reshape(8, -1)  # every client's data: all take part
+    mean, var = h.mean(1), h.var(1, unbiased=False)
+    torch.testing.assert_close(model.stem[1].running_mean.double(), mean, rtol=tol, atol=tol * var.mean().sqrt())
+    torch.testing.assert_close(model.stem[1].running_var.double(), var, rtol=tol, atol=1e-6)
+    averaged = run(tmp_path / "averaged", ResNetTiny, algorithm=algorithm, rounds=2,
+                   federation={"batchnorm": "averaged"}, **section)
+    assert (averaged.model.stem[1].running_var.double() - var).abs().max() > 5 * tol * var.max()
+    # the calibration's messages are in the ledger, split by part like every message
+    for r in res.metrics:
+        assert r["calibration_bits"] > 0
+        for d in ("up", "down"):
+            assert sum(r[f"{d}_{p}_bits"] for p in ("headers", "positions", "values")) == r[f"{d}_bits"]
+    bits = [r["up_bits"] + r["down_bits"] for r in res.metrics]
+    assert [b - c["calibration_bits"] for b, c in zip(bits, res.metrics, strict=True)] == [
+        r["up_bits"] + r["down_bits"] for r in averaged.metrics]
+
+
+def test_a_model_without_batchnorm_sends_nothing_more(tmp_path):
+    from test_user_models import DepthwiseNet
+
+    res = run(tmp_path / "run", DepthwiseNet, rounds=2)
+    assert all("calibration_bits" not in r for r in rows(tmp_path / "run"))
+    assert res.metrics[-1]["cum_bits"] == sum(r["up_bits"] + r["down_bits"] for r in res.metrics)
+
+
+class HostileStatistics(InProcessClients):
+    """Client 0 answers every calibration with negative variances, client 1 with a NaN mean."""
+
+    def __call__(self, downlinks, round_idx):
+        replies = super().__call__(downlinks, round_idx)
+        for cid in (0, 1):
+            if cid in downlinks and _kind(downlinks[cid]) == "calibrate":
+                fields = []
+                for name, payload in decode_message(replies[cid])[1]:
+                    if cid == 0 and name.endswith(".var"):
+                        payload = encode_dense(-np.ones(8), dtype="float32")
+                    elif cid == 1 and name.endswith(".mean"):  # the codec refuses to write a NaN: put it in
+                        payload = payload[:-4] + np.float32(np.nan).tobytes()
+                    fields.append((name, payload))
+                replies[cid] = encode_message("statistics", fields)
+        return replies
+
+
+def test_hostile_statistics_are_refused_and_the_others_pooled(tmp_path):
+    exp = dturbo.Experiment(config("dturbo", 2), data=images(), model=ResNetTiny, out=tmp_path / "run",
+                            progress=False, figures=False)
+    sim = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
+    sim.carrier = HostileStatistics(sim.client, sim.fed.clients)
+    sim.run()
+    log = sim.run_dir.events_path.read_text()
+    assert log.count("BatchNorm statistics rejected") == 4  # 2 clients, 2 rounds
+    state = server_state(tmp_path / "run")
+    assert np.all(np.isfinite(state["stem.1.running_mean.plain"])) and np.all(state["stem.1.running_var.plain"] > 0)
+    # what client 2 alone measured on the final model
+    model = sim.final_model
+    x = sim.fed.clients[2].x
+    with torch.no_grad():
+        h = model.stem[0](x).double().transpose(0, 1).reshape(8, -1)
+    # (the client measures its copy, from an 8-bit downlink: within a hundredth of a standard deviation)
+    np.testing.assert_allclose(state["stem.1.running_mean.plain"], h.mean(1).numpy(), rtol=0,
+                               atol=0.01 * float(h.std(1).min()))
+
+
+def test_a_method_that_cannot_calibrate_says_so_and_averages(tmp_path):
+    with pytest.warns(UserWarning, match="fedpm cannot calibrate BatchNorm statistics"):
+        res = run(tmp_path / "run", ResNetTiny, algorithm="fedpm", rounds=1)
+    assert "calibration_bits" not in res.metrics[0]
