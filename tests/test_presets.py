@@ -54,7 +54,7 @@ def test_paper_preset_sends_float16_and_the_defaults_do_not():
 
 def test_load_config_takes_a_preset_with_overrides_and_names_an_unknown_one():
     cfg = load_config(preset="recommended", overrides={"experiment.rounds": 3})
-    assert cfg.experiment.rounds == 3 and cfg.dturbo.sparsity.target_density == 0.15
+    assert cfg.experiment.rounds == 3 and cfg.dturbo.sparsity.target_density == 0.17
     with pytest.raises(ConfigError, match="unknown preset 'recomended' \\(did you mean 'recommended'\\?\\)"):
         load_config(preset="recomended")
     with pytest.raises(ConfigError, match="one of the two"):

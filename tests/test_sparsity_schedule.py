@@ -137,7 +137,14 @@ def test_layer_targets_select_layers_by_name_position_or_kind():
     assert resolve_layer_targets(names, kinds, {"conv": 0.5, "first": 0.9, "conv1": 0.3}) == {"conv1": 0.3,
                                                                                            "conv2": 0.5}
     assert resolve_layer_targets(names, kinds, {"conv": 0.5, "first": 0.9}) == {"conv1": 0.9, "conv2": 0.5}
-    with pytest.raises(ConfigError, match="'conv9'.*select them by first, last, conv, dense"):
+    # the last of a kind: between a position and the kind
+    alex = ["conv1", "conv2", "conv3", "conv4", "dense1", "dense2", "dense3"]
+    alex_kinds = ["conv"] * 4 + ["dense"] * 3
+    assert resolve_layer_targets(alex, alex_kinds, {"conv": 0.5, "last_conv": 0.25, "last": 1.0}) == {
+        "conv1": 0.5, "conv2": 0.5, "conv3": 0.5, "conv4": 0.25, "dense3": 1.0}
+    assert resolve_layer_targets(alex, alex_kinds, {"first_dense": 0.3, "last_dense": 0.9, "last": 1.0}) == {
+        "dense1": 0.3, "dense3": 1.0}
+    with pytest.raises(ConfigError, match="'conv9'.*select them by first, last, first_conv"):
         resolve_layer_targets(names, kinds, {"conv9": 0.5})
 
 

@@ -262,8 +262,8 @@ class SparsityConfig(_Section):
     layer_targets: dict[str, Probability] = Field(
         default_factory=dict,
         description="final density of layers, each calibrated alone on the same schedule, by name (e.g. "
-                    "{conv1 = 0.34}), position (first, last) or kind (conv, dense); a name wins over a position, a "
-                    "position over a kind; the other layers share what is left of target_density (scope 'global') or "
+                    "{conv1 = 0.34}), position (first, last), position among a kind (first_conv, last_conv, "
+                    "first_dense, last_dense) or kind (conv, dense); the more specific wins; the other layers share what is left of target_density (scope 'global') or "
                     "each take target_density (scope 'layer')",
     )
 

@@ -130,23 +130,26 @@ def budget_sizes(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
 
 
 # Keys of ``sparsity.layer_targets`` that select layers by position or kind instead of by name, so that one setting
-# fits any model: a layer's own name first, then its position, then its kind.
-SELECTORS = ("first", "last", "conv", "dense")
+# fits any model: a layer's own name first, then its position, then its position among its kind, then its kind.
+SELECTORS = ("first", "last", "first_conv", "last_conv", "first_dense", "last_dense", "conv", "dense")
 
 
 def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str, float]) -> dict[str, float]:
-    """``layer_targets`` as layer names: ``first`` / ``last`` (the first / last Bayesian layer), ``conv`` / ``dense``
-    (every layer of that kind) or a name; a name wins over a position, a position over a kind. A key that is
-    neither a selector nor a layer of the model is a ConfigError naming the layers."""
+    """``layer_targets`` as layer names: ``first`` / ``last`` (the first / last Bayesian layer), ``first_conv`` ..
+    ``last_dense`` (the first / last layer of a kind), ``conv`` / ``dense`` (every layer of that kind) or a name; a
+    name wins over a position, a position over a position among a kind, that over a kind. A key that is neither a
+    selector nor a layer of the model is a ConfigError naming the layers."""
     unknown = sorted(set(targets) - set(names) - set(SELECTORS))
     if unknown:
         raise ConfigError(f"dturbo.sparsity.layer_targets names {', '.join(map(repr, unknown))}, which the model "
                           f"does not have; its layers: {', '.join(names)} (or select them by "
                           f"{', '.join(SELECTORS)})")
     out: dict[str, float] = {}
+    of_kind = {k: [i for i, kk in enumerate(kinds) if kk == k] for k in set(kinds)}
     for i, (name, kind) in enumerate(zip(names, kinds, strict=True)):
         position = "first" if i == 0 else "last" if i == len(names) - 1 else None
-        for key in (name, position, kind):
+        among = f"first_{kind}" if i == of_kind[kind][0] else f"last_{kind}" if i == of_kind[kind][-1] else None
+        for key in (name, position, among, kind):
             if key is not None and key in targets:
                 out[name] = targets[key]
                 break
