@@ -207,6 +207,28 @@ def goals(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def peer_wins(table: list[dict[str, Any]]) -> list[str]:
+    """Each axis on which a peer beats D-Turbo-VBI's chosen setting, with both numbers."""
+    rows = {r["method"]: r for r in table}
+    dt, out = rows.get("dturbo"), []
+    if dt is None:
+        return out
+    for peer in PEERS:
+        if peer not in rows:
+            continue
+        p = rows[peer]
+        won = axes(p, dt)
+        if won["accuracy"]:
+            out.append(f"{p['name']}: higher test accuracy, {100 * p['accuracy']:.2f}% against "
+                       f"{100 * dt['accuracy']:.2f}%")
+        if won["bits_to_t"]:
+            out.append(f"{p['name']}: fewer bits to T, {_mbit(p['bits_to_t'])} Mbit against "
+                       f"{_mbit(dt['bits_to_t'])} Mbit")
+        if won["speedup"]:
+            out.append(f"{p['name']}: a faster exported model, {p['speedup']:.2f}x against {dt['speedup']:.2f}x")
+    return out
+
+
 def summarize(camp: h.Campaign, runs: list[h.Run], speed: dict[str, float]) -> dict[str, Any]:
     """Everything the report shows, from the committed runs and the speed records."""
     choice = choose(camp, runs)
@@ -273,6 +295,8 @@ def markdown(res: dict[str, Any]) -> str:
     if res["goals"]:
         out += ["", "D-Turbo-VBI's goals:", ""]
         out += [f"* {g['goal']}: {g['value']}: **{'met' if g['met'] else 'missed'}**" for g in res["goals"]]
+    if wins := peer_wins(res["table"]):
+        out += ["", "Where a peer wins against D-Turbo-VBI:", "", *(f"* {w}" for w in wins)]
     out += ["", "Candidates (seed 0, validation split; T_val = "
             + ("" if res["t_val"] is None else f"{100 * res['t_val']:.2f}%") + "):", "",
             "| method | candidate | final validation accuracy | Mbit to T_val | chosen |", "|---|---|---|---|---|"]

@@ -180,6 +180,17 @@ def test_axes_count_never_reaching_t_as_worse(mods):
     assert j.axes(a, {**b, "bits_to_t": None})["bits_to_t"] is False  # neither reaches T: no win
 
 
+def test_the_report_names_each_axis_a_peer_wins_with_both_numbers(mods):
+    _, j = mods
+    dt = {"method": "dturbo", "name": "D-Turbo-VBI", "accuracy": 0.88, "bits_to_t": 50.2e6, "speedup": 2.3}
+    stc = {"method": "stc", "name": "STC", "accuracy": 0.89, "bits_to_t": 37.4e6, "speedup": 1.0}
+    paq = {"method": "fedpaq", "name": "FedPAQ", "accuracy": 0.87, "bits_to_t": 150e6, "speedup": 1.0}
+    wins = j.peer_wins([dt, stc, paq])
+    assert wins == ["STC: higher test accuracy, 89.00% against 88.00%",
+                    "STC: fewer bits to T, 37.4 Mbit against 50.2 Mbit"]
+    assert j.peer_wins([stc, paq]) == []
+
+
 def test_cache_key_ignores_names_and_data_location(mods, tmp_path):
     h, _ = mods
     path = tmp_path / "c.toml"
