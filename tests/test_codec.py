@@ -28,6 +28,7 @@ from dturbo.codec import (
     encode_values,
     payload_bits,
 )
+from dturbo.coding import bits, positions, rectangles
 from dturbo.coding.values import decode_symbols, encode_symbols
 from dturbo.testing import mutate
 
@@ -67,26 +68,26 @@ def blobs(rng: np.random.Generator, k: int, m: int, density: float) -> np.ndarra
 
 def rects_of(data: bytes) -> np.ndarray:
     """The rectangle records (row, col, h, w) of a grid encoding, read back through the codec's own reader."""
-    r = codec._Reader(data)
-    codec._read_flags(r)
+    r = bits._Reader(data)
+    positions._read_flags(r)
     k, m = r.varint(1 << 40), r.varint(1 << 40)
     n_rect = r.varint(1 << 40)
     r.varint(1 << 40)
-    wk, wm = codec._bits_for(k), codec._bits_for(m)
-    f = codec._BitReader(r.data[r.pos :]).fields(n_rect, [wk, wm, wk, wm])
+    wk, wm = bits._bits_for(k), bits._bits_for(m)
+    f = bits._BitReader(r.data[r.pos :]).fields(n_rect, [wk, wm, wk, wm])
     f[:, 2:] += 1
     return f
 
 
 def craft_grid(k: int, m: int, rects: list, scattered: list, n_values: int, *, scheme: int = 0, dt: int = 1) -> bytes:
     """Hand-made grid bytes (possibly invalid) in the documented layout."""
-    bw = codec._BitWriter()
-    wk, wm = codec._bits_for(k), codec._bits_for(m)
+    bw = bits._BitWriter()
+    wk, wm = bits._bits_for(k), bits._bits_for(m)
     if rects:
         bw.fields(np.array([(r, c, h - 1, w - 1) for r, c, h, w in rects]), [wk, wm, wk, wm])
-    codec._write_positions(bw, np.array(scattered, np.int64), k * m, scheme, 0)
-    head = bytes([codec._flags(dt, scheme)]) + b"".join(codec._varint(x) for x in (k, m, len(rects), len(scattered)))
-    return head + bw.getvalue() + np.ones(n_values, codec._DTYPES[dt]).tobytes()
+    positions._write_positions(bw, np.array(scattered, np.int64), k * m, scheme, 0)
+    head = bytes([positions._flags(dt, scheme)]) + b"".join(bits._varint(x) for x in (k, m, len(rects), len(scattered)))
+    return head + bw.getvalue() + np.ones(n_values, bits._DTYPES[dt]).tobytes()
 
 
 # ---------------------------------------------------------------------------------------------- grid round trips
@@ -292,7 +293,7 @@ def test_segmented_accumulate_matches_a_loop(segments):
             want = np.concatenate(
                 [op.accumulate(np.array(s)[::-1])[::-1] if reverse else op.accumulate(np.array(s)) for s in segments]
             )
-            np.testing.assert_array_equal(codec._segmented_accumulate(values, seg, op, reverse), want)
+            np.testing.assert_array_equal(rectangles._segmented_accumulate(values, seg, op, reverse), want)
 
 
 def test_disjoint_boxes():
@@ -305,13 +306,13 @@ def test_disjoint_boxes():
     core[14:17, 5:8] = True  # ... with a block in its notch ...
     core[16:19, 2:4] = True  # ... and another one
     core[25:28, 20:29] = True
-    boxes = sorted(map(tuple, codec._disjoint_boxes(core).tolist()))
+    boxes = sorted(map(tuple, rectangles._disjoint_boxes(core).tolist()))
     assert boxes == [(0, 10, 0, 10), (10, 13, 10, 13), (14, 23, 0, 15), (25, 28, 20, 29)]
     chain = np.zeros((12, 16), bool)
     chain[0:3, 0:10] = chain[0:10, 0:3] = True  # A, an L: box (0, 10, 0, 10)
     chain[6:9, 6:13] = True  # B: its box overlaps A's; together (0, 10, 0, 13)
     chain[0:3, 11:15] = True  # C: overlaps neither A's box nor B's, only their merged box
-    assert codec._disjoint_boxes(chain).tolist() == [[0, 10, 0, 15]]
+    assert rectangles._disjoint_boxes(chain).tolist() == [[0, 10, 0, 15]]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -321,7 +322,7 @@ def test_disjoint_boxes_random(seed):
     for _ in range(int(rng.integers(20, 150))):
         (r, c), (h, w) = rng.integers(0, 110, size=2), rng.integers(1, 9, size=2)
         core[r : r + h, c : c + w] = True
-    boxes = codec._disjoint_boxes(core)
+    boxes = rectangles._disjoint_boxes(core)
     paint = np.zeros(core.shape, int)
     for r0, r1, c0, c1 in boxes.tolist():
         paint[r0:r1, c0:c1] += 1
@@ -372,7 +373,7 @@ def test_sparse_schemes_and_sizes():
     s = np.zeros(4096)
     s[[5, 77, 4000]] = [1.0, -2.0, 3.0]
     small = encode_sparse(s)
-    assert _scheme(small) == codec._SCHEME_INDEX
+    assert _scheme(small) == bits._SCHEME_INDEX
     assert len(small) == 1 + 1 + 2 + 1 + (3 * 12 + 7) // 8 + 6  # flags, ndim, dim, count, 3 x 12 bits, values
     np.testing.assert_array_equal(decode_sparse(small), as16(s))
 
@@ -380,14 +381,14 @@ def test_sparse_schemes_and_sizes():
     half[-1] = 1.0  # Rice with k = 0 costs 6 bits + (last index + 1): the bitmap wins only up to the end
     enc = encode_sparse(half)
     nnz = np.count_nonzero(half)
-    assert _scheme(enc) == codec._SCHEME_BITMAP
+    assert _scheme(enc) == bits._SCHEME_BITMAP
     assert len(enc) == 1 + 1 + 2 + 2 + 4096 // 8 + 2 * nnz
     np.testing.assert_array_equal(decode_sparse(enc), as16(half))
 
     mid = np.where(rng.random((64, 64)) < 0.05, 1.0, 0.0)  # moderate density: Rice-coded gaps win
     enc = encode_sparse(mid)
     nnz = np.count_nonzero(mid)
-    assert _scheme(enc) == codec._SCHEME_RICE
+    assert _scheme(enc) == bits._SCHEME_RICE
     assert len(enc) < 1 + 1 + 2 + 2 + min(4096 // 8, (nnz * 12 + 7) // 8) + 2 * nnz
     np.testing.assert_array_equal(decode_sparse(enc), mid)
 
@@ -411,7 +412,7 @@ def test_sparse_round_trip_property(n, density, seed, dtype):
     np.testing.assert_array_equal(out, a.astype(dtype).astype(np.float32))
     # the chosen scheme is the cheapest of the three
     idx = np.flatnonzero(a.astype(dtype))
-    assert codec._position_plan(idx, a.size)[1] <= min(a.size, idx.size * codec._bits_for(a.size))
+    assert positions._position_plan(idx, a.size)[1] <= min(a.size, idx.size * bits._bits_for(a.size))
 
 
 def test_sparse_zero_and_empty_tensors():
@@ -513,28 +514,28 @@ def test_decoders_reject_inconsistent_grids():
     for reason, data in bad.items():
         with pytest.raises(CodecError, match=reason):
             decode_grid(data)
-    bitmap = craft_grid(3, 3, [], [1, 5], 2, scheme=codec._SCHEME_BITMAP)
+    bitmap = craft_grid(3, 3, [], [1, 5], 2, scheme=bits._SCHEME_BITMAP)
     np.testing.assert_array_equal(np.flatnonzero(decode_grid(bitmap)), [1, 5])
     with pytest.raises(CodecError, match="padding"):
         decode_grid(bitmap[:6] + bytes([bitmap[6] | 1]) + bitmap[7:])  # 9 bitmap bits: the 7 padding bits must be 0
 
 
 def test_claimed_sizes_are_bounded_before_allocation():
-    big = codec._varint(10**6)
+    big = bits._varint(10**6)
     too_long = bytes([0xFF] * 9 + [1])
     # (decoder, bytes, whether the bytes alone bound the output: then even a huge caller bound cannot make it allocate)
     hostile = [
         (decode_grid, bytes([1]) + big + big + b"\x00\x00", False),  # an empty 10^6 x 10^6 grid: 10^12 elements
-        (decode_grid, bytes([1, 5, 5]) + codec._varint(10**9) + b"\x00", True),  # 10^9 rectangles in 0 bytes
-        (decode_grid, bytes([1, 5, 5, 0]) + codec._varint(10**9), True),  # 10^9 scattered points
+        (decode_grid, bytes([1, 5, 5]) + bits._varint(10**9) + b"\x00", True),  # 10^9 rectangles in 0 bytes
+        (decode_grid, bytes([1, 5, 5, 0]) + bits._varint(10**9), True),  # 10^9 scattered points
         (decode_sparse, bytes([1, 2]) + big + big + b"\x00", False),
-        (decode_sparse, bytes([1, 1]) + codec._varint(10**12) + b"\x00", False),
-        (decode_sparse, bytes([1, 1]) + big + codec._varint(10**5), True),  # 10^5 nonzeros in 0 bytes
+        (decode_sparse, bytes([1, 1]) + bits._varint(10**12) + b"\x00", False),
+        (decode_sparse, bytes([1, 1]) + big + bits._varint(10**5), True),  # 10^5 nonzeros in 0 bytes
         (decode_dense, bytes([1, 2]) + big + big, True),
-        (decode_values, bytes([1]) + codec._varint(10**12), True),
+        (decode_values, bytes([1]) + bits._varint(10**12), True),
         (decode_values, bytes([1]) + too_long, True),
-        (decode_message, MAGIC + bytes([VERSION, 0]) + codec._varint(10**12), True),
-        (decode_message, MAGIC + bytes([VERSION, 0, 1, 1, 0x41]) + codec._varint(10**12), True),
+        (decode_message, MAGIC + bytes([VERSION, 0]) + bits._varint(10**12), True),
+        (decode_message, MAGIC + bytes([VERSION, 0, 1, 1, 0x41]) + bits._varint(10**12), True),
     ]
     tracemalloc.start()
     try:
@@ -555,9 +556,9 @@ def test_claimed_sizes_are_bounded_before_allocation():
         decode_dense(encode_dense(np.zeros((10, 10))), max_elements=99)
     assert decode_grid(encode_grid(np.zeros((100, 100))), max_elements=10**4).shape == (100, 100)
     with pytest.raises(CodecError):  # an empty grid beyond the default bound, without a caller's bound
-        decode_grid(bytes([1]) + codec._varint(1 << 13) + codec._varint(1 << 12) + b"\x00\x00")
+        decode_grid(bytes([1]) + bits._varint(1 << 13) + bits._varint(1 << 12) + b"\x00\x00")
     with pytest.raises(CodecError, match="too large"):  # numpy refuses such shapes even when empty
-        decode_dense(bytes([1, 3, 0]) + codec._varint(1 << 30) * 2)
+        decode_dense(bytes([1, 3, 0]) + bits._varint(1 << 30) * 2)
 
 
 VALID = [

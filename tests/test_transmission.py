@@ -79,7 +79,7 @@ def test_support_with_holes_round_trips():
     """Blocks with holes: the grid coding may send a rectangle with zeros inside (its zero values say where S is
     not), a support coded alone may not, since its rectangles are read back as all in S. A frontier run failed on
     this (conv4: 2670 positions decoded for 2669 weights; every upload rejected)."""
-    from dturbo.codec import _support_stream
+    from dturbo.coding.grid import _support_stream
 
     rng = np.random.default_rng(0)
     with_holes = 0

@@ -263,8 +263,9 @@ class SparsityConfig(_Section):
         default_factory=dict,
         description="final density of layers, each calibrated alone on the same schedule, by name (e.g. "
                     "{conv1 = 0.34}), position (first, last), position among a kind (first_conv, last_conv, "
-                    "first_dense, last_dense) or kind (conv, dense); the more specific wins; the other layers share what is left of target_density (scope 'global') or "
-                    "each take target_density (scope 'layer')",
+                    "first_dense, last_dense) or kind (conv, dense); the more specific wins; the other layers "
+                    "share what is left of target_density (scope 'global') or each take target_density (scope "
+                    "'layer')",
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import constriction
 import numpy as np
 
-from ..codec import DEFAULT_MAX_ELEMENTS, CodecError, _Reader, _varint
+from .bits import DEFAULT_MAX_ELEMENTS, CodecError, _Reader, _varint
 
 __all__ = ["MAX_BITS_PER_SYMBOL", "decode_mask", "decode_mask_payload", "encode_mask", "encode_mask_payload",
            "mask_cost_bits"]
