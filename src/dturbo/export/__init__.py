@@ -72,7 +72,8 @@ from .format import (
     read_spec,
     save,
 )
-from .graph import ExportedGraph, GraphNet, export_model
+from .graph import ExportedGraph, export_model
+from .graph_load import GraphNet
 from .ops import (
     ACTIVATIONS,
     BiasMap,

@@ -43,7 +43,7 @@ MAX_ACTIVATION_BYTES = 256 << 20
 
 class InferenceModel(nn.Module):
     """An exported network: ``net`` (an :class:`torch.nn.Sequential` of torch layers, or for a graph export a
-    :class:`dturbo.export.graph.GraphNet`) plus the execution
+    :class:`dturbo.export.graph_load.GraphNet`) plus the execution
     settings chosen at load: ``kernels`` (per linear/conv layer), ``channels_last``, ``compiled``, and
     ``info`` (timings and reasons)."""
 
@@ -279,7 +279,7 @@ def load(
                          "(mode 'reduce-overhead'); choose one")
     spec, tensors = read_spec(model_dir)
     if spec["version"] == GRAPH_VERSION:
-        from .graph import build_graph_net
+        from .graph_load import build_graph_net
 
         net, linears = build_graph_net(spec, tensors)
     else:
