@@ -33,12 +33,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from dturbo.algorithms.registry import ALGORITHMS  # noqa: E402
 from dturbo.config import Config, ConfigError, parse_config  # noqa: E402
 
 # Keys that name or locate a run without changing what it computes: left out of the cache key.
 NEUTRAL_KEYS = (("experiment", "name"), ("data", "path"))
-# Config sections only one algorithm reads: a run is compared without the other methods' sections.
-METHOD_SECTIONS = ("dturbo", "fedavg", "fedpaq", "dssm", "stc", "fedpm", "feddst")
+# Config sections only one algorithm reads (each registered method's own): a run is compared without the others'.
+METHOD_SECTIONS = tuple(ALGORITHMS)
 DEFAULT_DATA = {"fashion-mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 
 

@@ -39,7 +39,7 @@ from .protocol import ScheduleWarning
 from .rundir import RunDir, RunDirError
 from .transport import ClientLate, ClientLost, InProcessClients, Reply, Transport
 
-# Importable from here as before the runner was split (tests, users' scripts).
+# The runner's names, importable from here (tests, users' scripts).
 __all__ = [
     "ALGORITHMS", "BASE_COLUMNS", "CLIENT_STATE_PREFIX", "CORRUPTIONS", "LEDGER_COLUMNS", "ClientLost", "Federation",
     "ModelFactory", "PoisonedStateError", "ScheduleWarning", "Simulator", "TooFewClientsError", "build_algorithm",
@@ -245,9 +245,7 @@ class Simulator:
                 valid, why = int(result.metrics["clients_ok"]), ""
                 for rejection in result.rejected:  # which upload: its position among the senders'
                     events.append(f"client {attempt.senders[rejection.uplink]}: upload rejected: {rejection.reason}")
-                    # Kept as it was: a partial attempt's line below ends with the last rejection's reason, glued
-                    # on without a separator, so that events.log stays byte-identical to earlier runs.
-                    why = rejection.reason
+                    why = f"; the last refusal: {rejection.reason}"
             if result is not None and valid >= fed.min_clients:
                 return Round(result, traffic, attempt, retries, events)
             events.append(f"attempt {retries + 1}: {valid} valid client updates, fewer than federation.min_clients = "

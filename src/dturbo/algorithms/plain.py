@@ -16,8 +16,7 @@ to the model factory's value before it trains, and the global model keeps that v
 function of the downlink (resume is exact); BatchNorm with its default momentum does not read the counter, and with
 ``momentum=None`` its running statistics become the mean over the round's local steps, which the server averages.
 
-A model without such state (every built-in model) adds no field, no state key and no byte: its messages are the
-same as before this module existed.
+A model without such state (every built-in model) adds no field, no state key and no byte to its messages.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class InferenceModel(nn.Module):
     def set_graphed(self, x: torch.Tensor | None) -> None:
         """Capture the forward pass at ``x``'s shape as one CUDA graph (``None``: drop it). A small network's
         GPU time is mostly kernel launches: a replay launches them all at once. Inputs of another shape run
-        as before. Changing the kernels, the memory format or compilation drops it (it holds the kernels of
+        without it. Changing the kernels, the memory format or compilation drops it (it holds the kernels of
         its capture): capture again after."""
         if x is None:
             self._graph = None
