@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import dturbo
+from dturbo.algorithms.dturbo_config import SparsityConfig
 from dturbo.algorithms.dturbo_warnings import schedule_warning
 from dturbo.algorithms.local import num_local_steps
-from dturbo.config import ConfigError, SparsityConfig, TrainConfig, load_config, parse_config
+from dturbo.config import ConfigError, TrainConfig, load_config, parse_config
 from dturbo.sim import ScheduleWarning
 from dturbo.sparsity import density_schedule, local_steps_a_round, pruning_schedule
 

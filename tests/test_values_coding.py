@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dturbo.algorithms.dturbo_config import TransmissionConfig
 from dturbo.codec import CodecError, encode_quantized, payload_bits
 from dturbo.coding.values import MAX_CODED_LEVELS, decode_symbols, encode_symbols
-from dturbo.config import ConfigError, TransmissionConfig, parse_config
+from dturbo.config import ConfigError, parse_config
 from dturbo.quantize import decode_stochastic, encode_stochastic
 from dturbo.sim import Simulator
 

@@ -30,7 +30,8 @@ from .config import ConfigError
 from .turbo import LayerInfo, module_b
 
 if TYPE_CHECKING:
-    from .config import DturboConfig, SparsityConfig, TrainConfig
+    from .algorithms.dturbo_config import DturboConfig, SparsityConfig
+    from .config import TrainConfig
 
 
 class SparsityPolicy(Protocol):

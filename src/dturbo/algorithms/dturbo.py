@@ -36,7 +36,7 @@ from scipy.special import expit
 from torch import nn
 
 from .. import turbo, vbi
-from ..config import Config, DturboConfig, PriorConfig
+from ..config import Config
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale, weight_uses
@@ -46,6 +46,7 @@ from ..sparsity import local_steps_a_round, make_policy, pruning_schedule
 from ..turbo import LayerInfo, LayerState
 from .base import ClientData, RoundResult, State, client_generator
 from .bounds import Limit, UploadBounds, magnitude, sigma_limit
+from .dturbo_config import DturboConfig, PriorConfig
 from .dturbo_messages import (
     NO_BASE,
     DownLayer,

@@ -1,0 +1,143 @@
+"""D-Turbo-VBI's config section ``[dturbo]`` and its sub-sections (docs/configuration.md), owned by the method
+(:data:`dturbo.algorithms.dturbo.SPEC`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ..config import Probability, Section, ValuesCode
+
+
+class PriorConfig(Section):
+    """Hyperparameters of the hierarchical prior for one layer kind (docs/algorithm.md §2)."""
+
+    a: float = Field(1.0, gt=0)
+    b: float = Field(1.0, gt=0, description="used as given only with scale = 'absolute'")
+    a_bar: float = Field(1.0, gt=0)
+    b_bar: float = Field(0.01, gt=0, description="used as given only with scale = 'absolute'")
+    scale: Literal["matched", "absolute"] = "matched"
+    r: float = Field(100.0, gt=1, description="active / inactive prior variance ratio (scale = 'matched')")
+    layer_scale: float | None = Field(None, gt=0, description="s_l; None: the layer's initial weight std")
+    p01_row: Probability = Field(0.288, gt=0, lt=1)
+    p11_row: Probability = Field(0.49, gt=0, lt=1)
+    p01_col: Probability = Field(0.288, gt=0, lt=1)
+    p11_col: Probability = Field(0.49, gt=0, lt=1)
+    start: Probability | None = Field(None, gt=0, lt=1, description="P(active) start factor on first row/column")
+    tie_rows: bool = Field(
+        False, description="the p01_row -> 0, p11_row -> 1 limit: each grid row (an output unit or conv channel) is "
+                           "one support variable, so rows are kept or pruned whole; the column chain couples rows"
+    )
+
+
+def _dense_prior() -> PriorConfig:
+    return PriorConfig(p01_row=0.3, p11_row=0.48, p01_col=0.3, p11_col=0.48)
+
+
+class PriorsConfig(Section):
+    conv: PriorConfig = Field(default_factory=PriorConfig)
+    dense: PriorConfig = Field(default_factory=_dense_prior)
+
+
+class SpmpConfig(Section):
+    max_iter: int = Field(50, ge=1)
+    tol: float = Field(1e-6, gt=0)
+    damping: float = Field(0.0, ge=0, lt=1)
+
+
+class SparsityConfig(Section):
+    """How the support is decided (docs/algorithm.md §11; docs/sparsity.md).
+
+    mode = "prior": the literal algorithm; pi_tilde >= threshold decides, r is the only knob.
+    mode = "target": the MRF prior gets an external field (a prior log-odds of activity, part of
+    Module B) calibrated each round so that the support size follows a schedule from dense to
+    ``target_density`` (cubic ramp over ``ramp_rounds`` after ``warmup_rounds``). Unset, the two are paced by
+    local training (``warmup_steps``, ``ramp_steps``; :func:`dturbo.sparsity.pruning_schedule`,
+    docs/sparsity.md §2, docs/models.md#tune-for-a-new-dataset).
+    """
+
+    mode: Literal["prior", "target"] = "target"
+    target_density: Probability = Field(0.15, gt=0, le=1, description="the final fraction of the weights kept")
+    warmup_rounds: int | None = Field(None, ge=0, description=(
+        "dense rounds before the ramp; unset (the default): enough rounds for the mean client to train "
+        "warmup_steps local steps, at most (rounds - 1) // 2"))
+    ramp_rounds: int | None = Field(None, ge=1, description=(
+        "rounds of the cubic ramp to target_density; unset (the default): enough rounds for ramp_steps local steps, "
+        "ending at the latest one round before the last"))
+    warmup_steps: int = Field(64, ge=0, description=(
+        "local steps of the mean client before the first pruning, when warmup_rounds is unset: the support is "
+        "chosen on a model that has trained, not on its initial magnitudes"))
+    ramp_steps: int = Field(500, ge=1, description="local steps of the mean client over the ramp, when ramp_rounds "
+                                                   "is unset")
+    scope: Literal["global", "layer"] = "global"
+    budget: Literal["weights", "flops"] = Field("weights", description=(
+        "what target_density counts: the fraction of weights kept, or of multiply-adds for one sample (the "
+        "shared field then weighs each weight by the multiply-adds it does: costly layers are thinned hardest)"))
+    min_layer_density: Probability = Field(0.02, ge=0, le=1)
+    layer_targets: dict[str, Probability] = Field(
+        default_factory=dict,
+        description="final density of layers, each calibrated alone on the same schedule, by name (e.g. "
+                    "{conv1 = 0.34}), position (first, last), position among a kind (first_conv, last_conv, "
+                    "first_dense, last_dense) or kind (conv, dense); the more specific wins; the other layers "
+                    "share what is left of target_density (scope 'global') or each take target_density (scope "
+                    "'layer')",
+    )
+
+
+class TransmissionConfig(Section):
+    """What D-Turbo-VBI's messages carry, and at how many bits per value (docs/communication.md)."""
+
+    up_bits: int = Field(4, ge=1, le=16, description=(
+        "16: mu_t on S as float16 (the paper); 1..12: the update mu_t - mu received on S, on 2**bits levels per "
+        "layer, unbiased stochastic rounding"))
+    down_bits: int = Field(8, ge=1, le=16, description=(
+        "16: cluster-coded float16 mu_G (the paper); 1..12: the support's cluster-coded positions, then mu_G on S "
+        "on 2**bits levels per layer, unbiased stochastic rounding"))
+    prior_std: Literal["sent", "rebuilt"] = Field("rebuilt", description=(
+        "sent: sigma_prior on S travels (prior_std_dtype); rebuilt: clients compute it by E4-E5 with pi~ = 1 on S "
+        "from mu_G and sigma_G, and nothing is sent"))
+    positions: Literal["full", "delta"] = Field("delta", description=(
+        "full: every downlink carries each layer's support whole (implicit in the cluster-coded mu_G with down_bits "
+        "= 16); delta: a client's downlink carries it as the positions that flipped since the support that client "
+        "last received, or whole when that is smaller or the client holds none (docs/communication.md)"))
+    down_mu: Literal["values", "update"] = Field("values", description=(
+        "values: mu_G on S (down_bits); update: mu_G - the weights the client holds from its last downlink, on S, on "
+        "2**down_bits levels per layer (stochastic rounding), so the rounding error of one downlink is sent again in "
+        "the next; needs positions = 'delta' (the server knows what each client holds) and down_bits < 16 "
+        "(docs/communication.md)"))
+    values_code: ValuesCode = Field("range", description=(
+        "how quantised values (up_bits / down_bits < 16; float16 values are sent as they are) are written: fixed, "
+        "bits bits each; range, range-coded under "
+        "a discretised Gaussian or Laplace fitted per layer (lossless: the same values, fewer bits; "
+        "dturbo.coding.values, docs/communication.md)"))
+
+    @model_validator(mode="after")
+    def _bits(self) -> TransmissionConfig:
+        for key in ("up_bits", "down_bits"):
+            if 12 < getattr(self, key) < 16:
+                raise ValueError(f"{key} must be 16 (float16) or 1..12 (quantised), got {getattr(self, key)}")
+        if self.down_mu == "update" and (self.positions != "delta" or self.down_bits == 16):
+            raise ValueError("down_mu = 'update' needs positions = 'delta' (the server must know which weights each "
+                             f"client holds) and down_bits in 1..12; got positions = '{self.positions}', down_bits = "
+                             f"{self.down_bits}")
+        return self
+
+
+class DturboConfig(Section):
+    sigma_mode: Literal["layer", "weight", "client"] = "layer"
+    sigma_init_ratio: float = Field(0.02, gt=0, description="the initial sigma as a fraction of the layer's initial "
+                                                               "weight std")
+    beta: float = Field(0.01, ge=0, description=(
+        "KL weight of E6 (a tempered posterior; the paper's is 1), chosen on validation; "
+        "docs/models.md#tune-for-a-new-dataset"))
+    gamma_update: Literal["exact", "paper"] = "exact"
+    support_threshold: Probability = Field(0.5, gt=0, lt=1)
+    prior_std_dtype: Literal["float16", "float32", "log8"] = Field(
+        "log8", description="how sigma_prior on S is sent with transmission.prior_std = 'sent': float16/32, or 8-bit "
+                            "log-scale levels"
+    )
+    transmission: TransmissionConfig = Field(default_factory=TransmissionConfig)
+    sparsity: SparsityConfig = Field(default_factory=SparsityConfig)
+    spmp: SpmpConfig = Field(default_factory=SpmpConfig)
+    prior: PriorsConfig = Field(default_factory=PriorsConfig)
