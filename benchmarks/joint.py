@@ -222,8 +222,9 @@ def peer_wins(table: list[dict[str, Any]]) -> list[str]:
             out.append(f"{p['name']}: higher test accuracy, {100 * p['accuracy']:.2f}% against "
                        f"{100 * dt['accuracy']:.2f}%")
         if won["bits_to_t"]:
-            out.append(f"{p['name']}: fewer bits to T, {_mbit(p['bits_to_t'])} Mbit against "
-                       f"{_mbit(dt['bits_to_t'])} Mbit")
+            mine = ("not all of D-Turbo-VBI's seeds reach T" if dt["bits_to_t"] is None
+                    else f"against {_mbit(dt['bits_to_t'])} Mbit")
+            out.append(f"{p['name']}: fewer bits to T, {_mbit(p['bits_to_t'])} Mbit; {mine}")
         if won["speedup"]:
             out.append(f"{p['name']}: a faster exported model, {p['speedup']:.2f}x against {dt['speedup']:.2f}x")
     return out

@@ -187,7 +187,9 @@ def test_the_report_names_each_axis_a_peer_wins_with_both_numbers(mods):
     paq = {"method": "fedpaq", "name": "FedPAQ", "accuracy": 0.87, "bits_to_t": 150e6, "speedup": 1.0}
     wins = j.peer_wins([dt, stc, paq])
     assert wins == ["STC: higher test accuracy, 89.00% against 88.00%",
-                    "STC: fewer bits to T, 37.4 Mbit against 50.2 Mbit"]
+                    "STC: fewer bits to T, 37.4 Mbit; against 50.2 Mbit"]
+    assert j.peer_wins([{**dt, "bits_to_t": None}, stc])[1] == (
+        "STC: fewer bits to T, 37.4 Mbit; not all of D-Turbo-VBI's seeds reach T")
     assert j.peer_wins([stc, paq]) == []
 
 
