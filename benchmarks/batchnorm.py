@@ -135,7 +135,8 @@ def train(name: str, root: Path) -> Path:
 
 
 def summarize(root: Path) -> dict[str, Any]:
-    curves = {n: read_csv(root / n / "metrics.csv") for n in runs()}
+    # finished runs only: a model whose runs are not all finished is left out of the table
+    curves = {n: read_csv(root / n / "metrics.csv") for n in runs() if (root / n / "model.safetensors").exists()}
     out: dict[str, Any] = {"protocol": {
         "data": "Fashion-MNIST, first 6,000 training images, 2,000 test images", "clients": 10,
         "partition": "dirichlet 0.5", "rounds": ROUNDS, "local_epochs": 1, "seeds": list(SEEDS),
@@ -156,6 +157,9 @@ def summarize(root: Path) -> dict[str, Any]:
                             "curve": [[int(r), a] for r, a in zip(cols["round"], acc, strict=True)]})
     for model in MODELS:
         by = {v: [r for r in out["runs"] if r["model"] == model and r["variant"] == v] for v in VARIANTS}
+        if any(len(by[v]) < SEEDS_OF[model] for v in ("dturbo", "fedavg16")):
+            out["models"][model] = {"finished": False}
+            continue
         mean = {v: float(np.mean([r["final_accuracy"] for r in rs])) for v, rs in by.items()}
         gap = 100 * (mean["fedavg16"] - mean["dturbo"])
         drop = max(r["largest_drop_after_round_3"] for r in by["dturbo"])
@@ -182,6 +186,9 @@ def markdown(res: dict[str, Any]) -> str:
         "drop | calibration share of bits | goal |",
         "|---|---|---|---|---|---|---|---|---|"]
     for model, m in res["models"].items():
+        if not m.get("finished", True):
+            lines.append(f"| {model} | not finished | | | | | | | |")
+            continue
         a = m["mean_final_accuracy"]
         lines.append(f"| {model} | {100 * a['fedavg16']:.2f}% | {100 * a['dturbo']:.2f}% | "
                      f"{m['points_below_fedavg16']:.2f} | {100 * m['dturbo_density']:.1f}% | "
