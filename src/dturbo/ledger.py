@@ -36,21 +36,9 @@ class Traffic:
         for data in downlinks:
             if id(data) not in split:
                 split[id(data)] = message_bits(data, self.layouts)
-            for part, bits in split[id(data)].items():
-                self.parts[f"down_{part}_bits"] += bits
-        bound = self.max_uplink_bytes
+            self.down_bits += self._book("down", split[id(data)])
         for data in uplinks:
-            if bound is not None and len(data) > bound:
-                parts = {"headers": 8 * bound}
-            else:
-                try:
-                    parts = message_bits(data, self.layouts)
-                except ValueError:
-                    parts = {"headers": 8 * len(data)}
-            for part, bits in parts.items():
-                self.parts[f"up_{part}_bits"] += bits
-            self.up_bits += sum(parts.values())
-        self.down_bits += 8 * sum(len(d) for d in downlinks)
+            self.up_bits += self._book("up", _received(data, self.layouts, self.max_uplink_bytes))
 
     def add_calibration(self, requests: list[tuple[bytes, bytes]], replies: list[bytes]) -> None:
         """A BatchNorm calibration (:mod:`dturbo.algorithms.statistics`): each request as (the ``calibrate``
@@ -60,17 +48,27 @@ class Traffic:
             if id(wrapped) not in split:
                 split[id(wrapped)] = message_bits(inner, self.layouts)
                 split[id(wrapped)]["headers"] += 8 * (len(wrapped) - len(inner))
-            for part, bits in split[id(wrapped)].items():
-                self.parts[f"down_{part}_bits"] += bits
-            self.down_bits += 8 * len(wrapped)
-            self.calibration_bits += 8 * len(wrapped)
+            bits = self._book("down", split[id(wrapped)])
+            self.down_bits += bits
+            self.calibration_bits += bits
         for data in replies:
-            try:
-                parts = message_bits(data, STATISTICS_LAYOUT)
-            except ValueError:
-                parts = {"headers": 8 * len(data)}
-            for part, bits in parts.items():
-                self.parts[f"up_{part}_bits"] += bits
-            self.up_bits += 8 * len(data)
-            self.calibration_bits += 8 * len(data)
+            bits = self._book("up", _received(data, STATISTICS_LAYOUT))
+            self.up_bits += bits
+            self.calibration_bits += bits
 
+    def _book(self, direction: str, parts: dict[str, int]) -> int:
+        """One message's bits into the ``direction`` columns by part; its total."""
+        for part, bits in parts.items():
+            self.parts[f"{direction}_{part}_bits"] += bits
+        return sum(parts.values())
+
+
+def _received(data: bytes, layouts: dict[str, dict[str, str]], bound: int | None = None) -> dict[str, int]:
+    """A received message's bits by part: one longer than ``bound`` is refused unread and booked as the bound's
+    bytes, all headers; one that does not frame is all headers."""
+    if bound is not None and len(data) > bound:
+        return {"headers": 8 * bound}
+    try:
+        return message_bits(data, layouts)
+    except ValueError:
+        return {"headers": 8 * len(data)}

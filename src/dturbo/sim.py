@@ -183,15 +183,14 @@ class Simulator:
             result, traffic = outcome.result, outcome.traffic
             state = result.state
             check_finite(state, rnd + 1)
-            cum_bits += traffic.up_bits + traffic.down_bits
             last = rnd == cfg.experiment.rounds - 1
             if (rnd + 1) % cfg.experiment.eval_every == 0 or last:
                 state = self.calibrate(state, rnd + 1, traffic, outcome.events)
-                cum_bits += traffic.calibration_bits
                 model = self.server.global_model(state)
                 acc, loss = evaluate(model, self.fed.x_test, self.fed.y_test, device=self.device)
                 if self.fed.x_val is not None:
                     val = evaluate(model, self.fed.x_val, self.fed.y_val, device=self.device)
+            cum_bits += traffic.up_bits + traffic.down_bits  # the calibration's too
             row: dict[str, Any] = {
                 "round": rnd + 1, "accuracy": acc, "loss": loss,
                 **({"val_accuracy": val[0], "val_loss": val[1]} if self.fed.x_val is not None else {}),

@@ -62,15 +62,16 @@ class Statistics:
         over all of ``data``, the model in training mode (each batch normalised by its own statistics, as in local
         training) with dropout and the like off; float32 fields ``<name>.mean`` / ``<name>.var``."""
         model.to(device).eval()
-        sums: dict[str, list[torch.Tensor]] = {}
+        # per layer: the sum and the sum of squares of each channel, and the count of values
+        sums = {n.name: [torch.zeros(n.channels, dtype=torch.float64), torch.zeros(n.channels, dtype=torch.float64),
+                         torch.zeros(())] for n in self.norms}
         hooks = []
         for name, module in batchnorms(model):
             module.train()
 
             def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
                 x = args[0].double().transpose(0, 1).reshape(args[0].shape[1], -1)
-                acc = sums.setdefault(name, [torch.zeros(x.shape[0], dtype=torch.float64),
-                                             torch.zeros(x.shape[0], dtype=torch.float64), torch.zeros(())])
+                acc = sums[name]
                 acc[0] += x.sum(1).cpu()
                 acc[1] += (x * x).sum(1).cpu()
                 acc[2] += x.shape[1]
