@@ -195,7 +195,7 @@ def federation(cfg_dict: dict) -> Federation:
     return build_federation(load_config(cfg_dict), dataset_from_arrays(x, y, x[:200], y[:200]))
 
 
-@pytest.mark.parametrize("algorithm", ["dturbo", "stc", "feddst"])
+@pytest.mark.parametrize("algorithm", ["dturbo", "stc", "feddst", "fedavg"])
 def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str) -> None:
     """Same configuration, model, split and seed: the same bits every round and the same final model as
     ``Simulator`` (``dturbo run``). STC and FedDST keep client state: here every message meets a fresh client object
@@ -378,10 +378,10 @@ def test_client_helper_reads_loaders_and_answers_queries() -> None:
         assert torch.allclose(mine.weight_mu, theirs.weight_mu, atol=0.05)  # its weights, 8-bit quantised
 
 
-@pytest.mark.parametrize("algorithm", ["stc", "feddst"])
+@pytest.mark.parametrize("algorithm", ["stc", "feddst", "fedavg"])
 def test_peers_evaluate_the_global_model(algorithm: str) -> None:
-    """STC's and FedDST's evaluate messages carry the global model whole; the helper loads it exactly (STC: float32)
-    or to its wire dtype (FedDST: float16)."""
+    """STC's, FedDST's and FedAvg's evaluate messages carry the global model whole; the helper loads it exactly
+    (STC: float32) or to its wire dtype (FedDST, FedAvg: float16)."""
     grid = InProcessGrid(user_client_app(), CLIENTS)
     strategy = dflower.DturboStrategy(TinyNet, algorithm=algorithm, config=runner_config(algorithm, rounds=2),
                                       min_evaluate_nodes=1)
@@ -413,8 +413,8 @@ def test_settings_presets_and_initial_arrays() -> None:
         dflower.DTurboVBI(TinyNet, sparsity={"target_densty": 0.1})
     with pytest.raises(ConfigError, match="'stc'"):
         dflower.DTurboVBI(TinyNet, preset="stc")
-    with pytest.raises(ValueError, match="algorithm"):
-        dflower.DturboStrategy(TinyNet, algorithm="fedavg")
+    with pytest.raises(ValueError, match="algorithm 'fedpm'"):  # its client cannot load a model without training
+        dflower.DturboStrategy(TinyNet, algorithm="fedpm")
 
     # initial_arrays: of the plain model or of the Bayesian one; the server starts from those weights
     cfg = s.config_for(3, 3)

@@ -16,7 +16,6 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic._internal._utils import deprecated_instance_property
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
@@ -241,13 +240,16 @@ def _methods() -> dict[str, Any]:
     return ALGORITHMS
 
 
-def _fields(cls: type[Config]) -> dict[str, FieldInfo]:
-    _methods()
-    return cls.__pydantic_fields__
+class _Fields:
+    """``Config.model_fields``: Config's keys include the registered methods' sections, so listing them loads the
+    registry first."""
+
+    def __get__(self, instance: object, owner: type[Config]) -> dict[str, FieldInfo]:
+        _methods()
+        return owner.__pydantic_fields__
 
 
-# Config's keys include the registered methods' sections, so listing them loads the registry first.
-type.__setattr__(Config, "model_fields", deprecated_instance_property(classmethod(_fields)))
+type.__setattr__(Config, "model_fields", _Fields())
 
 
 def set_method_sections(sections: Mapping[str, type[BaseModel]], default: str) -> None:

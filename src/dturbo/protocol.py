@@ -23,13 +23,15 @@ if TYPE_CHECKING:
     from .config import Config
 
 __all__ = [
-    "AlgorithmSpec", "ClientAlgorithm", "ClientData", "ClientError", "MessageError", "ModelFactory", "Rejection",
-    "RoundResult", "ScheduleWarning", "ServerAlgorithm", "State",
+    "AlgorithmSpec", "ClientAlgorithm", "ClientData", "ClientError", "MessageError", "ModelFactory", "NO_CLIENT",
+    "Rejection", "RoundResult", "ScheduleWarning", "ServerAlgorithm", "State",
 ]
 
 # A server state is a flat mapping of names to numpy arrays plus scalars, so that it can be
 # checkpointed to safetensors without pickle.
 State = dict[str, Any]
+# The client id under which a node that holds nothing from earlier rounds loads a downlink (ClientAlgorithm.receive).
+NO_CLIENT = -1
 # A zero-argument function returning the seeded initial model, the same every call: what both halves start from.
 ModelFactory = Callable[[], "nn.Module"]
 
@@ -108,6 +110,12 @@ class ServerAlgorithm:
         for all of them (a method that codes per client overrides it)."""
         return dict.fromkeys(clients, self.downlink(state, round_idx))
 
+    def evaluation_downlink(self, state: State, round_idx: int) -> bytes:
+        """The global model coded so that a node that holds nothing from earlier rounds loads it
+        (:meth:`ClientAlgorithm.receive`): a Flower strategy's federated evaluation sends it. By default the
+        broadcast; a method whose broadcast builds on what clients hold overrides it."""
+        return self.downlink(state, round_idx)
+
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
                   ) -> RoundResult:
         """The round's result from its uploads; ``senders``: the client each upload came from (the one the runner
@@ -147,6 +155,11 @@ class ClientAlgorithm:
         """Whether the method implements :meth:`receive`."""
         return cls.receive is not ClientAlgorithm.receive
 
+    def use_server_priors(self, scales: list[float]) -> None:
+        """Take the server's scale of each Bayesian layer's prior (its initial weights' s_l, in layer order): a
+        client whose model was built apart from the server's (a user's Flower ClientApp) has its own. A method
+        without priors ignores them."""
+
     def export_state(self) -> dict[str, np.ndarray]:
         """The private state to checkpoint, as flat arrays by name; none by default."""
         return {}
@@ -170,9 +183,10 @@ class AlgorithmSpec:
     ``name``: ``experiment.algorithm``'s value and the name of its config section; ``section``: the pydantic model of
     that section (a ``dturbo.config`` section: unknown keys forbidden); ``server`` / ``client``: the two halves, or
     functions building them with the same arguments; ``default_lr``: ``train.lr`` when unset; ``label``: the name
-    figures and reports show. ``run_warnings(cfg, fed)``: the warnings about the configuration a run raises before
-    it starts (none by default), given what the run knows of its federation: ``total_samples``, and ``clients``
-    (each client's data) where known; ``model_options(cfg)``: keyword arguments of
+    figures and reports show; ``describe(section)``: a run's label from the method's config section, with the
+    settings that tell its runs apart (none: ``label``). ``run_warnings(cfg, fed)``: the warnings about the
+    configuration a run raises before it starts (none by default), given what the run knows of its federation:
+    ``total_samples``, and ``clients`` (each client's data) where known; ``model_options(cfg)``: keyword arguments of
     :func:`dturbo.nn.models.build_model` beyond the ``[model]`` section's (the Bayesian layers' sigma; none: the
     model's defaults)."""
 
@@ -184,6 +198,11 @@ class AlgorithmSpec:
     label: str = ""
     run_warnings: Callable[[Config, Any], list[Warning]] = _no_warnings
     model_options: Callable[[Config], dict[str, Any]] = _no_model_options
+    describe: Callable[[Any], str] | None = None
+
+    def label_of(self, cfg: Config) -> str:
+        """The label of a run of this method configured by ``cfg``."""
+        return self.describe(getattr(cfg, self.name)) if self.describe else self.label
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or not self.name.islower():

@@ -271,32 +271,11 @@ class RunSummary:
 
 
 def method_label(cfg: object) -> str:
-    """A readable name of a run's method and its distinguishing settings."""
+    """A readable name of a run's method and its distinguishing settings (its spec's, :class:`AlgorithmSpec`)."""
+    from .algorithms.registry import ALGORITHMS
+
     algo = cfg.experiment.algorithm  # type: ignore[attr-defined]
-    if algo == "dturbo":
-        sp = cfg.dturbo.sparsity  # type: ignore[attr-defined]
-        tr = cfg.dturbo.transmission  # type: ignore[attr-defined]
-        tied = [k for k in ("conv", "dense") if getattr(cfg.dturbo.prior, k).tie_rows]  # type: ignore[attr-defined]
-        extra = "".join(", whole conv channels" if k == "conv" else ", whole dense units" for k in tied)
-        bits = "float16" if tr.up_bits == 16 and tr.down_bits == 16 else \
-            f"{tr.up_bits}-bit up, {tr.down_bits}-bit down".replace("16-bit", "float16")
-        what = f"{sp.target_density:.0%} target" if sp.mode == "target" else "prior"
-        return f"D-Turbo-VBI ({what}{extra}, {bits})"
-    if algo == "fedavg":
-        return f"FedAvg {cfg.fedavg.dtype.replace('float', '')}-bit"  # type: ignore[attr-defined]
-    if algo == "fedpaq":
-        s = cfg.fedpaq.levels  # type: ignore[attr-defined]
-        return f"FedPAQ (s={s})" if s else "FedPAQ (unquantised)"
-    if algo == "dssm":
-        d = cfg.dssm  # type: ignore[attr-defined]
-        return f"DSSM (gamma={d.gamma:g}{', weights' if d.mode == 'weights' else ''})"
-    if algo == "stc":
-        return f"STC (p={cfg.stc.p_up:g} up, {cfg.stc.p_down:g} down)"  # type: ignore[attr-defined]
-    if algo == "feddst":
-        return f"FedDST ({cfg.feddst.density:.0%} of the weights)"  # type: ignore[attr-defined]
-    if algo == "fedpm":
-        return "FedPM"
-    return str(algo)
+    return ALGORITHMS[algo].label_of(cfg) if algo in ALGORITHMS else str(algo)  # type: ignore[arg-type]
 
 
 def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, repeats: int = 5) -> RunSummary:

@@ -90,5 +90,9 @@ class DssmClient(PointClient):
     messages_type = DssmMessages
 
 
+def describe(d: DssmConfig) -> str:
+    return f"DSSM (gamma={d.gamma:g}{', weights' if d.mode == 'weights' else ''})"
+
 SPEC = AlgorithmSpec("dssm", DssmConfig, DssmServer, DssmClient,
-                     default_lr=2e-3, label="DSSM", model_options=sigma_options)
+                     default_lr=2e-3, label="DSSM", model_options=sigma_options,
+                     describe=describe)

@@ -25,6 +25,7 @@ plain state. With ``transmission.positions = "delta"`` also what each client hol
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ..nn.models import layer_scale, weight_uses
 from ..prior import grid_shape, layer_kind, resolve_prior
-from ..protocol import AlgorithmSpec, ClientAlgorithm
+from ..protocol import AlgorithmSpec, ClientAlgorithm, MessageError
 from ..sparsity import local_steps_a_round, make_policy, pruning_schedule
 from ..turbo import LayerInfo, LayerState
 from .base import ClientData, RoundResult, State, client_generator
@@ -483,6 +484,15 @@ class DturboClient(ClientAlgorithm):
         self._load(self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id)))
         return self.model
 
+    def use_server_priors(self, scales: list[float]) -> None:
+        """Each layer's prior rebuilt on the server's s_l; the client and its message coder share the list of layer
+        infos, which changes in place."""
+        if len(scales) != len(self.layers):
+            raise MessageError(f"{len(scales)} prior scales for a model of {len(self.layers)} Bayesian layers")
+        for i, (info, scale) in enumerate(zip(self.layers, scales, strict=True)):
+            self.layers[i] = dataclasses.replace(info, prior=resolve_prior(getattr(self.cfg.dturbo.prior, info.kind),
+                                                                           scale))
+
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         down = self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id))
         if self.messages.delta:
@@ -596,5 +606,16 @@ def _sigma_options(cfg: Config) -> dict[str, Any]:
     return {"sigma_mode": cfg.dturbo.sigma_mode, "sigma_init_ratio": cfg.dturbo.sigma_init_ratio}
 
 
+def describe(d: DturboConfig) -> str:
+    """A run's label: its target, whole channels or units, and its bits."""
+    sp, tr = d.sparsity, d.transmission
+    tied = [k for k in ("conv", "dense") if getattr(d.prior, k).tie_rows]
+    extra = "".join(", whole conv channels" if k == "conv" else ", whole dense units" for k in tied)
+    bits = "float16" if tr.up_bits == 16 and tr.down_bits == 16 else \
+        f"{tr.up_bits}-bit up, {tr.down_bits}-bit down".replace("16-bit", "float16")
+    what = f"{sp.target_density:.0%} target" if sp.mode == "target" else "prior"
+    return f"D-Turbo-VBI ({what}{extra}, {bits})"
+
 SPEC = AlgorithmSpec("dturbo", DturboConfig, DturboServer, DturboClient, default_lr=5e-3, label="D-Turbo-VBI",
-                     run_warnings=run_warnings, model_options=_sigma_options)
+                     run_warnings=run_warnings, model_options=_sigma_options,
+                     describe=describe)

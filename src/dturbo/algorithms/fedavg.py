@@ -47,5 +47,9 @@ class FedAvgClient(PointClient):
     messages_type = FedAvgMessages
 
 
+def describe(f: FedAvgConfig) -> str:
+    return f"FedAvg {f.dtype.replace('float', '')}-bit"
+
 SPEC = AlgorithmSpec("fedavg", FedAvgConfig, FedAvgServer, FedAvgClient,
-                     default_lr=2e-3, label="FedAvg", model_options=sigma_options)
+                     default_lr=2e-3, label="FedAvg", model_options=sigma_options,
+                     describe=describe)

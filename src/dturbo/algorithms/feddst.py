@@ -535,5 +535,9 @@ class FedDstClient(ClientAlgorithm):
         self.supports.import_state(arrays)
 
 
+def describe(f: FedDstConfig) -> str:
+    return f"FedDST ({f.density:.0%} of the weights)"
+
 SPEC = AlgorithmSpec("feddst", FedDstConfig, FedDstServer, FedDstClient,
-                     default_lr=2e-3, label="FedDST", model_options=sigma_options)
+                     default_lr=2e-3, label="FedDST", model_options=sigma_options,
+                     describe=describe)

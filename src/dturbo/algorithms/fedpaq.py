@@ -112,5 +112,9 @@ class FedPaqClient(PointClient):
     messages_type = FedPaqMessages
 
 
+def describe(f: FedPaqConfig) -> str:
+    return f"FedPAQ (s={f.levels})" if f.levels else "FedPAQ (unquantised)"
+
 SPEC = AlgorithmSpec("fedpaq", FedPaqConfig, FedPaqServer, FedPaqClient,
-                     default_lr=2e-3, label="FedPAQ", model_options=sigma_options)
+                     default_lr=2e-3, label="FedPAQ", model_options=sigma_options,
+                     describe=describe)

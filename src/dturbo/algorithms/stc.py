@@ -360,6 +360,11 @@ class StcServer(ServerBase[StcUplink]):
     def downlink(self, state: State, round_idx: int) -> bytes:
         return self.messages.encode_downlink(state, round_idx, self.total_samples)
 
+    def evaluation_downlink(self, state: State, round_idx: int) -> bytes:
+        """W dense, as round 0's broadcast codes it (a later broadcast is an update of a model the node may not
+        hold)."""
+        return self.messages.encode_downlink(state, 0, self.total_samples)
+
     def decode_uplink(self, state: State, data: bytes, round_idx: int | None = None) -> StcUplink:
         return self.messages.decode_uplink(data, round_idx, self.total_samples)
 
@@ -549,4 +554,8 @@ class StcClient(ClientAlgorithm):
             raise ValueError(f"checkpointed STC client state is incomplete ({err})") from None
 
 
-SPEC = AlgorithmSpec("stc", StcConfig, StcServer, StcClient, default_lr=2e-3, label="STC", model_options=sigma_options)
+def describe(s: StcConfig) -> str:
+    return f"STC (p={s.p_up:g} up, {s.p_down:g} down)"
+
+SPEC = AlgorithmSpec("stc", StcConfig, StcServer, StcClient, default_lr=2e-3, label="STC",
+                     model_options=sigma_options, describe=describe)

@@ -64,8 +64,9 @@ from torch import nn
 from ..algorithms.base import ClientAlgorithm, ClientData, ClientError, MessageError
 from ..codec import CodecError
 from ..config import Config
-from ..nn.bayes import BayesianLayer, bayesian_layers
+from ..nn.bayes import bayesian_layers
 from ..nn.convert import bayesianize
+from ..protocol import NO_CLIENT
 from . import protocol, wire
 from .client_app import ClientRuntime, restore_state, save_state
 
@@ -183,22 +184,10 @@ def runtime(task: protocol.Task, model: nn.Module) -> Runtime:
         return copy.deepcopy(snapshot)
 
     client = ALGORITHMS[task.algorithm].client(cfg, factory)
-    if task.algorithm == "dturbo":
-        align_priors(client, task.layers, cfg)
+    client.use_server_priors([la.scale for la in task.layers])
     _CACHE.clear()
     _CACHE[key] = made = Runtime(cfg, client)
     return made
-
-
-def align_priors(client: Any, layers: list[protocol.ModelLayer], cfg: Config) -> None:
-    """Give a D-Turbo-VBI client the server's prior of every layer: its own comes from its model's initial weights
-    (s_l), which in a user's ClientApp are not the server's. The client and its message coder share one list of
-    layer infos, which is updated in place."""
-    from ..prior import resolve_prior
-
-    infos = client.layers
-    for i, (info, sent) in enumerate(zip(infos, layers, strict=True)):
-        infos[i] = dataclasses.replace(info, prior=resolve_prior(getattr(cfg.dturbo.prior, info.kind), sent.scale))
 
 
 def _state_runtime(rt: Runtime) -> ClientRuntime:
@@ -245,7 +234,7 @@ def evaluate(msg: Message, context: Context, model: nn.Module, data: DataSource,
     task = protocol.read_task(msg.content)
     rt = runtime(task, model)
     model = bayesian_model(model, rt.cfg)
-    load_global(rt, task.algorithm, wire.record_bytes(msg.content, wire.DOWN), model)
+    load_global(rt, wire.record_bytes(msg.content, wire.DOWN), model)
     local = client_data(data)
     acc, loss = evaluate_model(model, local.x, local.y, batch_size=batch_size,
                                device=resolve_device(rt.cfg.experiment.device))
@@ -273,45 +262,14 @@ def _input_shape(rt: Runtime, data: ClientData) -> None:
 
 
 # ------------------------------------------------------------------------------------ the global model
-def load_global(rt: Runtime, algorithm: str, down: bytes, model: nn.Module) -> None:
-    """Put the global model of a downlink that needs no client state (an evaluate message's) into ``model``: the
-    weights on their support (0 elsewhere), the biases and the state outside the Bayesian layers. MessageError /
-    CodecError / ClientError when the bytes do not decode for this model."""
-    client: Any = rt.client
-    layers = [layer for _, layer in bayesian_layers(model)]
+def load_global(rt: Runtime, down: bytes, model: nn.Module) -> None:
+    """Put the global model of a downlink that needs no client state (the strategy's evaluation downlink,
+    :meth:`dturbo.protocol.ServerAlgorithm.evaluation_downlink`) into ``model``, as the client algorithm loads it
+    (:meth:`dturbo.protocol.ClientAlgorithm.receive`, for a node that holds nothing). MessageError when the bytes do
+    not decode for this model."""
     try:
-        if algorithm == "dturbo":
-            d = client.messages.decode_downlink(down, None, None)
-            weights = [(x.mu, x.support, x.bias) for x in d.layers]
-            plain = d.plain
-        elif algorithm == "feddst":
-            d = client.messages.decode_downlink(down, lambda _round: None)
-            weights = list(zip(d.weights, d.masks, d.biases, strict=True))
-            plain = d.plain
-        else:  # stc: the dense model
-            msg = client.messages.decode_downlink(down)
-            theta = client.messages.dense_model(msg)
-            weights, pos = [], 0
-            for info in client.layers:
-                n_w = info.size - info.n_bias
-                w = theta[pos : pos + n_w].reshape(info.grid)
-                weights.append((w, np.ones(info.grid, dtype=bool), theta[pos + n_w : pos + info.size]))
-                pos += info.size
-            plain = client.plain.decode(client.messages.down.open(down))
+        loaded = rt.client.receive(down, NO_CLIENT)
     except (MessageError, CodecError, ClientError, ValueError) as err:
         raise MessageError(f"the evaluate message's global model does not decode: {err}") from None
-    if len(weights) != len(layers):
-        raise MessageError(f"the global model has {len(weights)} layers, the model {len(layers)}")
-    for layer, (w, mask, bias) in zip(layers, weights, strict=True):
-        _load(layer, np.asarray(w), np.asarray(mask, dtype=bool), np.asarray(bias))
-    client.plain.load_values(model, plain)
+    model.load_state_dict(loaded.state_dict())
     model.eval()
-
-
-def _load(layer: BayesianLayer, w: np.ndarray, mask: np.ndarray, bias: np.ndarray) -> None:
-    with torch.no_grad():
-        shape = layer.weight_mu.shape
-        layer.mask.copy_(torch.from_numpy(mask.reshape(shape).astype(np.float32)))
-        layer.weight_mu.copy_(torch.from_numpy(np.where(mask, w, 0.0).reshape(shape).astype(np.float32)))
-        if layer.bias is not None:
-            layer.bias.copy_(torch.from_numpy(bias.reshape(-1).astype(np.float32)))

@@ -46,7 +46,14 @@ QUERY = "query.dturbo"
 QUERY_ACTION = "dturbo"
 CONFIG, METRICS = "config", "metrics"
 NUM_EXAMPLES = "num-examples"
-ALGORITHMS = ("dturbo", "stc", "feddst")
+
+
+def algorithms() -> tuple[str, ...]:
+    """The registered methods the strategy and the client helpers run: those whose client loads a downlink without
+    training (:meth:`dturbo.protocol.ClientAlgorithm.receive`), as federated evaluation needs."""
+    from ..algorithms.registry import ALGORITHMS
+
+    return tuple(name for name, spec in ALGORITHMS.items() if spec.client.can_receive())
 
 
 def settings_text(cfg: Config) -> str:
@@ -145,8 +152,8 @@ def read_task(content: RecordDict) -> Task:
                     [ModelLayer.parse(str(t)) for t in record.get("model", [])])
     except (KeyError, TypeError, ValueError) as err:
         raise wire.WireError(f"malformed task record: {err}") from None
-    if algorithm not in ALGORITHMS:
-        raise wire.WireError(f"task names algorithm {algorithm!r}; the client helpers run {', '.join(ALGORITHMS)}")
+    if algorithm not in (known := algorithms()):
+        raise wire.WireError(f"task names algorithm {algorithm!r}; the client helpers run {', '.join(known)}")
     if not all(math.isfinite(la.scale) and la.scale > 0 for la in task.layers):
         raise wire.WireError("task has a layer scale that is not a positive number")
     return task

@@ -101,8 +101,9 @@ class _Session:
 
 
 class DturboStrategy(Strategy):
-    """One of dturbo's algorithms (``algorithm``: ``"dturbo"``, ``"stc"`` or ``"feddst"``) as a Flower strategy
-    (module docstring).
+    """One of dturbo's algorithms (``algorithm``: ``"dturbo"``, ``"stc"``, ``"feddst"``, ``"fedavg"``, ...: any
+    registered method whose client loads a downlink without training, :func:`dturbo.flower.protocol.algorithms`) as
+    a Flower strategy (module docstring).
 
     Args:
         model: the network: a ``torch.nn.Module`` (copied; made Bayesian with :func:`dturbo.bayesianize` and the
@@ -135,8 +136,8 @@ class DturboStrategy(Strategy):
                  train_metrics_aggr_fn: MetricsAggregation | None = None,
                  evaluate_metrics_aggr_fn: MetricsAggregation | None = None, query_timeout: float = 120.0,
                  **settings: Any) -> None:
-        if algorithm not in protocol.ALGORITHMS:
-            raise ValueError(f"algorithm {algorithm!r}: the strategy runs {', '.join(protocol.ALGORITHMS)}")
+        if algorithm not in (known := protocol.algorithms()):
+            raise ValueError(f"algorithm {algorithm!r}: the strategy runs {', '.join(known)}")
         if not (isinstance(model, nn.Module) or callable(model)):
             raise TypeError(f"model must be a torch.nn.Module or a function returning one, not {type(model).__name__}")
         if total_samples is not None and (isinstance(total_samples, bool) or int(total_samples) < 1):
@@ -429,13 +430,10 @@ class DturboStrategy(Strategy):
 
     # -------------------------------------------------------------------------------------- evaluation
     def evaluation_downlink(self, server_round: int) -> bytes:
-        """The current global model coded so that any node decodes it without client state: D-Turbo-VBI's and
-        FedDST's downlink of a client that holds no support, STC's dense model (its round-0 broadcast)."""
+        """The current global model coded so that any node decodes it without client state
+        (:meth:`dturbo.protocol.ServerAlgorithm.evaluation_downlink`)."""
         run = self._need_session()
-        if self.algorithm == "stc":
-            server: Any = run.server
-            return server.messages.encode_downlink(run.state, 0, run.total_samples)
-        return run.server.downlink(run.state, server_round)
+        return run.server.evaluation_downlink(run.state, server_round)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                            ) -> Iterable[Message]:
