@@ -39,9 +39,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from harness import dataset_path  # noqa: E402
+
+DATA = dataset_path()
 
 RESULTS = ROOT / "benchmarks" / "results"
-DATA = "/usr/share/datasets/fashion-mnist"
 METHODS = {"dturbo": "quick", "fedavg": "fedavg", "fedpaq": "fedpaq", "dssm": "dssm", "stc": "stc", "fedpm": "fedpm",
            "feddst": "feddst"}
 RULES = ("mean", "median", "trimmed_mean", "krum", "bulyan")

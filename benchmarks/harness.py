@@ -43,6 +43,11 @@ METHOD_SECTIONS = tuple(ALGORITHMS)
 DEFAULT_DATA = {"fashion-mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 
 
+def dataset_path(name: str = "fashion-mnist", given: str | None = None) -> str:
+    """Where dataset ``name`` is read from: ``given``, else $DTURBO_DATA, else the Debian package's folder."""
+    return given or os.environ.get("DTURBO_DATA") or DEFAULT_DATA.get(name, "")
+
+
 # The settings the sweeps' and the fault run's recorded results were trained with, where the library's defaults
 # differ (the paper's float16 messages, sigma a tenth of the layer's weight scale): overrides that reproduce them.
 RECORDED = ["dturbo.transmission.up_bits=16", "dturbo.transmission.down_bits=16",
@@ -145,7 +150,7 @@ def config_tree(camp: Campaign, cand: Candidate, seed: int, data_path: str | Non
                                              algorithm=cand.algorithm)
     data = tree.setdefault("data", {})
     if data_path is not None or "path" not in data:
-        data["path"] = data_path or os.environ.get("DTURBO_DATA") or DEFAULT_DATA.get(data.get("name", ""), "")
+        data["path"] = dataset_path(data.get("name", ""), data_path)
     for key, value in cand.overrides.items():
         _set(tree, key, value)
     return tree

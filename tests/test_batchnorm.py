@@ -140,3 +140,19 @@ def test_a_method_that_cannot_calibrate_says_so_and_averages(tmp_path):
     with pytest.warns(UserWarning, match="fedpm cannot calibrate BatchNorm statistics"):
         res = run(tmp_path / "run", ResNetTiny, algorithm="fedpm", rounds=1)
     assert "calibration_bits" not in res.metrics[0]
+
+
+def test_one_channel_filters_before_batchnorm_stay_dense_unless_named(tmp_path):
+    """A conv whose filters read one input channel keeps all its weights in a model with BatchNorm (its pruned
+    filter would detect something else at full strength); the other layers are pruned as usual; naming it in
+    layer_targets prunes it; without BatchNorm it is pruned like any layer."""
+    from test_user_models import DepthwiseNet
+
+    kept = run(tmp_path / "kept", ResNetTiny, rounds=3).metrics[-1]
+    assert kept["density_stem.0"] == 1.0 and kept["density_head"] < 0.6
+    named = run(tmp_path / "named", ResNetTiny, rounds=3,
+                dturbo={"sparsity": {"target_density": 0.4, "warmup_rounds": 0, "ramp_rounds": 2,
+                                     "layer_targets": {"first_conv": 0.5}}}).metrics[-1]
+    assert named["density_stem.0"] < 0.75
+    plain = run(tmp_path / "plain", DepthwiseNet, rounds=3).metrics[-1]
+    assert plain["density_dw"] < 0.75 and plain["density_stem"] < 0.75

@@ -159,10 +159,12 @@ def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str,
 
 def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     """Final support density of every layer in target mode (``sparsity.layer_targets``, names or selectors:
-    :func:`resolve_layer_targets`), NaN for layers that share one field (scope 'global'). A clear error for unknown
-    layers, or targets that leave the other layers no room in the global budget."""
+    :func:`resolve_layer_targets`; a layer it does not name that keeps dense, :attr:`LayerInfo.keep_dense`: 1), NaN
+    for layers that share one field (scope 'global'). A clear error for unknown layers, or targets that leave the
+    other layers no room in the global budget."""
     names = [info.name for info in layers]
     named = resolve_layer_targets(names, [info.kind for info in layers], dict(sp.layer_targets))
+    named = {info.name: 1.0 for info in layers if info.keep_dense} | named
     default = np.nan if sp.scope == "global" else sp.target_density
     out = np.array([named.get(n, default) for n in names], dtype=np.float64)
     shared = np.isnan(out)

@@ -51,6 +51,9 @@ class LayerInfo:
     prior: LayerPrior
     uses: int = 1  # multiply-adds each weight does for one sample (conv: output positions)
     kind: str = "dense"  # "conv" or "dense" (the prior section it takes)
+    # Stays dense unless sparsity.layer_targets names it: a conv whose filters read one input channel, in a model
+    # with BatchNorm (a filter of a few weights, pruned, detects something else, which BatchNorm scales back up).
+    keep_dense: bool = False
 
     @property
     def cost(self) -> float:

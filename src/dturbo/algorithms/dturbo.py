@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +46,7 @@ from ..sparsity import local_steps_a_round, make_policy, pruning_schedule
 from ..turbo import LayerInfo, LayerState
 from .base import ClientData, RoundResult, State, client_generator
 from .bounds import Limit, UploadBounds, magnitude, sigma_limit
-from .dturbo_config import DturboConfig, PriorConfig
+from .dturbo_config import DturboConfig, PriorConfig, describe
 from .dturbo_messages import (
     NO_BASE,
     DownLayer,
@@ -58,38 +57,28 @@ from .dturbo_messages import (
     UpLayer,
     sigma_as_sent,
 )
-from .dturbo_warnings import run_warnings
+from .dturbo_warnings import announce_dense, run_warnings
+from .held import pack, packed_size, unpack
 from .local import round_lr, train_local
-from .plain import DenseStateWarning, PlainState
+from .plain import PlainState
 from .server import Received, ServerBase
+from .statistics import batchnorms
 
 
 def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
     """Every Bayesian layer of ``model`` with its grid and its prior from the config's section of its kind; the
     multiply-adds a weight does only when the sparsity budget counts them (they need the model's input shape)."""
     uses = weight_uses(model) if cfg.dturbo.sparsity.budget == "flops" else {}
+    normalised = bool(batchnorms(model))
     infos = []
     for name, layer in bayesian_layers(model):
         kind = layer_kind(layer)
         pc: PriorConfig = getattr(cfg.dturbo.prior, kind)
         prior = resolve_prior(pc, layer_scale(layer))
-        infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1), kind))
+        one_channel = kind == "conv" and layer.weight_mu.shape[1] == 1
+        infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1), kind,
+                               keep_dense=normalised and one_channel))
     return infos
-
-
-def _packed_size(info: LayerInfo) -> int:
-    """Bytes of a layer's support packed 8 to a byte (the held supports of ``positions = "delta"``)."""
-    return -(-int(np.prod(info.grid)) // 8)
-
-
-def _pack_support(mask: np.ndarray) -> np.ndarray:
-    """A support (boolean grid) as bits packed 8 to a byte, row-major."""
-    return np.packbits(mask.reshape(-1))
-
-
-def _unpack_support(packed: np.ndarray, info: LayerInfo) -> np.ndarray:
-    """Inverse of :func:`_pack_support`: the support of ``info``'s grid."""
-    return np.unpackbits(packed, count=int(np.prod(info.grid))).astype(bool).reshape(info.grid)
 
 
 def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: np.ndarray,
@@ -112,15 +101,6 @@ def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: n
             layer.prior_std.copy_(torch.from_numpy(prior_std.reshape(shape).astype(np.float32)))
 
 
-def _announce_dense(plain: PlainState, dense: int, everything: int) -> None:
-    """One line naming the modules whose state stays dense, with their value counts (a DenseStateWarning)."""
-    modules = ", ".join(f"{name or '(model)'} {n:,}" for name, n in plain.by_module().items())
-    warnings.warn(f"state outside the Bayesian layers travels dense every round and lies outside the supports: "
-                  f"{modules} values; with the biases {dense:,} of the model's {everything:,} values "
-                  f"({dense / everything:.1%}); metrics.csv's density counts the supports' weights, density_all "
-                  f"every value, dense_share the share that travels dense", DenseStateWarning, stacklevel=3)
-
-
 class DturboServer(ServerBase[DturboUplink]):
     """Server half of D-Turbo-VBI. ``model_factory`` builds the (seeded) initial model."""
 
@@ -136,7 +116,7 @@ class DturboServer(ServerBase[DturboUplink]):
                                                   if layer.bias is not None)
         if self.plain:
             weights = sum(int(np.prod(i.grid)) for i in self.layers)
-            _announce_dense(self.plain, self.dense_values, self.dense_values + weights)
+            announce_dense(self.plain, self.dense_values, self.dense_values + weights)
         # docs/algorithm.md §11; the schedule paced by the mean client's local steps unless set in rounds.
         self.schedule = pruning_schedule(cfg.dturbo.sparsity, cfg.experiment.rounds, local_steps_a_round(
             cfg.train, self.total_samples, cfg.federation.clients))
@@ -171,7 +151,7 @@ class DturboServer(ServerBase[DturboUplink]):
             clients = self.cfg.federation.clients
             state["held_round"] = np.full(clients, NO_BASE, dtype=np.int64)
             for info in self.layers:
-                state[f"held.{info.name}"] = np.zeros((clients, _packed_size(info)), dtype=np.uint8)
+                state[f"held.{info.name}"] = np.zeros((clients, packed_size(info.grid)), dtype=np.uint8)
                 if self.messages.update:
                     state[f"held_mu.{info.name}"] = np.zeros((clients, int(np.prod(info.grid))), dtype=np.float32)
         if self.sparsity.steers(0):
@@ -223,7 +203,7 @@ class DturboServer(ServerBase[DturboUplink]):
         out = {}
         for b in rounds - {NO_BASE}:
             cid = int(np.flatnonzero(state["held_round"] == b)[0])
-            out[b] = [_unpack_support(state[f"held.{i.name}"][cid], i) for i in self.layers]
+            out[b] = [unpack(state[f"held.{i.name}"][cid], i.grid) for i in self.layers]
         return out
 
     def _downlink_record(self, state: State, round_idx: int) -> DturboDownlink:
@@ -348,7 +328,7 @@ class DturboServer(ServerBase[DturboUplink]):
         for info, mask in zip(self.layers, trained, strict=True):
             held = state[f"held.{info.name}"].copy()
             held[selected] = 0
-            held[confirmed] = _pack_support(mask)
+            held[confirmed] = pack(mask)
             out[f"held.{info.name}"] = held
         if self.messages.update:
             record = self._downlink_record(state, round_idx)  # what was sent, to code each update again
@@ -489,9 +469,9 @@ class DturboClient(ClientAlgorithm):
         infos, which changes in place."""
         if len(scales) != len(self.layers):
             raise MessageError(f"{len(scales)} prior scales for a model of {len(self.layers)} Bayesian layers")
-        for i, (info, scale) in enumerate(zip(self.layers, scales, strict=True)):
-            self.layers[i] = dataclasses.replace(info, prior=resolve_prior(getattr(self.cfg.dturbo.prior, info.kind),
-                                                                           scale))
+        priors = self.cfg.dturbo.prior
+        self.layers[:] = [dataclasses.replace(info, prior=resolve_prior(getattr(priors, info.kind), scale))
+                          for info, scale in zip(self.layers, scales, strict=True)]
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         down = self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id))
@@ -561,7 +541,7 @@ class DturboClient(ClientAlgorithm):
             out[f"support_rounds/{cid}"] = np.array(rounds, dtype=np.int64)
             for slot, r in enumerate(rounds):
                 for info, support in zip(self.layers, mine[r], strict=True):
-                    out[f"{info.name}.support{slot}/{cid}"] = _pack_support(support)
+                    out[f"{info.name}.support{slot}/{cid}"] = pack(support)
                 if self.messages.update:
                     for info, w in zip(self.layers, self._weights[cid][r], strict=True):
                         out[f"{info.name}.mu{slot}/{cid}"] = w.reshape(-1)
@@ -581,10 +561,10 @@ class DturboClient(ClientAlgorithm):
                     supports, mus = [], []
                     for info in self.layers:
                         packed = np.asarray(arrays[f"{info.name}.support{slot}/{cid}"], dtype=np.uint8)
-                        if packed.shape != (_packed_size(info),):
+                        if packed.shape != (packed_size(info.grid),):
                             raise ValueError(f"the support of {info.name} held by client {cid} has {packed.size} "
-                                             f"bytes, the model's grid needs {_packed_size(info)}")
-                        supports.append(_unpack_support(packed, info))
+                                             f"bytes, the model's grid needs {packed_size(info.grid)}")
+                        supports.append(unpack(packed, info.grid))
                         if self.messages.update:
                             w = np.asarray(arrays[f"{info.name}.mu{slot}/{cid}"])
                             if w.dtype != np.float32 or w.shape != (int(np.prod(info.grid)),):
@@ -605,16 +585,6 @@ class DturboClient(ClientAlgorithm):
 def _sigma_options(cfg: Config) -> dict[str, Any]:
     return {"sigma_mode": cfg.dturbo.sigma_mode, "sigma_init_ratio": cfg.dturbo.sigma_init_ratio}
 
-
-def describe(d: DturboConfig) -> str:
-    """A run's label: its target, whole channels or units, and its bits."""
-    sp, tr = d.sparsity, d.transmission
-    tied = [k for k in ("conv", "dense") if getattr(d.prior, k).tie_rows]
-    extra = "".join(", whole conv channels" if k == "conv" else ", whole dense units" for k in tied)
-    bits = "float16" if tr.up_bits == 16 and tr.down_bits == 16 else \
-        f"{tr.up_bits}-bit up, {tr.down_bits}-bit down".replace("16-bit", "float16")
-    what = f"{sp.target_density:.0%} target" if sp.mode == "target" else "prior"
-    return f"D-Turbo-VBI ({what}{extra}, {bits})"
 
 SPEC = AlgorithmSpec("dturbo", DturboConfig, DturboServer, DturboClient, default_lr=5e-3, label="D-Turbo-VBI",
                      run_warnings=run_warnings, model_options=_sigma_options,

@@ -141,3 +141,14 @@ class DturboConfig(Section):
     sparsity: SparsityConfig = Field(default_factory=SparsityConfig)
     spmp: SpmpConfig = Field(default_factory=SpmpConfig)
     prior: PriorsConfig = Field(default_factory=PriorsConfig)
+
+
+def describe(d: DturboConfig) -> str:
+    """A run's label: its target, whole channels or units, and its bits."""
+    sp, tr = d.sparsity, d.transmission
+    tied = [k for k in ("conv", "dense") if getattr(d.prior, k).tie_rows]
+    extra = "".join(", whole conv channels" if k == "conv" else ", whole dense units" for k in tied)
+    bits = "float16" if tr.up_bits == 16 and tr.down_bits == 16 else \
+        f"{tr.up_bits}-bit up, {tr.down_bits}-bit down".replace("16-bit", "float16")
+    what = f"{sp.target_density:.0%} target" if sp.mode == "target" else "prior"
+    return f"D-Turbo-VBI ({what}{extra}, {bits})"

@@ -4,12 +4,14 @@ steps a round."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from ..config import Config
 from ..protocol import ScheduleWarning
 from ..sparsity import local_steps_a_round, pruning_schedule
 from .local import num_local_steps
+from .plain import DenseStateWarning, PlainState
 
 __all__ = ["FEW_LOCAL_STEPS", "LocalStepsWarning", "ScheduleWarning", "local_steps_warning", "run_warnings",
            "schedule_warning"]
@@ -82,3 +84,12 @@ def run_warnings(cfg: Config, fed: Any) -> list[Warning]:
     if (msg := local_steps_warning(cfg, fed)) is not None:
         out.append(LocalStepsWarning(msg))
     return out
+
+
+def announce_dense(plain: PlainState, dense: int, everything: int) -> None:
+    """One line naming the modules whose state stays dense, with their value counts (a DenseStateWarning)."""
+    modules = ", ".join(f"{name or '(model)'} {n:,}" for name, n in plain.by_module().items())
+    warnings.warn(f"state outside the Bayesian layers travels dense every round and lies outside the supports: "
+                  f"{modules} values; with the biases {dense:,} of the model's {everything:,} values "
+                  f"({dense / everything:.1%}); metrics.csv's density counts the supports' weights, density_all "
+                  f"every value, dense_share the share that travels dense", DenseStateWarning, stacklevel=3)
