@@ -52,6 +52,18 @@ class TinyNet(nn.Module):
         return self.head(self.body(x))
 
 
+class BnNet(nn.Module):
+    """TinyNet with BatchNorm after its hidden layer: the strategy calibrates its statistics as the runner does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 24), nn.BatchNorm1d(24), nn.ReLU())
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
 class OtherNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -79,17 +91,17 @@ FAST = {"train.local_steps": 4, "train.batch_size": 32, "train.lr": 0.01, "exper
 SPARSITY = {"target_density": 0.5, "warmup_rounds": 0, "ramp_rounds": 1}
 
 
-def user_client_app(data_of=partition, with_query: bool = True) -> ClientApp:
+def user_client_app(data_of=partition, with_query: bool = True, net: type[nn.Module] = TinyNet) -> ClientApp:
     """A user's ClientApp: their model, their data, the helpers."""
     app = ClientApp()
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        return dflower.fit(msg, context, dturbo.bayesianize(TinyNet()), data_of(context.node_config["partition-id"]))
+        return dflower.fit(msg, context, dturbo.bayesianize(net()), data_of(context.node_config["partition-id"]))
 
     @app.evaluate()
     def evaluate_(msg: Message, context: Context) -> Message:
-        return dflower.evaluate(msg, context, dturbo.bayesianize(TinyNet()),
+        return dflower.evaluate(msg, context, dturbo.bayesianize(net()),
                                 data_of(context.node_config["partition-id"]))
 
     if with_query:
@@ -195,16 +207,18 @@ def federation(cfg_dict: dict) -> Federation:
     return build_federation(load_config(cfg_dict), dataset_from_arrays(x, y, x[:200], y[:200]))
 
 
-@pytest.mark.parametrize("algorithm", ["dturbo", "stc", "feddst", "fedavg"])
-def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str) -> None:
+@pytest.mark.parametrize(("algorithm", "net"), [("dturbo", TinyNet), ("stc", TinyNet), ("feddst", TinyNet),
+                                                ("fedavg", TinyNet), ("dturbo", BnNet)])
+def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str, net: type[nn.Module]) -> None:
     """Same configuration, model, split and seed: the same bits every round and the same final model as
     ``Simulator`` (``dturbo run``). STC and FedDST keep client state: here every message meets a fresh client object
-    (as a deployment's fresh ClientApp process), so the state travels in Context.state."""
+    (as a deployment's fresh ClientApp process), so the state travels in Context.state. With BatchNorm both
+    calibrate its statistics (train messages carrying a ``calibrate`` message, answered by the same ``fit``)."""
     cfg_dict = runner_config(algorithm)
     cfg = load_config(cfg_dict)
     fed = federation(cfg_dict)
     d = cfg.dturbo
-    factory = user_model_factory(TinyNet, sigma_mode=d.sigma_mode, sigma_init_ratio=d.sigma_init_ratio,
+    factory = user_model_factory(net, sigma_mode=d.sigma_mode, sigma_init_ratio=d.sigma_init_ratio,
                                  seed=cfg.experiment.seed, input_shape=(12,))
     sim = Simulator(cfg, tmp_path / "runner", federation=fed, model=lambda _ds: factory)
     rows = sim.run()
@@ -216,7 +230,7 @@ def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str) -> None:
         if msg.metadata.message_type == "train":
             sent.append(("down", len(wire.record_bytes(msg.content, wire.DOWN))))
 
-    app = user_client_app(lambda pid: fed.clients[pid], with_query=True)
+    app = user_client_app(lambda pid: fed.clients[pid], with_query=True, net=net)
 
     def recording_app(msg: Message, context: Context) -> Message:
         reply = app(msg, context)
@@ -225,14 +239,15 @@ def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str) -> None:
         return reply
 
     grid = InProcessGrid(recording_app, CLIENTS, intercept=fresh_process)
-    strategy = dflower.DturboStrategy(TinyNet, algorithm=algorithm, config=cfg_dict, fraction_evaluate=0.0)
+    strategy = dflower.DturboStrategy(net, algorithm=algorithm, config=cfg_dict, fraction_evaluate=0.0)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=cfg.experiment.rounds)
 
     assert strategy.session.total_samples == fed.total_samples
     for row in rows:
         m = result.train_metrics_clientapp[row["round"]]
         for key in ("density", "up_bits", "down_bits", "cum_bits", "up_headers_bits", "up_positions_bits",
-                    "up_values_bits", "down_headers_bits", "down_positions_bits", "down_values_bits"):
+                    "up_values_bits", "down_headers_bits", "down_positions_bits", "down_values_bits",
+                    *(["calibration_bits"] if net is BnNet else [])):
             assert m[key] == pytest.approx(float(row[key]), rel=0, abs=0), (row["round"], key)
     final = strategy.global_model().state_dict()
     for key, value in sim.final_model.state_dict().items():

@@ -26,7 +26,7 @@ from torch import nn
 
 from .algorithms.base import ClientError, MessageError, RoundResult
 from .algorithms.registry import ALGORITHMS, ModelFactory, build_algorithm
-from .algorithms.statistics import Statistics, request
+from .algorithms.statistics import Statistics, calibrate
 from .checkpoint import CheckpointError, config_fingerprint, data_fingerprint
 from .codec import CodecError
 from .config import Config
@@ -276,28 +276,8 @@ class Simulator:
                               stacklevel=3)
         if not self._statistics or not self.client.can_receive():
             return state
-        participants = self.server.select_clients(next_round)
-        downlinks = self.server.downlinks(state, next_round, participants)
-        framed: dict[int, bytes] = {}
-        requests = {cid: framed.setdefault(id(down), request(down)) for cid, down in downlinks.items()}
-        replies = self.carrier(requests, next_round)
-        good, weights = [], []
-        for cid, reply in replies.items():
-            if not isinstance(reply, bytes):
-                events.append(f"client {cid}: no BatchNorm statistics ({reply})")
-                continue
-            try:
-                good.append(self._statistics.decode(reply))
-            except (MessageError, CodecError) as err:
-                events.append(f"client {cid}: BatchNorm statistics rejected: {err}")
-                continue
-            weights.append(self.server.partitions[cid] if self.server.partitions else 1)
-        traffic.add_calibration([(requests[c], downlinks[c]) for c in requests],
-                                [r for r in replies.values() if isinstance(r, bytes)])
-        if not good:
-            events.append("BatchNorm calibration: no valid statistics, the averaged ones are kept")
-            return state
-        return self._statistics.pool(state, weights, good)
+        return calibrate(self._statistics, self.server, state, next_round,
+                         lambda requests: self.carrier(requests, next_round), traffic, events)
 
     # ---------------------------------------------------------------- the run directory
     def _open(self) -> tuple[dict[str, Any], int, float, list[dict[str, Any]]]:

@@ -15,15 +15,20 @@ counted in the ledger. A model without BatchNorm adds nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..codec import MAGIC, decode_dense, decode_message, encode_dense, encode_message
-from ..protocol import ClientAlgorithm, ClientData, MessageError, State
+from ..codec import MAGIC, CodecError, decode_dense, decode_message, encode_dense, encode_message
+from ..protocol import ClientAlgorithm, ClientData, MessageError, ServerAlgorithm, State
 from .plain import SUFFIX
+
+if TYPE_CHECKING:
+    from ..ledger import Traffic
 
 REQUEST = "calibrate"
 REPLY = "statistics"
@@ -132,6 +137,35 @@ class Statistics:
         return new
 
 
+def calibrate(statistics: Statistics, server: ServerAlgorithm, state: State, next_round: int,
+              send: Callable[[dict[int, bytes]], Mapping[int, object]], traffic: Traffic, events: list[str]) -> State:
+    """``state`` with its BatchNorm statistics measured by the clients of ``next_round`` (module docstring).
+    ``send`` delivers each client's ``calibrate`` message and returns the replies of those it sent (bytes, or the
+    reason there is none); both directions are booked in ``traffic``; a refused or missing reply is an event, and
+    with no valid reply the averaged statistics stay."""
+    downlinks = server.downlinks(state, next_round, server.select_clients(next_round))
+    framed: dict[int, bytes] = {}
+    requests = {cid: framed.setdefault(id(down), request(down)) for cid, down in downlinks.items()}
+    replies = send(requests)
+    good, weights = [], []
+    for cid, reply in replies.items():
+        if not isinstance(reply, bytes):
+            events.append(f"client {cid}: no BatchNorm statistics ({reply})")
+            continue
+        try:
+            good.append(statistics.decode(reply))
+        except (MessageError, CodecError) as err:
+            events.append(f"client {cid}: BatchNorm statistics rejected: {err}")
+            continue
+        weights.append(server.partitions[cid] if server.partitions else 1)
+    traffic.add_calibration([(requests[c], downlinks[c]) for c in replies],
+                            [r for r in replies.values() if isinstance(r, bytes)])
+    if not good:
+        events.append("BatchNorm calibration: no valid statistics, the averaged ones are kept")
+        return state
+    return statistics.pool(state, weights, good)
+
+
 def request(downlink: bytes) -> bytes:
     """The calibration message: the downlink the client loads, framed under the kind ``calibrate``."""
     return encode_message(REQUEST, [("downlink", downlink)])
@@ -139,13 +173,18 @@ def request(downlink: bytes) -> bytes:
 
 def answer(client: ClientAlgorithm, message: bytes, data: ClientData, client_id: int) -> bytes:
     """What a client sends back for ``message``: its statistics for a calibration, else its training upload."""
-    if _kind(message) == REQUEST:
+    if is_request(message):
         _, fields = decode_message(message, expected_kind=REQUEST)
         if len(fields) != 1 or fields[0][0] != "downlink":
             raise MessageError("a calibrate message holds exactly one field, 'downlink'")
         model = client.receive(fields[0][1], client_id)
         return Statistics(model).measure(model, data, client.cfg.train.batch_size, client.device)
     return client.fit(message, data, client_id)
+
+
+def is_request(message: bytes) -> bool:
+    """Whether ``message`` is a calibration (else a training downlink)."""
+    return _kind(message) == REQUEST
 
 
 def _kind(message: bytes) -> str:

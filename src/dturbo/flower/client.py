@@ -62,6 +62,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 from ..algorithms.base import ClientAlgorithm, ClientData, ClientError, MessageError
+from ..algorithms.statistics import answer, is_request
 from ..codec import CodecError
 from ..config import Config
 from ..nn.bayes import bayesian_layers
@@ -206,16 +207,17 @@ def fit(msg: Message, context: Context, model: nn.Module, data: DataSource) -> M
     _input_shape(rt, local)
     down = wire.record_bytes(msg.content, wire.DOWN)
     cid, rnd = task.client, task.round_idx
+    calibration = is_request(down)
     try:
         restore_state(_state_runtime(rt), context, cid, rnd)
-        up = rt.client.fit(down, local, cid)
+        up = answer(rt.client, down, local, cid)  # a training upload, or BatchNorm statistics
     except ClientError as err:
         log.warning("dturbo client %d, round %d: %s", cid, rnd + 1, err)
         failure = ConfigRecord({"client": cid, "round": rnd, "reason": str(err)})
         return Message(RecordDict({wire.FAILURE: failure}), reply_to=msg)
     save_state(_state_runtime(rt), context, cid, rnd)
     trained = getattr(rt.client, "model", None)
-    if isinstance(trained, nn.Module):
+    if isinstance(trained, nn.Module) and not calibration:
         bayesian_model(model, rt.cfg).load_state_dict(trained.state_dict())
     reply = RecordDict({
         wire.UP: wire.bytes_record(up),

@@ -59,6 +59,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from torch import nn
 
 from ..algorithms.base import MessageError, ServerAlgorithm, State
+from ..algorithms.statistics import Statistics, calibrate
 from ..config import Config, ConfigError, load_config
 from ..ledger import Traffic
 from . import protocol, wire
@@ -92,6 +93,9 @@ class _Session:
     settings: str
     layers: list[protocol.ModelLayer]
     cum_bits: int = 0
+    grid: Grid | None = None
+    timeout: float = 3600.0
+    statistics: Statistics | None = None  # the model's BatchNorm layers, when their statistics are calibrated
     pending: _Pending | None = None
     eval_sent: list[tuple[Message, int]] = field(default_factory=list)
 
@@ -221,6 +225,7 @@ class DturboStrategy(Strategy):
         passes to ``evaluate_fn`` and returns in ``Result.arrays`` are the global model's ``state_dict()``; the
         train MetricRecords hold the server's metrics and the round's bits (dturbo's ledger and Flower's bytes)."""
         self.setup(grid, initial_arrays, num_rounds)
+        self._need_session().timeout = timeout
         return super().start(grid, self.global_arrays(), num_rounds, timeout, train_config, evaluate_config,
                              evaluate_fn)
 
@@ -242,8 +247,9 @@ class DturboStrategy(Strategy):
         # The nodes' sample counts are unknown here: the warnings that need them stay silent.
         for warning in spec.run_warnings(cfg, SimpleNamespace(total_samples=total, clients=None)):
             log.warning("dturbo: %s", warning)
+        statistics = Statistics(model) if cfg.federation.batchnorm == "calibrated" else None
         self.session = _Session(cfg, server, server.init(), node_of, total, protocol.settings_text(cfg),
-                        protocol.model_layers(model))
+                                protocol.model_layers(model), grid=grid, statistics=statistics or None)
         log.info("dturbo %s: %d clients, n = %d training samples, %d rounds, %s clients a round", self.algorithm,
                  len(node_of), total, num_rounds, cfg.federation.clients_per_round or "all")
 
@@ -379,7 +385,6 @@ class DturboStrategy(Strategy):
         uplinks = [uploads[cid][0] for cid in order]
         traffic = Traffic(run.server.layouts)
         traffic.add(pending.downlinks, uplinks)
-        run.cum_bits += traffic.up_bits + traffic.down_bits
         metrics: dict[str, float] = {"participants": float(len(pending.participants)), **counts}
         log.info("aggregate_train: received %d uploads and %d failures", len(uplinks),
                  counts["clients_failed"] + counts["clients_dropped"])
@@ -395,7 +400,11 @@ class DturboStrategy(Strategy):
                 for rejection in result.rejected:
                     log.warning("client %d: upload rejected: %s", order[rejection.uplink], rejection.reason)
                 metrics |= result.metrics
+                if run.statistics is not None and self._evaluated(server_round):
+                    run.state = self._calibrate(server_round, traffic)
+                    metrics["calibration_bits"] = traffic.calibration_bits
                 arrays = self.global_arrays()
+        run.cum_bits += traffic.up_bits + traffic.down_bits
         metrics |= {"up_bits": traffic.up_bits, "down_bits": traffic.down_bits, "cum_bits": run.cum_bits,
                     **traffic.parts,
                     "flower_down_bytes": sum(protocol.message_bytes(m.content) for m, _ in pending.sent),
@@ -409,6 +418,45 @@ class DturboStrategy(Strategy):
         except (KeyError, TypeError, ValueError, StopIteration) as err:
             log.warning("round %d: the clients' MetricRecords do not aggregate (%s)", server_round, err)
         return arrays, record
+
+    def _evaluated(self, server_round: int) -> bool:
+        """Whether the runner evaluates round ``server_round`` (``experiment.eval_every``, and the last)."""
+        cfg = self._need_session().cfg
+        return server_round % cfg.experiment.eval_every == 0 or server_round == cfg.experiment.rounds
+
+    def _calibrate(self, server_round: int, traffic: Traffic) -> State:
+        """The state with its BatchNorm statistics measured by the next round's clients, as the runner's
+        (:func:`dturbo.algorithms.statistics.calibrate`): each gets a train message carrying its ``calibrate``
+        message, which :func:`dturbo.flower.fit` answers."""
+        run = self._need_session()
+        assert run.statistics is not None and run.grid is not None
+        grid = run.grid
+
+        def send(requests: dict[int, bytes]) -> dict[int, object]:
+            online = set(grid.get_node_ids())
+            sent = []
+            for cid, data in requests.items():
+                if run.node_of[cid] not in online:
+                    continue
+                task = protocol.Task(self.algorithm, server_round, cid, run.settings, run.layers)
+                content = RecordDict({wire.DOWN: wire.bytes_record(data), wire.TASK: task.record(),
+                                      protocol.CONFIG: ConfigRecord({"server-round": server_round + 1})})
+                sent.append((Message(content=content, dst_node_id=run.node_of[cid],
+                                     message_type=MessageType.TRAIN), cid))
+            replies = list(grid.send_and_receive([m for m, _ in sent], timeout=run.timeout))
+            by_message = {m.metadata.message_id: cid for m, cid in sent}
+            out: dict[int, object] = {cid: "lost" for _, cid in sent}
+            for reply in replies:
+                cid = by_message.get(reply.metadata.reply_to_message_id)
+                if cid is not None:
+                    out[cid] = self._upload(reply, cid, server_round)
+            return out
+
+        events: list[str] = []
+        state = calibrate(run.statistics, run.server, run.state, server_round, send, traffic, events)
+        for event in events:
+            log.warning("round %d: %s", server_round, event)
+        return state
 
     def _upload(self, reply: Message, cid: int | None, rnd: int) -> bytes | str:
         """A reply's upload bytes, or why it has none: ``"lost"`` (the node never answered) or a reason."""
