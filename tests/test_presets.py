@@ -126,3 +126,33 @@ def test_the_wheel_works_alone_outside_the_repository(tmp_path):
                   "--set", "data.limit_train=2000", "--set", "data.limit_test=500", "--set", "experiment.threads=1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (run_dir / "run" / "metrics.csv").read_text().count("\n") == 2
+
+
+def test_every_preset_fits_a_conv_model_with_batchnorm():
+    """On a model of convolutions with BatchNorm and one dense head, every preset's layer targets resolve; where they
+    name every layer the model's density is theirs, and a warning says target_density is not used. The stem reads
+    one input channel: it keeps dense unless named by position."""
+    import warnings
+
+    import numpy as np
+    from torch import nn
+
+    import dturbo
+    from dturbo.algorithms.dturbo import _layer_infos
+    from dturbo.sparsity import layer_targets
+
+    net = dturbo.bayesianize(nn.Sequential(
+        nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)))
+    for name in presets.names():
+        cfg = load_config(preset=name)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            targets = layer_targets(_layer_infos(net, cfg), cfg.dturbo.sparsity)
+        assert targets[0] == 1.0, name  # the stem: no preset names it by name or position
+        every = not np.isnan(targets).any()
+        assert every == any("target_density" in str(w.message) for w in caught), name
+    cfg = load_config(preset="recommended")
+    assert list(layer_targets(_layer_infos(net, cfg), cfg.dturbo.sparsity)) == [1.0, 0.25, 1.0]
+    cfg = load_config(preset="recommended", overrides={"dturbo.sparsity.layer_targets": {"first": 0.5, "last": 1.0}})
+    assert layer_targets(_layer_infos(net, cfg), cfg.dturbo.sparsity)[0] == 0.5

@@ -19,6 +19,7 @@ activity on every node of a layer's grid, which enters the B -> A message (E2) a
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -132,7 +133,8 @@ def budget_sizes(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
 
 # Keys of ``sparsity.layer_targets`` that select layers by position or kind instead of by name, so that one setting
 # fits any model: a layer's own name first, then its position, then its position among its kind, then its kind.
-SELECTORS = ("first", "last", "first_conv", "last_conv", "first_dense", "last_dense", "conv", "dense")
+KINDS = ("conv", "dense")
+SELECTORS = ("first", "last", "first_conv", "last_conv", "first_dense", "last_dense", *KINDS)
 
 
 def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str, float]) -> dict[str, float]:
@@ -159,24 +161,36 @@ def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str,
 
 def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     """Final support density of every layer in target mode (``sparsity.layer_targets``, names or selectors:
-    :func:`resolve_layer_targets`; a layer it does not name that keeps dense, :attr:`LayerInfo.keep_dense`: 1), NaN
-    for layers that share one field (scope 'global'). A clear error for unknown layers, or targets that leave the
-    other layers no room in the global budget."""
+    :func:`resolve_layer_targets`; a layer that keeps dense, :attr:`LayerInfo.keep_dense`: 1 unless its name or
+    position is named), NaN for layers that share one field (scope 'global'). A clear error for unknown layers, or
+    targets that leave the other layers no room in the global budget; a warning when every layer has a target (they
+    set the model's density, not target_density)."""
     names = [info.name for info in layers]
-    named = resolve_layer_targets(names, [info.kind for info in layers], dict(sp.layer_targets))
-    named = {info.name: 1.0 for info in layers if info.keep_dense} | named
+    kinds = [info.kind for info in layers]
+    named = resolve_layer_targets(names, kinds, dict(sp.layer_targets))
+    # a layer that keeps dense yields to its name or position, not to a whole kind
+    specific = resolve_layer_targets(names, kinds, {k: v for k, v in sp.layer_targets.items() if k not in KINDS})
+    named |= {info.name: 1.0 for info in layers if info.keep_dense and info.name not in specific}
     default = np.nan if sp.scope == "global" else sp.target_density
     out = np.array([named.get(n, default) for n in names], dtype=np.float64)
     shared = np.isnan(out)
     if sp.scope == "global" and named:
         sizes = budget_sizes(layers, sp)
+        if not shared.any():  # every layer has its own target: together they set the model's density
+            overall = float((out * sizes).sum() / sizes.sum())
+            if abs(overall - sp.target_density) > 0.005:
+                warnings.warn(f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} give every layer of this "
+                              f"model its own target: it ends at {overall:.1%} of its weights, and target_density = "
+                              f"{sp.target_density} is not used", UserWarning, stacklevel=2)
+            return out
         left = sp.target_density * sizes.sum() - (out[~shared] * sizes[~shared]).sum()
-        if not shared.any() or not 0 < left <= sizes[shared].sum():
+        if not 0 < left <= sizes[shared].sum():
             raise ConfigError(
                 f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} with target_density {sp.target_density} "
-                f"(scope 'global') leave the other layers a density of "
-                f"{left / max(sizes[shared].sum(), 1):.4f}, outside (0, 1]: name fewer layers or change the targets"
-            )
+                f"(scope 'global'): the {int((~shared).sum())} layers they name hold "
+                f"{(out[~shared] * sizes[~shared]).sum() / sizes.sum():.1%} of the model's weights at their targets, "
+                f"which leaves the other {int(shared.sum())} a density of {left / sizes[shared].sum():.4f}, outside "
+                f"(0, 1]: name fewer layers, lower their targets or raise target_density")
     return out
 
 
