@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from dturbo import export as ex
 from dturbo.algorithms import ALGORITHMS
-from dturbo.algorithms.dturbo_warnings import LocalStepsWarning, local_steps_warning, schedule_warning
+from dturbo.algorithms.dturbo.checks import LocalStepsWarning, local_steps_warning, schedule_warning
 from dturbo.checkpoint import STATE_FILE, CheckpointError, CheckpointWarning, load_checkpoint, save_checkpoint
 from dturbo.cli import app
 from dturbo.config import ConfigError, load_config, parse_config

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.dssm import dssm_count, top_k
-from dturbo.algorithms.dturbo_messages import decode_prior_std, encode_prior_std
+from dturbo.algorithms.dturbo.messages import decode_prior_std, encode_prior_std
 from dturbo.algorithms.fedpaq import qsgd_decode, qsgd_encode
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.codec import decode_quantized, encode_dense, encode_message, encode_quantized, payload_bits

@@ -16,8 +16,8 @@ from test_positions_delta import config as delta_config
 
 from dturbo.algorithms.base import MessageError
 from dturbo.algorithms.dturbo import DturboClient
-from dturbo.algorithms.dturbo_config import TransmissionConfig
-from dturbo.algorithms.dturbo_messages import DownLayer, DturboDownlink
+from dturbo.algorithms.dturbo.config import TransmissionConfig
+from dturbo.algorithms.dturbo.messages import DownLayer, DturboDownlink
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.config import parse_config
 from dturbo.federation import build_federation

@@ -138,7 +138,7 @@ def test_every_preset_fits_a_conv_model_with_batchnorm():
     from torch import nn
 
     import dturbo
-    from dturbo.algorithms.dturbo import _layer_infos
+    from dturbo.algorithms.dturbo import layer_infos
     from dturbo.sparsity import layer_targets
 
     net = dturbo.bayesianize(nn.Sequential(
@@ -148,11 +148,11 @@ def test_every_preset_fits_a_conv_model_with_batchnorm():
         cfg = load_config(preset=name)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            targets = layer_targets(_layer_infos(net, cfg), cfg.dturbo.sparsity)
+            targets = layer_targets(layer_infos(net, cfg), cfg.dturbo.sparsity)
         assert targets[0] == 1.0, name  # the stem: no preset names it by name or position
         every = not np.isnan(targets).any()
         assert every == any("target_density" in str(w.message) for w in caught), name
     cfg = load_config(preset="recommended")
-    assert list(layer_targets(_layer_infos(net, cfg), cfg.dturbo.sparsity)) == [1.0, 0.25, 1.0]
+    assert list(layer_targets(layer_infos(net, cfg), cfg.dturbo.sparsity)) == [1.0, 0.25, 1.0]
     cfg = load_config(preset="recommended", overrides={"dturbo.sparsity.layer_targets": {"first": 0.5, "last": 1.0}})
-    assert layer_targets(_layer_infos(net, cfg), cfg.dturbo.sparsity)[0] == 0.5
+    assert layer_targets(layer_infos(net, cfg), cfg.dturbo.sparsity)[0] == 0.5

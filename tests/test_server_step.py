@@ -18,7 +18,7 @@ from scipy.special import digamma, expit, gammaln, log_expit
 import dturbo.algorithms.dturbo as dt
 from dturbo import turbo
 from dturbo.algorithms.base import ClientData, frame, message_bits, pack_scalars
-from dturbo.algorithms.dturbo_messages import UP_KIND
+from dturbo.algorithms.dturbo.messages import UP_KIND
 from dturbo.algorithms.local import LocalResult
 from dturbo.codec import decode_grid, decode_message, decode_values, encode_dense, encode_values
 from dturbo.config import parse_config
@@ -123,7 +123,7 @@ def _brute_marginals(u: np.ndarray, p01_row, p11_row, p01_col, p11_col) -> np.nd
 def _reference_step(before, mu_agg, sig_agg, hyper, *, thr, fields, spmp, gamma="exact", spmp_kw=None):
     """docs/algorithm.md §7.3-7.5 written out: E3 with the OLD q(rho), E4 with the new pi~ and the aggregated moments,
     E1, SPMP (+ the field h of target mode), E2, support {pi~ >= thr} with re-entry at 2^-14 and S equal to
-    the float16 nonzeros of mu_G (module docstrings of turbo.py and algorithms/dturbo.py)."""
+    the float16 nonzeros of mu_G (module docstrings of turbo.py and algorithms/dturbo/)."""
     out = {}
     for i, (n, h) in enumerate(hyper.items()):
         a, b, ab, bb = h["a"], h["b"], h["a_bar"], h["b_bar"]
@@ -274,7 +274,7 @@ def _capture_penalty(monkeypatch, cfg, factory, server, state, data, total=None)
         seen["model"] = model
         return LocalResult(steps=0, nll=0.0, penalty=seen["value"])
 
-    monkeypatch.setattr(dt, "train_local", probe)
+    monkeypatch.setattr(dt.client, "train_local", probe)
     if total is not None:
         server.total_samples = total
     dt.DturboClient(cfg, factory).fit(server.downlink(state, 0), data, 0)

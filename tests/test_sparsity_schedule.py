@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import dturbo
-from dturbo.algorithms.dturbo_config import SparsityConfig
-from dturbo.algorithms.dturbo_warnings import schedule_warning
+from dturbo.algorithms.dturbo.checks import schedule_warning
+from dturbo.algorithms.dturbo.config import SparsityConfig
 from dturbo.algorithms.local import num_local_steps
 from dturbo.config import ConfigError, TrainConfig, load_config, parse_config
 from dturbo.sim import ScheduleWarning

@@ -321,7 +321,7 @@ def test_alexnet_grids_converge_quickly_at_demo_couplings() -> None:
 def test_tied_rows_are_one_variable_per_row_on_the_column_chain(start: float | None) -> None:
     """prior.tie_rows: each row is one support variable with the summed evidence of its M weights and M times
     the per-weight field, the rows coupled by the column chain; checked against brute force on that chain."""
-    from dturbo.algorithms.dturbo_config import SpmpConfig
+    from dturbo.algorithms.dturbo.config import SpmpConfig
     from dturbo.prior import LayerPrior
     from dturbo.turbo import module_b, tie_rows
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dturbo.algorithms.dturbo_config import TransmissionConfig
+from dturbo.algorithms.dturbo.config import TransmissionConfig
 from dturbo.codec import CodecError, encode_quantized, payload_bits
 from dturbo.coding.values import MAX_CODED_LEVELS, decode_symbols, encode_symbols
 from dturbo.config import ConfigError, parse_config

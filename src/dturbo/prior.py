@@ -16,7 +16,7 @@ from torch import nn
 from .spmp import Transitions
 
 if TYPE_CHECKING:
-    from .algorithms.dturbo_config import PriorConfig
+    from .algorithms.dturbo.config import PriorConfig
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .config import ConfigError
 from .turbo import LayerInfo, module_b
 
 if TYPE_CHECKING:
-    from .algorithms.dturbo_config import DturboConfig, SparsityConfig
+    from .algorithms.dturbo.config import DturboConfig, SparsityConfig
     from .config import TrainConfig
 
 
@@ -110,7 +110,7 @@ def pruning_schedule(sp: SparsityConfig, rounds: int, steps: int) -> PruningSche
     ``(rounds - 1) // 2`` rounds (and leaves an explicit ramp room to end) and the ramp ends at the latest one round
     before the last (so one round trains at the target): a paced schedule always reaches ``target_density``, and a
     half-paced one whenever its explicit half fits the run. Rounds set explicitly are kept as they are (a ramp that
-    ends after the run is :func:`dturbo.algorithms.dturbo_warnings.schedule_warning`'s business)."""
+    ends after the run is :func:`dturbo.algorithms.dturbo.checks.schedule_warning`'s business)."""
     steps = max(int(steps), 1)
     warmup = sp.warmup_rounds
     if warmup is None:

@@ -35,7 +35,7 @@ from .prior import LayerPrior
 from .spmp import grid_bp
 
 if TYPE_CHECKING:
-    from .algorithms.dturbo_config import SpmpConfig
+    from .algorithms.dturbo.config import SpmpConfig
 
 # A weight (re-)entering S restarts from the smallest normal float16, 2^-14, instead of exactly 0 (docs/algorithm.md
 # §7.5 says "restarts from 0"): it must be a nonzero of the 16-bit mu_G to be in S at all.

@@ -7,11 +7,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..config import Config
-from ..protocol import ScheduleWarning
-from ..sparsity import local_steps_a_round, pruning_schedule
-from .local import num_local_steps
-from .plain import DenseStateWarning, PlainState
+from ...config import Config
+from ...protocol import ScheduleWarning
+from ...sparsity import local_steps_a_round, pruning_schedule
+from ..local import num_local_steps
+from ..plain import DenseStateWarning, PlainState
 
 __all__ = ["FEW_LOCAL_STEPS", "LocalStepsWarning", "ScheduleWarning", "local_steps_warning", "run_warnings",
            "schedule_warning"]

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from ..config import Probability, Section, ValuesCode
+from ...config import Probability, Section, ValuesCode
 
 
 class PriorConfig(Section):

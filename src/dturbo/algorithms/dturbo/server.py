@@ -1,104 +1,36 @@
-"""D-Turbo-VBI's protocol adapter: the server's aggregation and the client, on the shared server skeleton
-(:mod:`dturbo.algorithms.server`); the bytes of its two messages are :mod:`dturbo.algorithms.dturbo_messages`'s.
-
-One round (docs/algorithm.md §7): the server sends mu_G on S, sigma_G and sigma_prior on S (E5); a client sets
-mu, sigma from it, trains (E6) on the support only and uploads mu on the support (canonical row-major order, no
-positions), sigma, biases and n_t; the server aggregates the uploads that decode and validate, then runs the turbo
-step of :mod:`dturbo.turbo` (E3 -> E4 -> E1 -> SPMP -> E2 -> support) with the field of Module B set by the sparsity
-policy of :mod:`dturbo.sparsity`. State outside the Bayesian layers (BatchNorm, ... of a model of one's own) travels
-dense both ways (:mod:`dturbo.algorithms.plain`).
-
-The support S travels implicitly as the nonzeros of the cluster-coded mu_G (docs/algorithm.md §9). To keep that exact,
-S *is* the nonzeros of mu_G in float16 (:func:`dturbo.turbo.support`), derived from the state, never stored: a weight
-whose mean rounds to zero in 16-bit transmission leaves S, and a weight (re-)entering S restarts from the smallest
-normal float16, 2^-14, instead of exactly 0 (docs/algorithm.md §7 says "restarts from 0"; 2^-14 ~ 6e-5 is 0 for every
-practical purpose).
-
-The server state (checkpointed) holds, per Bayesian layer ``name``: the fields of :class:`dturbo.turbo.LayerState`
-(``name.mu``, ``name.sigma``, ``name.pi_logodds``, ``name.a_tilde``, ``name.b_tilde``) and ``name.bias``; ``field``:
-the field of every layer's Module B in its last SPMP (the sparsity policy starts its next search there); and the
-plain state. With ``transmission.positions = "delta"`` also what each client holds (docs/communication.md,
-"Positions"): ``held_round`` (per client, the round of the downlink whose S it holds, -1: none known) and
-``held.name`` (per client, that S as packed bits), so that a resumed run codes the same differences; with
-``down_mu = "update"`` also ``held_mu.name`` (per client, the weights it holds from that downlink, float32, 0 off S).
-"""
+"""D-Turbo-VBI's server half (docs/algorithm.md §7.3-7.5): the state, the downlinks, the aggregation and the turbo
+step."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
-import torch
 from scipy.special import expit
 from torch import nn
 
-from .. import turbo, vbi
-from ..config import Config
-from ..device import resolve_device
-from ..nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
-from ..nn.models import layer_scale, weight_uses
-from ..prior import grid_shape, layer_kind, resolve_prior
-from ..protocol import AlgorithmSpec, ClientAlgorithm, MessageError
-from ..sparsity import local_steps_a_round, make_policy, pruning_schedule
-from ..turbo import LayerInfo, LayerState
-from .base import ClientData, RoundResult, State, client_generator
-from .bounds import Limit, UploadBounds, magnitude, sigma_limit
-from .dturbo_config import DturboConfig, PriorConfig, describe
-from .dturbo_messages import (
+from ... import turbo, vbi
+from ...config import Config
+from ...nn.bayes import bayesian_layers
+from ...sparsity import local_steps_a_round, make_policy, pruning_schedule
+from ...turbo import LayerInfo, LayerState
+from ..base import RoundResult, State
+from ..bounds import Limit, UploadBounds, magnitude, sigma_limit
+from ..held import pack, packed_size, unpack
+from ..plain import PlainState
+from ..server import Received, ServerBase
+from .checks import announce_dense
+from .layers import layer_infos, load_layer
+from .messages import (
     NO_BASE,
     DownLayer,
     DturboDownlink,
     DturboMessages,
     DturboUplink,
     HeldSupports,
-    UpLayer,
     sigma_as_sent,
 )
-from .dturbo_warnings import announce_dense, run_warnings
-from .held import pack, packed_size, unpack
-from .local import round_lr, train_local
-from .plain import PlainState
-from .server import Received, ServerBase
-from .statistics import batchnorms
-
-
-def _layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
-    """Every Bayesian layer of ``model`` with its grid and its prior from the config's section of its kind; the
-    multiply-adds a weight does only when the sparsity budget counts them (they need the model's input shape)."""
-    uses = weight_uses(model) if cfg.dturbo.sparsity.budget == "flops" else {}
-    normalised = bool(batchnorms(model))
-    infos = []
-    for name, layer in bayesian_layers(model):
-        kind = layer_kind(layer)
-        pc: PriorConfig = getattr(cfg.dturbo.prior, kind)
-        prior = resolve_prior(pc, layer_scale(layer))
-        one_channel = kind == "conv" and layer.weight_mu.shape[1] == 1
-        infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1), kind,
-                               keep_dense=normalised and one_channel))
-    return infos
-
-
-def _load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: np.ndarray,
-                bias: np.ndarray | None, prior_std: np.ndarray | None) -> None:
-    with torch.no_grad():
-        shape = layer.weight_mu.shape
-        layer.mask.copy_(torch.from_numpy(mask.reshape(shape).astype(np.float32)))
-        layer.weight_mu.copy_(torch.from_numpy(mu.reshape(shape).astype(np.float32)) * layer.mask)
-        if layer.sigma_mode == "layer":
-            layer.sigma_param.copy_(softplus_inverse_tensor(torch.tensor(float(sigma.reshape(-1)[0]))))
-        else:
-            # per-weight sigma: either the full grid (server) or the values on the support (client)
-            full = np.full(mask.size, 1e-3)
-            flat_mask = mask.reshape(-1)
-            full[flat_mask] = sigma.reshape(-1)[flat_mask] if sigma.size == mask.size else sigma.reshape(-1)
-            layer.sigma_param.copy_(softplus_inverse_tensor(torch.from_numpy(full.reshape(shape)).float()))
-        if bias is not None and layer.bias is not None:
-            layer.bias.copy_(torch.from_numpy(bias.astype(np.float32)))
-        if prior_std is not None:
-            layer.prior_std.copy_(torch.from_numpy(prior_std.reshape(shape).astype(np.float32)))
 
 
 class DturboServer(ServerBase[DturboUplink]):
@@ -109,7 +41,7 @@ class DturboServer(ServerBase[DturboUplink]):
         self.model_factory = model_factory
         self.total_samples = int(total_samples)
         model = model_factory()
-        self.layers = _layer_infos(model, cfg)
+        self.layers = layer_infos(model, cfg)
         self.plain = PlainState(model)  # the state outside the Bayesian layers (BatchNorm, ...): sent dense
         # Values outside every support (biases, the plain state): they travel dense and count as nonzero.
         self.dense_values = self.plain.size + sum(layer.bias.numel() for _, layer in bayesian_layers(model)
@@ -405,7 +337,7 @@ class DturboServer(ServerBase[DturboUplink]):
         model = self.model_factory()
         for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
             n = info.name
-            _load_layer(layer, state[f"{n}.mu"], self.support(state, info), state[f"{n}.sigma"],
+            load_layer(layer, state[f"{n}.mu"], self.support(state, info), state[f"{n}.sigma"],
                         state[f"{n}.bias"] if layer.bias is not None else None, self.prior_std(state, info))
         self.plain.load_state(model, state)
         return model.eval()
@@ -419,173 +351,3 @@ class DturboServer(ServerBase[DturboUplink]):
         return out
 
 
-def sigma_grid_on(sigma: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """sigma as a grid from a layer's scalar or its values on the support ``mask`` (1 elsewhere)."""
-    if sigma.size == 1:
-        return np.full(mask.shape, float(sigma.reshape(-1)[0]))
-    out = np.ones(mask.shape)
-    out[mask] = sigma.reshape(-1)
-    return out
-
-
-def rebuilt_prior_std(info: LayerInfo, mu: np.ndarray, sigma: np.ndarray, form: str) -> np.ndarray:
-    """sigma_prior as a client rebuilds it (``transmission.prior_std = "rebuilt"``): E4 then E5 with pi~ = 1, i.e.
-    q(rho) = Gamma(a + 1/2, b + (mu^2 + sigma^2) / 2) from the downloaded mu_G and sigma_G. The server's E4 used its
-    own pi~ (>= the support threshold on S) and the unrounded mu: docs/communication.md states how far they differ."""
-    a_tilde, b_tilde = vbi.precision_posterior(1.0, mu, sigma, **info.prior.gamma_kwargs(), form=form)
-    return vbi.prior_std(a_tilde, b_tilde)
-
-
-class DturboClient(ClientAlgorithm):
-    """Client half: decode the downlink, train (E6) on the support, upload mu on the support.
-
-    With ``transmission.positions = "delta"`` the client keeps, per client id (one object serves every client in
-    process), the supports of the last two downlinks it decoded, by round: the server codes a downlink against the
-    support of the last round it knows the client decoded (its upload was valid), and a round run again (a retry,
-    or a resumed run whose client had decoded the round before the stop) must still find that one after the client
-    decoded the round's own; with ``down_mu = "update"`` also the weights each of them left it holding (the next
-    update is coded from them). :meth:`export_state` / :meth:`import_state` carry them through a checkpoint, and the
-    Flower ClientApp keeps them in the node's state."""
-
-    keeps_state = True
-
-    def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
-        self.cfg = cfg
-        self.model_factory = model_factory
-        self.model = model_factory()
-        self.layers = _layer_infos(self.model, cfg)
-        self.plain = PlainState(self.model)
-        self.messages = DturboMessages(cfg, self.model, self.layers, self.plain)
-        self.device = resolve_device(cfg.experiment.device)
-        self._held: dict[int, dict[int, list[np.ndarray]]] = {}  # client id -> round -> S of every layer
-        self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": -> the weights held
-
-    def receive(self, downlink: bytes, client_id: int) -> nn.Module:
-        self._load(self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id)))
-        return self.model
-
-    def use_server_priors(self, scales: list[float]) -> None:
-        """Each layer's prior rebuilt on the server's s_l; the client and its message coder share the list of layer
-        infos, which changes in place."""
-        if len(scales) != len(self.layers):
-            raise MessageError(f"{len(scales)} prior scales for a model of {len(self.layers)} Bayesian layers")
-        priors = self.cfg.dturbo.prior
-        self.layers[:] = [dataclasses.replace(info, prior=resolve_prior(getattr(priors, info.kind), scale))
-                          for info, scale in zip(self.layers, scales, strict=True)]
-
-    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        down = self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id))
-        if self.messages.delta:
-            self._keep(client_id, down.round_idx, [d.support for d in down.layers],
-                       [d.mu.astype(np.float32) for d in down.layers] if self.messages.update else None)
-        round_idx = down.round_idx
-        model = self.model
-        layers = bayesian_layers(model)
-        starts = self._load(down)
-        gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
-        for _, layer in layers:
-            layer.generator = gen
-        beta = self.cfg.dturbo.beta
-        total = down.total_samples
-
-        def penalty() -> torch.Tensor:
-            # E6: beta * KL / n with n the *global* sample count.
-            return beta * torch.stack([layer.kl() for _, layer in layers]).sum() / total
-
-        result = train_local(model, data, self.cfg.train, gen, penalty, device=self.device,
-                             lr=round_lr(self.cfg, round_idx))
-        up: dict[str, UpLayer] = {}
-        for info, (_, layer), d, start in zip(self.layers, layers, down.layers, starts, strict=True):
-            mask = d.support
-            mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
-            # up_bits < 16: the update from the weights received (the server adds it to its own mu_G)
-            sent = mu[mask] if self.cfg.dturbo.transmission.up_bits == 16 else mu[mask] - start[mask]
-            bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)
-            up[info.name] = UpLayer(sent, sigma_as_sent(layer.sigma.detach().numpy(), mask), bias)
-        msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)
-        rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
-        return self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng)
-
-    def _load(self, down: DturboDownlink) -> list[np.ndarray]:
-        """Put a decoded downlink into the client's model; the weights training starts from, per layer."""
-        starts = []
-        for info, (_, layer), d in zip(self.layers, bayesian_layers(self.model), down.layers, strict=True):
-            ps = np.ones(info.grid)
-            if d.prior_std is not None:
-                ps[d.support] = d.prior_std
-            else:
-                ps[d.support] = rebuilt_prior_std(info, d.mu, sigma_grid_on(d.sigma, d.support),
-                                                  self.cfg.dturbo.gamma_update)[d.support]
-            _load_layer(layer, d.mu, d.support, d.sigma, d.bias if layer.bias is not None else None, ps)
-            starts.append(layer.weight_mu.detach().double().numpy().reshape(info.grid))  # what training starts from
-        self.plain.load_values(self.model, down.plain)
-        return starts
-
-    # -------------------------------------------------- the supports held (positions = "delta")
-    def _keep(self, client_id: int, round_idx: int, supports: list[np.ndarray],
-              weights: list[np.ndarray] | None) -> None:
-        """Hold the supports (and weights) just decoded, and of the others only the newest (class docstring: why
-        two)."""
-        for held, new in ((self._held, supports), (self._weights, weights)):
-            if new is None:
-                continue
-            mine = held.get(client_id, {})
-            older = [r for r in mine if r != round_idx]
-            held[client_id] = ({max(older): mine[max(older)]} if older else {}) | {round_idx: new}
-
-    def export_state(self) -> dict[str, np.ndarray]:
-        """The supports every client holds (packed bits), for the checkpoint; empty with ``positions = "full"``."""
-        out: dict[str, np.ndarray] = {}
-        for cid, mine in sorted(self._held.items()):
-            rounds = sorted(mine)
-            out[f"support_rounds/{cid}"] = np.array(rounds, dtype=np.int64)
-            for slot, r in enumerate(rounds):
-                for info, support in zip(self.layers, mine[r], strict=True):
-                    out[f"{info.name}.support{slot}/{cid}"] = pack(support)
-                if self.messages.update:
-                    for info, w in zip(self.layers, self._weights[cid][r], strict=True):
-                        out[f"{info.name}.mu{slot}/{cid}"] = w.reshape(-1)
-        return out
-
-    def import_state(self, arrays: dict[str, np.ndarray]) -> None:
-        """Inverse of :meth:`export_state` (on resume, or a Flower node's saved state); ValueError when the arrays
-        do not fit this model."""
-        self._held, self._weights = {}, {}
-        try:
-            for key, rounds in arrays.items():
-                if not key.startswith("support_rounds/"):
-                    continue
-                cid = int(key.split("/", 1)[1])
-                mine, weights = {}, {}
-                for slot, r in enumerate(np.asarray(rounds, dtype=np.int64).reshape(-1).tolist()):
-                    supports, mus = [], []
-                    for info in self.layers:
-                        packed = np.asarray(arrays[f"{info.name}.support{slot}/{cid}"], dtype=np.uint8)
-                        if packed.shape != (packed_size(info.grid),):
-                            raise ValueError(f"the support of {info.name} held by client {cid} has {packed.size} "
-                                             f"bytes, the model's grid needs {packed_size(info.grid)}")
-                        supports.append(unpack(packed, info.grid))
-                        if self.messages.update:
-                            w = np.asarray(arrays[f"{info.name}.mu{slot}/{cid}"])
-                            if w.dtype != np.float32 or w.shape != (int(np.prod(info.grid)),):
-                                raise ValueError(f"the weights of {info.name} held by client {cid} are {w.dtype} "
-                                                 f"{w.shape}, the model's grid needs float32 "
-                                                 f"({int(np.prod(info.grid))},)")
-                            mus.append(w.reshape(info.grid))
-                    mine[r] = supports
-                    if self.messages.update:
-                        weights[r] = mus
-                self._held[cid] = mine
-                if self.messages.update:
-                    self._weights[cid] = weights
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"checkpointed D-Turbo-VBI client state is incomplete ({err})") from None
-
-
-def _sigma_options(cfg: Config) -> dict[str, Any]:
-    return {"sigma_mode": cfg.dturbo.sigma_mode, "sigma_init_ratio": cfg.dturbo.sigma_init_ratio}
-
-
-SPEC = AlgorithmSpec("dturbo", DturboConfig, DturboServer, DturboClient, default_lr=5e-3, label="D-Turbo-VBI",
-                     run_warnings=run_warnings, model_options=_sigma_options,
-                     describe=describe)

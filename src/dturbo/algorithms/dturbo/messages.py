@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import nn
 
-from ..codec import (
+from ...codec import (
     decode_dense,
     decode_grid,
     decode_quantized,
@@ -46,14 +46,14 @@ from ..codec import (
     encode_values,
     support_delta_needs_base,
 )
-from ..config import Config
-from ..nn.bayes import bayesian_layers
-from ..quantize import decode_stochastic, encode_stochastic
-from ..turbo import LayerInfo
-from .base import MessageError, need, pack_scalars, unpack_scalars
-from .message import Layouts, MessageSpec, finite, ledger, upload_metrics
-from .plain import PlainState
-from .server import Upload
+from ...config import Config
+from ...nn.bayes import bayesian_layers
+from ...quantize import decode_stochastic, encode_stochastic
+from ...turbo import LayerInfo
+from ..base import MessageError, need, pack_scalars, unpack_scalars
+from ..message import Layouts, MessageSpec, finite, ledger, upload_metrics
+from ..plain import PlainState
+from ..server import Upload
 
 DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
 LOG8_LEVELS = 256

@@ -1,0 +1,176 @@
+"""D-Turbo-VBI's client half: decode the downlink, train (E6) on the support, upload mu on the support."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...config import Config
+from ...device import resolve_device
+from ...nn.bayes import bayesian_layers
+from ...prior import resolve_prior
+from ...protocol import ClientAlgorithm, MessageError
+from ..base import ClientData, client_generator
+from ..held import pack, packed_size, unpack
+from ..local import round_lr, train_local
+from ..plain import PlainState
+from .layers import layer_infos, load_layer, rebuilt_prior_std, sigma_grid_on
+from .messages import (
+    DturboDownlink,
+    DturboMessages,
+    DturboUplink,
+    UpLayer,
+    sigma_as_sent,
+)
+
+
+class DturboClient(ClientAlgorithm):
+    """Client half: decode the downlink, train (E6) on the support, upload mu on the support.
+
+    With ``transmission.positions = "delta"`` the client keeps, per client id (one object serves every client in
+    process), the supports of the last two downlinks it decoded, by round: the server codes a downlink against the
+    support of the last round it knows the client decoded (its upload was valid), and a round run again (a retry,
+    or a resumed run whose client had decoded the round before the stop) must still find that one after the client
+    decoded the round's own; with ``down_mu = "update"`` also the weights each of them left it holding (the next
+    update is coded from them). :meth:`export_state` / :meth:`import_state` carry them through a checkpoint, and the
+    Flower ClientApp keeps them in the node's state."""
+
+    keeps_state = True
+
+    def __init__(self, cfg: Config, model_factory: Callable[[], nn.Module]) -> None:
+        self.cfg = cfg
+        self.model_factory = model_factory
+        self.model = model_factory()
+        self.layers = layer_infos(self.model, cfg)
+        self.plain = PlainState(self.model)
+        self.messages = DturboMessages(cfg, self.model, self.layers, self.plain)
+        self.device = resolve_device(cfg.experiment.device)
+        self._held: dict[int, dict[int, list[np.ndarray]]] = {}  # client id -> round -> S of every layer
+        self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": -> the weights held
+
+    def receive(self, downlink: bytes, client_id: int) -> nn.Module:
+        self._load(self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id)))
+        return self.model
+
+    def use_server_priors(self, scales: list[float]) -> None:
+        """Each layer's prior rebuilt on the server's s_l; the client and its message coder share the list of layer
+        infos, which changes in place."""
+        if len(scales) != len(self.layers):
+            raise MessageError(f"{len(scales)} prior scales for a model of {len(self.layers)} Bayesian layers")
+        priors = self.cfg.dturbo.prior
+        self.layers[:] = [dataclasses.replace(info, prior=resolve_prior(getattr(priors, info.kind), scale))
+                          for info, scale in zip(self.layers, scales, strict=True)]
+
+    def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
+        down = self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id))
+        if self.messages.delta:
+            self._keep(client_id, down.round_idx, [d.support for d in down.layers],
+                       [d.mu.astype(np.float32) for d in down.layers] if self.messages.update else None)
+        round_idx = down.round_idx
+        model = self.model
+        layers = bayesian_layers(model)
+        starts = self._load(down)
+        gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
+        for _, layer in layers:
+            layer.generator = gen
+        beta = self.cfg.dturbo.beta
+        total = down.total_samples
+
+        def penalty() -> torch.Tensor:
+            # E6: beta * KL / n with n the *global* sample count.
+            return beta * torch.stack([layer.kl() for _, layer in layers]).sum() / total
+
+        result = train_local(model, data, self.cfg.train, gen, penalty, device=self.device,
+                             lr=round_lr(self.cfg, round_idx))
+        up: dict[str, UpLayer] = {}
+        for info, (_, layer), d, start in zip(self.layers, layers, down.layers, starts, strict=True):
+            mask = d.support
+            mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
+            # up_bits < 16: the update from the weights received (the server adds it to its own mu_G)
+            sent = mu[mask] if self.cfg.dturbo.transmission.up_bits == 16 else mu[mask] - start[mask]
+            bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)
+            up[info.name] = UpLayer(sent, sigma_as_sent(layer.sigma.detach().numpy(), mask), bias)
+        msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)
+        rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
+        return self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng)
+
+    def _load(self, down: DturboDownlink) -> list[np.ndarray]:
+        """Put a decoded downlink into the client's model; the weights training starts from, per layer."""
+        starts = []
+        for info, (_, layer), d in zip(self.layers, bayesian_layers(self.model), down.layers, strict=True):
+            ps = np.ones(info.grid)
+            if d.prior_std is not None:
+                ps[d.support] = d.prior_std
+            else:
+                ps[d.support] = rebuilt_prior_std(info, d.mu, sigma_grid_on(d.sigma, d.support),
+                                                  self.cfg.dturbo.gamma_update)[d.support]
+            load_layer(layer, d.mu, d.support, d.sigma, d.bias if layer.bias is not None else None, ps)
+            starts.append(layer.weight_mu.detach().double().numpy().reshape(info.grid))  # what training starts from
+        self.plain.load_values(self.model, down.plain)
+        return starts
+
+    # -------------------------------------------------- the supports held (positions = "delta")
+    def _keep(self, client_id: int, round_idx: int, supports: list[np.ndarray],
+              weights: list[np.ndarray] | None) -> None:
+        """Hold the supports (and weights) just decoded, and of the others only the newest (class docstring: why
+        two)."""
+        for held, new in ((self._held, supports), (self._weights, weights)):
+            if new is None:
+                continue
+            mine = held.get(client_id, {})
+            older = [r for r in mine if r != round_idx]
+            held[client_id] = ({max(older): mine[max(older)]} if older else {}) | {round_idx: new}
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """The supports every client holds (packed bits), for the checkpoint; empty with ``positions = "full"``."""
+        out: dict[str, np.ndarray] = {}
+        for cid, mine in sorted(self._held.items()):
+            rounds = sorted(mine)
+            out[f"support_rounds/{cid}"] = np.array(rounds, dtype=np.int64)
+            for slot, r in enumerate(rounds):
+                for info, support in zip(self.layers, mine[r], strict=True):
+                    out[f"{info.name}.support{slot}/{cid}"] = pack(support)
+                if self.messages.update:
+                    for info, w in zip(self.layers, self._weights[cid][r], strict=True):
+                        out[f"{info.name}.mu{slot}/{cid}"] = w.reshape(-1)
+        return out
+
+    def import_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Inverse of :meth:`export_state` (on resume, or a Flower node's saved state); ValueError when the arrays
+        do not fit this model."""
+        self._held, self._weights = {}, {}
+        try:
+            for key, rounds in arrays.items():
+                if not key.startswith("support_rounds/"):
+                    continue
+                cid = int(key.split("/", 1)[1])
+                mine, weights = {}, {}
+                for slot, r in enumerate(np.asarray(rounds, dtype=np.int64).reshape(-1).tolist()):
+                    supports, mus = [], []
+                    for info in self.layers:
+                        packed = np.asarray(arrays[f"{info.name}.support{slot}/{cid}"], dtype=np.uint8)
+                        if packed.shape != (packed_size(info.grid),):
+                            raise ValueError(f"the support of {info.name} held by client {cid} has {packed.size} "
+                                             f"bytes, the model's grid needs {packed_size(info.grid)}")
+                        supports.append(unpack(packed, info.grid))
+                        if self.messages.update:
+                            w = np.asarray(arrays[f"{info.name}.mu{slot}/{cid}"])
+                            if w.dtype != np.float32 or w.shape != (int(np.prod(info.grid)),):
+                                raise ValueError(f"the weights of {info.name} held by client {cid} are {w.dtype} "
+                                                 f"{w.shape}, the model's grid needs float32 "
+                                                 f"({int(np.prod(info.grid))},)")
+                            mus.append(w.reshape(info.grid))
+                    mine[r] = supports
+                    if self.messages.update:
+                        weights[r] = mus
+                self._held[cid] = mine
+                if self.messages.update:
+                    self._weights[cid] = weights
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"checkpointed D-Turbo-VBI client state is incomplete ({err})") from None
+
+
