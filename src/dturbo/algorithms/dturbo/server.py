@@ -17,7 +17,7 @@ from ...sparsity import local_steps_a_round, make_policy, pruning_schedule
 from ...turbo import LayerInfo, LayerState
 from ..base import RoundResult, State
 from ..bounds import Limit, UploadBounds, magnitude, sigma_limit
-from ..held import pack, packed_size, unpack
+from ..held import HeldSupports as ClientHeld
 from ..plain import PlainState
 from ..server import Received, ServerBase
 from .checks import announce_dense
@@ -55,6 +55,8 @@ class DturboServer(ServerBase[DturboUplink]):
         self.sparsity = make_policy(self.layers, cfg.dturbo, self.schedule)  # checks layer_targets now
         self.messages = DturboMessages(cfg, model, self.layers, self.plain)
         self.layouts = self.messages.layouts
+        # positions = "delta": what each client holds (docs/communication.md, "Positions")
+        self.held = ClientHeld([i.name for i in self.layers], [i.grid for i in self.layers], cfg.federation.clients)
 
     # ----------------------------------------------------------------- state
     def init(self) -> State:
@@ -80,12 +82,10 @@ class DturboServer(ServerBase[DturboUplink]):
             state[f"{info.name}.bias"] = bias
         state |= self.plain.init(model)
         if self.messages.delta:  # no client holds a support yet
-            clients = self.cfg.federation.clients
-            state["held_round"] = np.full(clients, NO_BASE, dtype=np.int64)
-            for info in self.layers:
-                state[f"held.{info.name}"] = np.zeros((clients, packed_size(info.grid)), dtype=np.uint8)
-                if self.messages.update:
-                    state[f"held_mu.{info.name}"] = np.zeros((clients, int(np.prod(info.grid))), dtype=np.float32)
+            state |= self.held.init()
+            if self.messages.update:
+                state |= {f"held_mu.{i.name}": np.zeros((self.held.clients, int(np.prod(i.grid))), dtype=np.float32)
+                          for i in self.layers}
         if self.sparsity.steers(0):
             # The first support decision must follow the schedule too. Module B has no A->B message yet (unary 0),
             # and the first E3's evidence is already fixed by the initial q(rho), so the field is calibrated for
@@ -132,11 +132,8 @@ class DturboServer(ServerBase[DturboUplink]):
 
     def held_supports(self, state: State, rounds: set[int]) -> HeldSupports:
         """The supports of ``rounds`` some client holds (every client that holds round b's holds the same: S_b)."""
-        out = {}
-        for b in rounds - {NO_BASE}:
-            cid = int(np.flatnonzero(state["held_round"] == b)[0])
-            out[b] = [unpack(state[f"held.{i.name}"][cid], i.grid) for i in self.layers]
-        return out
+        return {b: self.held.supports(state, int(np.flatnonzero(state["held_round"] == b)[0]))
+                for b in rounds - {NO_BASE}}
 
     def _downlink_record(self, state: State, round_idx: int) -> DturboDownlink:
         sent = self.cfg.dturbo.transmission.prior_std == "sent"
@@ -247,21 +244,9 @@ class DturboServer(ServerBase[DturboUplink]):
         "update"`` the weights it decoded, coded again here exactly as its downlink was); one selected without a
         valid upload (dropped, late, failed, rejected) may or may not have decoded it, so the server assumes nothing
         and sends it S whole (and mu_G from zeros) next time; the others keep theirs."""
-        clients = self.cfg.federation.clients
-        selected = np.zeros(clients, dtype=bool)
-        selected[self.select_clients(round_idx)] = True
-        confirmed = np.zeros(clients, dtype=bool)
-        confirmed[[c for c in senders if 0 <= c < clients]] = True
-        confirmed &= selected
-        rounds = state["held_round"].copy()
-        rounds[selected] = NO_BASE
-        rounds[confirmed] = round_idx
-        out: State = {"held_round": rounds}
-        for info, mask in zip(self.layers, trained, strict=True):
-            held = state[f"held.{info.name}"].copy()
-            held[selected] = 0
-            held[confirmed] = pack(mask)
-            out[f"held.{info.name}"] = held
+        selected = self.select_clients(round_idx)
+        out = self.held.after_round(state, round_idx, selected, senders, trained)
+        confirmed = out["held_round"] == round_idx
         if self.messages.update:
             record = self._downlink_record(state, round_idx)  # what was sent, to code each update again
             weights = {f"held_mu.{i.name}": state[f"held_mu.{i.name}"].copy() for i in self.layers}
