@@ -189,7 +189,7 @@ def summarize(root: Path) -> dict[str, Any]:
 
 
 VARIANT_LABELS = {"dturbo_averaged": "averaged statistics (`federation.batchnorm = \"averaged\"`)",
-                  "dturbo_channels": "whole conv channels (`dturbo.prior.conv.tie_rows = true`)",
+                  "dturbo_channels": "whole conv channels, no layer targets (`dturbo.prior.conv.tie_rows = true`)",
                   "dturbo_t30": "target density 0.3"}
 
 
