@@ -222,7 +222,7 @@ def test_layer_targets_errors_name_the_problem(tmp_path):
 
     with pytest.raises(ConfigError, match="names 'conv9', which the model does not have; its layers: dense1, dense2"):
         Simulator(parse_config(_toy_config(tmp_path, layer_targets={"conv9": 0.1})), tmp_path / "a")
-    with pytest.raises(ConfigError, match="leave the other layers a density of 2.6778, outside"):
+    with pytest.raises(ConfigError, match=r"\(1 of 3\) hold .* leaves the other layers a density of 2.6778, outside"):
         Simulator(parse_config(_toy_config(tmp_path, target_density=0.9, layer_targets={"dense1": 0.1})),
                   tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -345,7 +345,7 @@ def test_bad_models_are_refused_at_construction(tmp_path):
         dturbo.Experiment(bad, data=images(), model=ResNetTiny, out=tmp_path / "f")
     over = load_config(config(), {"dturbo.sparsity.layer_targets": {"first": 1.0, "last": 1.0},
                                   "dturbo.sparsity.target_density": 0.01, "data.name": "fashion-mnist"})
-    with pytest.raises(dturbo.ConfigError, match="leave the other layers"):
+    with pytest.raises(dturbo.ConfigError, match="leaves the other layers a density of"):
         dturbo.Experiment(over, out=tmp_path / "g")  # the built-in model on Fashion-MNIST: no data read
     assert not any(tmp_path.iterdir())  # nothing written
 

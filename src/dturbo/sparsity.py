@@ -187,10 +187,10 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
         if not 0 < left <= sizes[shared].sum():
             raise ConfigError(
                 f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} with target_density {sp.target_density} "
-                f"(scope 'global'): the {int((~shared).sum())} layers they name hold "
+                f"(scope 'global'): the layers they name ({int((~shared).sum())} of {len(names)}) hold "
                 f"{(out[~shared] * sizes[~shared]).sum() / sizes.sum():.1%} of the model's weights at their targets, "
-                f"which leaves the other {int(shared.sum())} a density of {left / sizes[shared].sum():.4f}, outside "
-                f"(0, 1]: name fewer layers, lower their targets or raise target_density")
+                f"which leaves the other layers a density of {left / sizes[shared].sum():.4f}, outside (0, 1]: name "
+                f"fewer layers, lower their targets or raise target_density")
     return out
 
 
