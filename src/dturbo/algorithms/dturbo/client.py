@@ -90,8 +90,8 @@ class DturboClient(ClientAlgorithm):
         for info, (_, layer), d, start in zip(self.layers, layers, down.layers, starts, strict=True):
             mask = d.support
             mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
-            # up_bits < 16: the update from the weights received (the server adds it to its own mu_G)
-            sent = mu[mask] if self.cfg.dturbo.transmission.up_bits == 16 else mu[mask] - start[mask]
+            # a quantised upload: the update from the weights received (the server adds it to its own mu_G)
+            sent = mu[mask] - start[mask] if self.messages.up_values.sends_update else mu[mask]
             bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)
             up[info.name] = UpLayer(sent, sigma_as_sent(layer.sigma.detach().numpy(), mask), bias)
         msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)

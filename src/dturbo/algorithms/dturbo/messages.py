@@ -48,12 +48,12 @@ from ...codec import (
 )
 from ...config import Config
 from ...nn.bayes import bayesian_layers
-from ...quantize import decode_stochastic, encode_stochastic
 from ...turbo import LayerInfo
 from ..base import MessageError, need, pack_scalars, unpack_scalars
 from ..message import Layouts, MessageSpec, finite, ledger, upload_metrics
 from ..plain import PlainState
 from ..server import Upload
+from .values import Float16, scheme
 
 DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"
 LOG8_LEVELS = 256
@@ -170,17 +170,19 @@ class DturboMessages:
         self.n_bias = [0 if layer.bias is None else int(layer.bias.numel()) for layer in bayes]
         self.delta = self.tr.positions == "delta"
         self.update = self.tr.down_mu == "update"
-        self.coded = self.tr.values_code == "range"
-        quantized = "coded" if self.coded else "quantized"
+        coded = self.tr.values_code == "range"
+        self.up_values, self.down_values = scheme(self.tr.up_bits, coded), scheme(self.tr.down_bits, coded)
+        # mu_G cluster-coded on its grid, S its nonzeros; else S travels apart, then mu_G on S
+        self.grid = isinstance(self.down_values, Float16) and not self.delta
         down = {"meta": "header", "sigma": "values", "bias": "dense"}
-        if self.tr.down_bits == 16 and not self.delta:
+        if self.grid:
             down["mu"] = "grid"
-        else:  # S travels apart, then mu_G on S quantised (or float16 with positions = "delta")
+        else:
             down["support"] = "support_delta" if self.delta else "support"
-            down["mu"] = quantized if self.tr.down_bits < 16 else "values"
+            down["mu"] = self.down_values.layout
         if self.tr.prior_std == "sent":
             down["prior_std"] = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
-        up = {"meta": "header", "mu": "values" if self.tr.up_bits == 16 else quantized, "sigma": "values",
+        up = {"meta": "header", "mu": self.up_values.layout, "sigma": "values",
               "bias": "dense", "metrics": "header"}
         self.down, self.up = MessageSpec(DOWN_KIND, down), MessageSpec(UP_KIND, up)
         # The uplink's size bound: 4x the float16 bytes of every grid and the float32 bytes of every bias.
@@ -201,11 +203,11 @@ class DturboMessages:
         fields = {"meta": pack_scalars([msg.round_idx, msg.total_samples])}
         for info, scalar, layer in zip(self.layers, self.scalar_sigma, msg.layers, strict=True):
             n = info.name
-            if self.tr.down_bits == 16:
+            if self.grid:
                 fields[f"{n}.mu"] = encode_grid(layer.mu)
             else:
                 fields[f"{n}.support"] = encode_support(layer.support, value_bits=self.tr.down_bits)
-                fields[f"{n}.mu"] = encode_stochastic(layer.mu[layer.support], self.tr.down_bits, rng, self.coded)
+                fields[f"{n}.mu"] = self.down_values.encode(layer.mu[layer.support], rng)
             fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             if layer.prior_std is not None:
                 fields[f"{n}.prior_std"] = encode_prior_std(layer.prior_std, self.cfg.dturbo.prior_std_dtype)
@@ -228,9 +230,7 @@ class DturboMessages:
             n = info.name
             whole.append(encode_support(layer.support, value_bits=self.tr.down_bits))
             mu = layer.mu[layer.support]
-            f = {} if self.update else {
-                f"{n}.mu": encode_stochastic(mu, self.tr.down_bits, rng, self.coded) if self.tr.down_bits < 16 else
-                encode_values(mu.astype(np.float32), dtype="float16")}
+            f = {} if self.update else {f"{n}.mu": self.down_values.encode(mu, rng)}
             f[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             if layer.prior_std is not None:
                 f[f"{n}.prior_std"] = encode_prior_std(layer.prior_std, self.cfg.dturbo.prior_std_dtype)
@@ -264,9 +264,9 @@ class DturboMessages:
         steps, after = [], []
         for i, layer in enumerate(msg.layers):
             held = np.zeros(layer.support.shape, np.float32) if weights is None else weights[i]
-            step = encode_stochastic(layer.mu[layer.support] - held[layer.support], self.tr.down_bits, rng, self.coded)
+            step = self.down_values.encode(layer.mu[layer.support] - held[layer.support], rng)
             steps.append(step)
-            decoded = decode_stochastic(step, self.tr.down_bits, int(layer.support.sum()), self.coded)
+            decoded = self.down_values.decode(step, int(layer.support.sum()), "mu")
             after.append(updated_weights(held, layer.support, decoded))
         return steps, after
 
@@ -284,7 +284,7 @@ class DturboMessages:
         layers = []
         for i, info in enumerate(self.layers):
             n, size = info.name, int(np.prod(info.grid))
-            if self.tr.down_bits == 16 and not self.delta:
+            if self.grid:
                 mu = decode_grid(need(fields, f"{n}.mu"), max_elements=size).astype(np.float64)
                 mask = mu != 0
             else:
@@ -292,16 +292,11 @@ class DturboMessages:
                                             held)
                 mu = np.zeros(mask.shape)
                 k = int(mask.sum())
-                if self.update:
-                    step = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k, self.coded)
-                    mu = updated_weights(self._held_weights(info, i, round_idx, base, weights), mask, step)
+                on_s = self.down_values.decode(need(fields, f"{n}.mu"), k, f"{n}.mu")
+                if self.update:  # the step from the weights held
+                    mu = updated_weights(self._held_weights(info, i, round_idx, base, weights), mask, on_s)
                     mu = mu.astype(np.float64)
-                elif self.tr.down_bits < 16:
-                    mu[mask] = decode_stochastic(need(fields, f"{n}.mu"), self.tr.down_bits, k, self.coded)
                 else:
-                    on_s = decode_values(need(fields, f"{n}.mu"), max_elements=k)
-                    if on_s.shape != (k,):
-                        raise MessageError(f"{n}.mu has {on_s.size} values, the support has {k}")
                     mu[mask] = on_s
             if mu.shape != info.grid:
                 raise MessageError(f"{n}.mu grid {mu.shape} does not match the model's {info.grid}")
@@ -361,10 +356,7 @@ class DturboMessages:
         fields = {"meta": pack_scalars([round_idx, client_id, msg.n_t])}
         for info, scalar in zip(self.layers, self.scalar_sigma, strict=True):
             n, layer = info.name, msg.layers[info.name]
-            if self.tr.up_bits == 16:
-                fields[f"{n}.mu"] = encode_values(layer.mu.astype(np.float32), dtype="float16")
-            else:
-                fields[f"{n}.mu"] = encode_stochastic(layer.mu, self.tr.up_bits, rng, self.coded)
+            fields[f"{n}.mu"] = self.up_values.encode(layer.mu, rng)
             fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             fields[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
         fields |= plain_fields
@@ -379,12 +371,7 @@ class DturboMessages:
         layers: dict[str, UpLayer] = {}
         for info, k, scalar, nb in zip(self.layers, supports, self.scalar_sigma, self.n_bias, strict=True):
             n = info.name
-            if self.tr.up_bits == 16:
-                mu = decode_values(need(fields, f"{n}.mu"), max_elements=k)
-            else:  # the update on S, quantised
-                mu = decode_stochastic(need(fields, f"{n}.mu"), self.tr.up_bits, k, self.coded)
-            if mu.shape != (k,):
-                raise MessageError(f"{n}.mu has {mu.size} values, the support has {k}")
+            mu = self.up_values.decode(need(fields, f"{n}.mu"), k, f"{n}.mu")
             sig_len = 1 if scalar else k
             sigma = decode_values(need(fields, f"{n}.sigma"), max_elements=sig_len)
             if sigma.shape != (sig_len,):

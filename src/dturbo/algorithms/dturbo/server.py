@@ -157,7 +157,7 @@ class DturboServer(ServerBase[DturboUplink]):
     def bounds(self, state: State, round_idx: int) -> UploadBounds:
         """Per layer: mu on S (for updates, the weights they make) and the biases within the magnitude of the global
         layer, sigma > 0 within the growth of the global sigma (:mod:`~dturbo.algorithms.bounds`)."""
-        updates = self.cfg.dturbo.transmission.up_bits < 16
+        updates = self.messages.up_values.sends_update
         limits = {}
         for info in self.layers:
             n = info.name
@@ -181,7 +181,7 @@ class DturboServer(ServerBase[DturboUplink]):
                                   sum(pt * x.sigma.astype(np.float64) for pt, x in zip(p, mine, strict=True)),
                                   sum(pt * x.bias for pt, x in zip(p, mine, strict=True)))
             return out
-        updates = self.cfg.dturbo.transmission.up_bits < 16
+        updates = self.messages.up_values.sends_update
         parts, reference = [], []
         for info, mask in zip(self.layers, trained, strict=True):
             n = info.name
@@ -216,7 +216,7 @@ class DturboServer(ServerBase[DturboUplink]):
             mu_on_s, sig, bias = combined[n]
             mu = np.zeros(info.grid, dtype=np.float64)
             mu[mask] = mu_on_s
-            if self.cfg.dturbo.transmission.up_bits < 16:
+            if self.messages.up_values.sends_update:
                 # Updates: added to the server's own mu_G, so the download's quantisation noise never enters it.
                 mu[mask] += state[f"{n}.mu"][mask]
             if state[f"{n}.sigma"].size > 1:
