@@ -1,0 +1,141 @@
+"""Why MobileNetV1 with BatchNorm loses accuracy in D-Turbo-VBI's pruning rounds (benchmarks/results/batchnorm.md).
+
+Trains ``mobilenet_dturbo_s0`` of ``benchmarks/batchnorm.py`` (the same protocol and code) up to the round of its
+largest drop, keeps the server state just before and just after that round's support rule, and evaluates on the test
+set, every model with BatchNorm statistics measured on its own weights over every client's data
+(:class:`dturbo.algorithms.statistics.Statistics`):
+
+* ``pruned``: the round's model (the support rule's S);
+* ``unpruned``: the aggregate before the support rule (the support the clients trained on);
+* ``magnitude``: the aggregate pruned to the largest weights, as many per layer as S keeps;
+* ``magnitude per channel``: the same on each output channel's weights divided by that channel's norm (BatchNorm
+  makes a channel's scale arbitrary, so weights are compared within their channel's scale);
+* ``restore <layer>``: the round's model with one layer's weights as before the support rule.
+
+Usage: .venv/bin/python benchmarks/batchnorm_diagnosis.py [--round 8]
+Writes ``benchmarks/results/batchnorm_diagnosis.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import batchnorm  # noqa: E402
+
+RESULTS = HERE / "results"
+RUN = "mobilenet_dturbo_s0"
+
+
+class Stop(Exception):
+    pass
+
+
+def diagnose(round_no: int) -> dict[str, Any]:
+    """Train ``RUN`` to round ``round_no`` and evaluate the models of the module docstring."""
+    import torch
+
+    from dturbo import sim
+    from dturbo.algorithms.dturbo.server import DturboServer
+    from dturbo.algorithms.statistics import Statistics
+
+    torch.set_num_threads(1)
+    found: dict[str, Any] = {}
+    keep_init, keep_step = sim.Simulator.__init__, DturboServer._server_step
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        keep_init(self, *args, **kwargs)
+        found["sim"] = self
+
+    def step(self: DturboServer, state: dict[str, Any], trained: Any, round_idx: int) -> dict[str, float]:
+        before = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+        metrics = keep_step(self, state, trained, round_idx)
+        if round_idx + 1 == round_no:
+            found.update(server=self, before=before, after=state)
+            raise Stop
+        return metrics
+
+    sim.Simulator.__init__, DturboServer._server_step = init, step  # type: ignore[method-assign]
+    out = Path(tempfile.mkdtemp(prefix="bn_diagnosis_"))
+    try:
+        batchnorm.one(RUN, out)
+    except Stop:
+        pass
+    finally:
+        sim.Simulator.__init__, DturboServer._server_step = keep_init, keep_step  # type: ignore[method-assign]
+        shutil.rmtree(out, ignore_errors=True)
+    runner, server, before, after = found["sim"], found["server"], found["before"], found["after"]
+    stats = Statistics(server.global_model(after))
+    weights = [len(c) for c in runner.fed.clients]
+
+    def accuracy(state: dict[str, Any]) -> float:
+        model = server.global_model(state)
+        measured = [stats.decode(stats.measure(model, c, 64, runner.device)) for c in runner.fed.clients]
+        return sim.evaluate(server.global_model(stats.pool(state, weights, measured)), runner.fed.x_test,
+                            runner.fed.y_test)[0]
+
+    def with_layers(chosen: dict[str, np.ndarray]) -> dict[str, Any]:
+        return after | {f"{n}.mu": mu for n, mu in chosen.items()}
+
+    def top(score: np.ndarray, mu: np.ndarray, k: int) -> np.ndarray:
+        keep = np.zeros(mu.size, dtype=bool)
+        keep[np.argsort(-score.reshape(-1), kind="stable")[:k]] = True
+        return np.where(keep.reshape(mu.shape), mu, 0.0)
+
+    names = [info.name for info in server.layers]
+    counts = {n: int(np.count_nonzero(after[f"{n}.mu"])) for n in names}
+    full = {n: before[f"{n}.mu"] for n in names}
+    row_norm = {n: np.linalg.norm(full[n], axis=1, keepdims=True) + 1e-12 for n in names}
+    res: dict[str, Any] = {
+        "pruned": accuracy(after),
+        "unpruned": accuracy(with_layers(full)),
+        "magnitude": accuracy(with_layers({n: top(np.abs(full[n]), full[n], counts[n]) for n in names})),
+        "magnitude per channel": accuracy(with_layers(
+            {n: top(np.abs(full[n]) / row_norm[n], full[n], counts[n]) for n in names})),
+        "restore": {n: accuracy(with_layers({n: full[n]})) for n in names},
+        "density_before": float(sum(np.count_nonzero(full[n]) for n in names) / sum(full[n].size for n in names)),
+        "density_after": float(sum(counts.values()) / sum(full[n].size for n in names)),
+    }
+    return res
+
+
+def markdown(res: dict[str, Any]) -> str:
+    best = max(res["restore"].items(), key=lambda kv: kv[1])
+    lines = [
+        "# Why MobileNetV1 with BatchNorm falls in a pruning round", "",
+        f"`{RUN}` of `benchmarks/batchnorm.py`, round {res['round']} (support from {100 * res['density_before']:.1f}% "
+        f"to {100 * res['density_after']:.1f}% of the weights); test accuracy with BatchNorm statistics measured on "
+        "each model's own weights over every client's data; generated by `benchmarks/batchnorm_diagnosis.py`.", "",
+        "| model | accuracy |", "|---|---|"]
+    for key in ("unpruned", "pruned", "magnitude", "magnitude per channel"):
+        lines.append(f"| {key} | {100 * res[key]:.2f}% |")
+    lines += ["", f"Restoring one layer to its weights before the support rule: at best {100 * best[1]:.2f}% "
+              f"(layer `{best[0]}`); every layer: "
+              + ", ".join(f"`{n}` {100 * a:.1f}" for n, a in res["restore"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--round", type=int, default=8, help="the pruning round to take apart (1-based)")
+    args = ap.parse_args(argv)
+    res = {"run": RUN, "round": args.round, **diagnose(args.round)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "batchnorm_diagnosis.json").write_text(json.dumps(res, indent=1) + "\n")
+    (RESULTS / "batchnorm_diagnosis.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
