@@ -22,7 +22,6 @@ Usage: .venv/bin/python benchmarks/batchnorm.py [--runs runs/batchnorm] [--jobs 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -37,7 +36,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from harness import read_csv, say  # noqa: E402
+from harness import read_csv, say, write_results  # noqa: E402
 
 RESULTS = HERE / "results"
 ROUNDS = 12
@@ -246,10 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         with ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(lambda n: train(n, args.runs), runs()))
     res = summarize(args.runs)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "batchnorm.json").write_text(json.dumps(res, indent=1) + "\n")
-    (RESULTS / "batchnorm.md").write_text(markdown(res))
-    print(markdown(res))
+    write_results(RESULTS, "batchnorm", res, markdown(res))
     return 0
 
 

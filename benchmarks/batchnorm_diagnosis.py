@@ -19,7 +19,6 @@ Writes ``benchmarks/results/batchnorm_diagnosis.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -32,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import batchnorm  # noqa: E402
+from harness import write_results  # noqa: E402
 
 RESULTS = HERE / "results"
 RUN = "mobilenet_dturbo_s0"
@@ -130,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round", type=int, default=8, help="the pruning round to take apart (1-based)")
     args = ap.parse_args(argv)
     res = {"run": RUN, "round": args.round, **diagnose(args.round)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "batchnorm_diagnosis.json").write_text(json.dumps(res, indent=1) + "\n")
-    (RESULTS / "batchnorm_diagnosis.md").write_text(markdown(res))
-    print(markdown(res))
+    write_results(RESULTS, "batchnorm_diagnosis", res, markdown(res))
     return 0
 
 

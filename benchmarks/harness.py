@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -265,6 +266,14 @@ def plan(job: Job, index: RunIndex | None = None) -> Job:
 
 
 _lock = threading.Lock()
+
+
+def write_results(results: Path, stem: str, res: dict[str, Any], markdown: str) -> None:
+    """``<results>/<stem>.json`` and ``.md``, and the markdown printed."""
+    results.mkdir(exist_ok=True)
+    (results / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (results / f"{stem}.md").write_text(markdown)
+    print(markdown)
 
 
 def say(msg: str) -> None:

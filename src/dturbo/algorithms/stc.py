@@ -557,5 +557,6 @@ class StcClient(ClientAlgorithm):
 def describe(s: StcConfig) -> str:
     return f"STC (p={s.p_up:g} up, {s.p_down:g} down)"
 
+
 SPEC = AlgorithmSpec("stc", StcConfig, StcServer, StcClient, default_lr=2e-3, label="STC",
                      model_options=sigma_options, describe=describe)

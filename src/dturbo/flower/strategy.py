@@ -345,13 +345,17 @@ class DturboStrategy(Strategy):
             node = run.node_of[cid]
             if node not in online:
                 continue  # counted as dropped by aggregate_train
-            task = protocol.Task(self.algorithm, rnd, cid, run.settings, run.layers)
-            content = RecordDict({wire.DOWN: wire.bytes_record(downlinks[cid]), protocol.CONFIG: config,
-                                  wire.TASK: task.record()})
-            sent.append((Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN), cid))
+            sent.append((self._train_message(rnd, cid, downlinks[cid], config), cid))
         run.pending = _Pending(server_round, participants, sent, [downlinks[cid] for _, cid in sent])
         log.info("configure_train: %d clients selected (out of %d)", len(participants), len(run.node_of))
         return [m for m, _ in sent]
+
+    def _train_message(self, rnd: int, cid: int, down: bytes, config: ConfigRecord) -> Message:
+        """The train message to client ``cid`` of round ``rnd`` (0-based) carrying ``down``."""
+        run = self._need_session()
+        task = protocol.Task(self.algorithm, rnd, cid, run.settings, run.layers)
+        content = RecordDict({wire.DOWN: wire.bytes_record(down), protocol.CONFIG: config, wire.TASK: task.record()})
+        return Message(content=content, dst_node_id=run.node_of[cid], message_type=MessageType.TRAIN)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -438,11 +442,8 @@ class DturboStrategy(Strategy):
             for cid, data in requests.items():
                 if run.node_of[cid] not in online:
                     continue
-                task = protocol.Task(self.algorithm, server_round, cid, run.settings, run.layers)
-                content = RecordDict({wire.DOWN: wire.bytes_record(data), wire.TASK: task.record(),
-                                      protocol.CONFIG: ConfigRecord({"server-round": server_round + 1})})
-                sent.append((Message(content=content, dst_node_id=run.node_of[cid],
-                                     message_type=MessageType.TRAIN), cid))
+                config = ConfigRecord({"server-round": server_round + 1})
+                sent.append((self._train_message(server_round, cid, data, config), cid))
             replies = list(grid.send_and_receive([m for m, _ in sent], timeout=run.timeout))
             by_message = {m.metadata.message_id: cid for m, cid in sent}
             out: dict[int, object] = {cid: "lost" for _, cid in sent}
