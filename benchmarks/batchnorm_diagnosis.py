@@ -1,6 +1,7 @@
 """Why MobileNetV1 with BatchNorm loses accuracy in D-Turbo-VBI's pruning rounds (benchmarks/results/batchnorm.md).
 
-Trains ``mobilenet_dturbo_s0`` of ``benchmarks/batchnorm.py`` (the same protocol and code) up to the round of its
+Trains ``mobilenet_dturbo_evidence_s0`` of ``benchmarks/batchnorm.py`` (the same protocol and code; one shared field
+spreads the density over every layer, ``dturbo.sparsity.distribution = "evidence"``) up to the round of its
 largest drop, keeps the server state just before and just after that round's support rule, and evaluates on the test
 set, every model with BatchNorm statistics measured on its own weights over every client's data
 (:class:`dturbo.algorithms.statistics.Statistics`):
@@ -10,6 +11,13 @@ set, every model with BatchNorm statistics measured on its own weights over ever
 * ``magnitude``: the aggregate pruned to the largest weights, as many per layer as S keeps;
 * ``magnitude per channel``: the same on each output channel's weights divided by that channel's norm (BatchNorm
   makes a channel's scale arbitrary, so weights are compared within their channel's scale);
+* ``magnitude a round before``: the same counts, chosen by the magnitudes of the round before (the support rule's
+  evidence, E3, comes from the previous round's E4);
+* ``support rule a round later``: the same counts, chosen by the evidence the next round's support rule will use
+  (this round's E4 and Module B's new message);
+* ``evidence alone``, ``stale evidence alone``: the same counts, chosen by Module A's evidence (E1) of this round's
+  E4, or of the previous round's (the one the support rule used), without Module B's message;
+* ``message alone``: the same counts, chosen by Module B's new message (E2) alone;
 * ``restore <layer>``: the round's model with one layer's weights as before the support rule.
 
 Usage: .venv/bin/python benchmarks/batchnorm_diagnosis.py [--round 8]
@@ -34,7 +42,7 @@ import batchnorm  # noqa: E402
 from harness import write_results  # noqa: E402
 
 RESULTS = HERE / "results"
-RUN = "mobilenet_dturbo_s0"
+RUN = "mobilenet_dturbo_evidence_s0"
 
 
 class Stop(Exception):
@@ -45,7 +53,7 @@ def diagnose(round_no: int) -> dict[str, Any]:
     """Train ``RUN`` to round ``round_no`` and evaluate the models of the module docstring."""
     import torch
 
-    from dturbo import sim
+    from dturbo import sim, turbo
     from dturbo.algorithms.dturbo.server import DturboServer
     from dturbo.algorithms.statistics import Statistics
 
@@ -60,6 +68,8 @@ def diagnose(round_no: int) -> dict[str, Any]:
     def step(self: DturboServer, state: dict[str, Any], trained: Any, round_idx: int) -> dict[str, float]:
         before = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()}
         metrics = keep_step(self, state, trained, round_idx)
+        if round_idx + 2 == round_no:
+            found["previous"] = before
         if round_idx + 1 == round_no:
             found.update(server=self, before=before, after=state)
             raise Stop
@@ -75,6 +85,7 @@ def diagnose(round_no: int) -> dict[str, Any]:
         sim.Simulator.__init__, DturboServer._server_step = keep_init, keep_step  # type: ignore[method-assign]
         shutil.rmtree(out, ignore_errors=True)
     runner, server, before, after = found["sim"], found["server"], found["before"], found["after"]
+    previous = found["previous"]
     stats = Statistics(server.global_model(after))
     weights = [len(c) for c in runner.fed.clients]
 
@@ -102,6 +113,22 @@ def diagnose(round_no: int) -> dict[str, Any]:
         "magnitude": accuracy(with_layers({n: top(np.abs(full[n]), full[n], counts[n]) for n in names})),
         "magnitude per channel": accuracy(with_layers(
             {n: top(np.abs(full[n]) / row_norm[n], full[n], counts[n]) for n in names})),
+        "magnitude a round before": accuracy(with_layers(
+            {n: top(np.abs(previous[f"{n}.mu"]), full[n], counts[n]) for n in names})),
+        "support rule a round later": accuracy(with_layers(
+            {i.name: top(after[f"{i.name}.pi_logodds"] + turbo.support_evidence(
+                after[f"{i.name}.a_tilde"], after[f"{i.name}.b_tilde"], i.prior), full[i.name], counts[i.name])
+             for i in server.layers})),
+        "evidence alone": accuracy(with_layers(
+            {i.name: top(turbo.support_evidence(
+                after[f"{i.name}.a_tilde"], after[f"{i.name}.b_tilde"], i.prior), full[i.name], counts[i.name])
+             for i in server.layers})),
+        "message alone": accuracy(with_layers(
+            {i.name: top(after[f"{i.name}.pi_logodds"], full[i.name], counts[i.name]) for i in server.layers})),
+        "stale evidence alone": accuracy(with_layers(
+            {i.name: top(turbo.support_evidence(
+                before[f"{i.name}.a_tilde"], before[f"{i.name}.b_tilde"], i.prior), full[i.name], counts[i.name])
+             for i in server.layers})),
         "restore": {n: accuracy(with_layers({n: full[n]})) for n in names},
         "density_before": float(sum(np.count_nonzero(full[n]) for n in names) / sum(full[n].size for n in names)),
         "density_after": float(sum(counts.values()) / sum(full[n].size for n in names)),
@@ -113,13 +140,20 @@ def markdown(res: dict[str, Any]) -> str:
     best = max(res["restore"].items(), key=lambda kv: kv[1])
     lines = [
         "# Why MobileNetV1 with BatchNorm falls in a pruning round", "",
-        f"`{RUN}` of `benchmarks/batchnorm.py`, round {res['round']} (support from {100 * res['density_before']:.1f}% "
+        f"`{RUN}` of `benchmarks/batchnorm.py` (one shared field spreads the density), round {res['round']} "
+        f"(support from {100 * res['density_before']:.1f}% "
         f"to {100 * res['density_after']:.1f}% of the weights); test accuracy with BatchNorm statistics measured on "
         "each model's own weights over every client's data; generated by `benchmarks/batchnorm_diagnosis.py`.", "",
         "| model | accuracy |", "|---|---|"]
-    for key in ("unpruned", "pruned", "magnitude", "magnitude per channel"):
+    for key in ("unpruned", "pruned", "magnitude", "magnitude per channel", "magnitude a round before",
+                "support rule a round later", "evidence alone", "stale evidence alone", "message alone"):
         lines.append(f"| {key} | {100 * res[key]:.2f}% |")
-    lines += ["", f"Restoring one layer to its weights before the support rule: at best {100 * best[1]:.2f}% "
+    lines += ["", "Every row below `pruned` keeps, in each layer, as many weights as the support rule kept, chosen by: "
+              "|mu| (`magnitude`); |mu| over its output channel's norm; |mu| of the previous round's aggregate; "
+              "logit(pi) + E1 as the next round's rule will see them; E1 of this round's E4 alone; E1 of the "
+              "previous round's E4 alone (what this round's rule used, without Module B); Module B's new message "
+              "alone.",
+              "", f"Restoring one layer to its weights before the support rule: at best {100 * best[1]:.2f}% "
               f"(layer `{best[0]}`); every layer: "
               + ", ".join(f"`{n}` {100 * a:.1f}" for n, a in res["restore"].items()) + "."]
     return "\n".join(lines) + "\n"

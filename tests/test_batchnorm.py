@@ -11,8 +11,11 @@ from torch import nn
 
 import dturbo
 from dturbo.algorithms.base import ClientData
+from dturbo.algorithms.dturbo import layer_infos
+from dturbo.algorithms.dturbo.layers import followed_by_batchnorm
 from dturbo.algorithms.statistics import Statistics, _kind
 from dturbo.codec import decode_message, encode_dense, encode_message
+from dturbo.config import parse_config
 from dturbo.sim import Simulator
 from dturbo.transport import InProcessClients
 
@@ -149,10 +152,32 @@ def test_one_channel_filters_before_batchnorm_stay_dense_unless_named(tmp_path):
     from test_user_models import DepthwiseNet
 
     kept = run(tmp_path / "kept", ResNetTiny, rounds=3).metrics[-1]
-    assert kept["density_stem.0"] == 1.0 and kept["density_head"] < 0.6
+    assert kept["density_stem.0"] == 1.0 and kept["density_block.conv1"] < 0.6 and kept["density_head"] < 0.75
     named = run(tmp_path / "named", ResNetTiny, rounds=3,
                 dturbo={"sparsity": {"target_density": 0.4, "warmup_rounds": 0, "ramp_rounds": 2,
                                      "layer_targets": {"first_conv": 0.5}}}).metrics[-1]
     assert named["density_stem.0"] < 0.75
     plain = run(tmp_path / "plain", DepthwiseNet, rounds=3).metrics[-1]
     assert plain["density_dw"] < 0.75 and plain["density_stem"] < 0.75
+
+
+def test_the_layers_batchnorm_follows_are_found():
+    """A conv right before BatchNorm over its channels, one without bias through ReLU and pooling, a linear before
+    BatchNorm1d; not a conv with bias through ReLU (its bias breaks the scale), nor a layer of another width, nor
+    the head; with distribution 'auto' the found layers get their own targets and the head shares the field."""
+    net = dturbo.bayesianize(nn.Sequential(
+        nn.Conv2d(1, 4, 3, bias=False), nn.BatchNorm2d(4),
+        nn.Conv2d(4, 4, 3, bias=False), nn.ReLU(), nn.MaxPool2d(2), nn.BatchNorm2d(4),
+        nn.Conv2d(4, 4, 3), nn.ReLU(), nn.BatchNorm2d(4),
+        nn.Conv2d(4, 2, 1, bias=False), nn.BatchNorm2d(4), nn.Flatten(),
+        nn.Linear(8, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)))
+    assert followed_by_batchnorm(net) == {"0", "2", "12"}
+    cfg = parse_config({})
+    infos = layer_infos(net, cfg)
+    assert [i.name for i in infos if i.normalised] == ["0", "2", "12"]
+    assert infos[1].shape == (4, 4, 3, 3)
+    from dturbo.sparsity import layer_targets
+    targets = dict(zip([i.name for i in infos], layer_targets(infos, cfg.dturbo.sparsity), strict=True))
+    assert targets["0"] == 1.0  # one input channel: kept dense
+    assert not np.isnan(targets["2"]) and not np.isnan(targets["12"])
+    assert np.isnan(targets["6"]) and np.isnan(targets["9"]) and np.isnan(targets["14"])

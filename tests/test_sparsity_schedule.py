@@ -165,3 +165,43 @@ def test_selectors_give_the_named_setting_the_same_run(tmp_path, tiny_config):
             rows.append([{k: v for k, v in r.items() if k not in ("seconds", "server_seconds")}
                          for r in csv.DictReader(f)])
     assert rows[0] == rows[1]
+
+
+def _erk_layers(normalised: tuple[bool, ...]) -> list:
+    from dturbo.prior import resolve_prior
+    from dturbo.turbo import LayerInfo
+
+    prior = resolve_prior(parse_config({}).dturbo.prior.conv, 0.1)
+    shapes = [(8, 1, 3, 3), (16, 8, 3, 3), (32, 16, 3, 3), (10, 512)]
+    return [LayerInfo(f"l{i}", (s[0], int(np.prod(s[1:]))), prior, kind="conv" if len(s) == 4 else "dense",
+                      normalised=n, shape=s) for i, (s, n) in enumerate(zip(shapes, normalised, strict=True))]
+
+
+def test_erk_targets_keep_the_budget_and_follow_the_rule():
+    """distribution 'erk': every layer's target is eps * sum(shape) / prod(shape) below the cap of 1, and together
+    they keep exactly target_density of the weights; a named layer keeps its target and the rule spreads the rest;
+    'auto' gives the rule only the layers BatchNorm follows and leaves the others to the shared field (NaN), which
+    then takes exactly what the rule's spread leaves; 'evidence' gives no layer a target."""
+    from dturbo.sparsity import budget_sizes, layer_targets
+
+    layers = _erk_layers((True, True, True, False))
+    sizes = np.array([np.prod(i.shape) for i in layers], dtype=float)
+    raw = np.array([sum(i.shape) / np.prod(i.shape) for i in layers])
+    for density in (0.1, 0.3, 0.7):
+        sp = SparsityConfig(target_density=density, distribution="erk")
+        t = layer_targets(layers, sp)
+        assert (t * sizes).sum() == pytest.approx(density * sizes.sum(), rel=1e-12)
+        free = t < 1.0
+        assert np.all(t <= 1.0) and free.any()
+        np.testing.assert_allclose(t[free] / raw[free], (t[free] / raw[free])[0], rtol=1e-12)
+        assert np.all(raw[~free] >= raw[free].max())  # only the densest by the rule reach the cap
+    named = layer_targets(layers, SparsityConfig(target_density=0.3, distribution="erk", layer_targets={"l2": 0.5}))
+    assert named[2] == 0.5 and (named * sizes).sum() == pytest.approx(0.3 * sizes.sum(), rel=1e-12)
+    sp = SparsityConfig(target_density=0.3, distribution="auto")
+    auto = layer_targets(layers, sp)
+    erk = layer_targets(layers, SparsityConfig(target_density=0.3, distribution="erk"))
+    np.testing.assert_array_equal(auto[:3], erk[:3])
+    assert np.isnan(auto[3])
+    assert np.isnan(layer_targets(layers, SparsityConfig(target_density=0.3, distribution="evidence"))).all()
+    assert np.isnan(layer_targets(_erk_layers((False,) * 4), sp)).all()  # no BatchNorm: the shared field, as ever
+    assert (budget_sizes(layers, sp) == sizes).all()

@@ -159,12 +159,34 @@ def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str,
     return out
 
 
+def erk_densities(shapes: list[tuple[int, ...]], sizes: np.ndarray, density: float,
+                  fixed: np.ndarray | None = None) -> np.ndarray:
+    """Densities by the Erdos-Renyi-kernel rule (Evci et al. 2020): layer l keeps eps * sum(shape_l) / prod(shape_l),
+    capped at 1, with eps such that sum(d_l * sizes_l) = density * sum(sizes) (``sizes``: what a layer counts in the
+    budget, :func:`budget_sizes`; a layer at the cap is dense and eps is solved again without it). ``fixed``: the
+    layers' densities set beforehand, NaN for those the rule spreads."""
+    raw = np.array([sum(s) / math.prod(s) for s in shapes], dtype=np.float64)
+    fixed = np.full(raw.size, np.nan) if fixed is None else np.asarray(fixed, dtype=np.float64)
+    free = np.isnan(fixed)
+    dense = np.zeros(raw.size, dtype=bool)
+    budget = density * sizes.sum() - (fixed[~free] * sizes[~free]).sum()
+    while True:  # at most one pass per layer: each pass caps at least one more
+        spread = free & ~dense
+        eps = (budget - sizes[free & dense].sum()) / max((raw[spread] * sizes[spread]).sum(), 1e-300)
+        over = spread & (eps * raw > 1.0)
+        if not over.any():
+            break
+        dense |= over
+    return np.where(free, np.where(dense, 1.0, np.clip(eps * raw, 0.0, 1.0)), fixed)
+
+
 def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     """Final support density of every layer in target mode (``sparsity.layer_targets``, names or selectors:
     :func:`resolve_layer_targets`; a layer that keeps dense, :attr:`LayerInfo.keep_dense`: 1 unless its name or
-    position is named), NaN for layers that share one field (scope 'global'). A clear error for unknown layers, or
-    targets that leave the other layers no room in the global budget; a warning when every layer has a target (they
-    set the model's density, not target_density)."""
+    position is named; with scope 'global', the layers ``sparsity.distribution`` gives to the Erdos-Renyi-kernel
+    rule: :func:`erk_densities`), NaN for layers that share one field (scope 'global'). A clear error for unknown
+    layers, or targets that leave the other layers no room in the global budget; a warning when every layer has a
+    target (they set the model's density, not target_density)."""
     names = [info.name for info in layers]
     kinds = [info.kind for info in layers]
     named = resolve_layer_targets(names, kinds, dict(sp.layer_targets))
@@ -191,6 +213,14 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
                 f"{(out[~shared] * sizes[~shared]).sum() / sizes.sum():.1%} of the model's weights at their targets, "
                 f"which leaves the other layers a density of {left / sizes[shared].sum():.4f}, outside (0, 1]: name "
                 f"fewer layers, lower their targets or raise target_density")
+    if sp.scope == "global":
+        spread = shared & np.array([sp.distribution == "erk" or (sp.distribution == "auto" and info.normalised)
+                                    for info in layers])
+        if spread.any():
+            # Every layer's share by the rule, the named ones fixed; the layers left to the field share the rest.
+            erk = erk_densities([info.shape or info.grid for info in layers], budget_sizes(layers, sp),
+                                sp.target_density, np.where(shared, np.nan, out))
+            out = np.where(spread, erk, out)
     return out
 
 

@@ -54,6 +54,10 @@ class LayerInfo:
     # Stays dense unless sparsity.layer_targets names it: a conv whose filters read one input channel, in a model
     # with BatchNorm (a filter of a few weights, pruned, detects something else, which BatchNorm scales back up).
     keep_dense: bool = False
+    # BatchNorm over its output channels comes next (:func:`dturbo.algorithms.dturbo.layers.followed_by_batchnorm`):
+    # the layer's scale is arbitrary, so its evidence cannot be weighed against other layers' (sparsity.distribution).
+    normalised: bool = False
+    shape: tuple[int, ...] = ()  # the weight tensor's shape; () for the grid's
 
     @property
     def cost(self) -> float:

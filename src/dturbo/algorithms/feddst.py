@@ -59,6 +59,7 @@ from ..config import Config, Probability, Section
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
 from ..protocol import AlgorithmSpec, ClientAlgorithm
+from ..sparsity import erk_densities
 from .base import (
     ClientData,
     ClientError,
@@ -84,21 +85,12 @@ DOWN_KIND, UP_KIND = "feddst/down", "feddst/up"
 # ================================================================================== the masks
 def layer_counts(shapes: Sequence[tuple[int, ...]], density: float, distribution: str) -> list[int]:
     """Weights each layer keeps for a global ``density``: alike (``uniform``), or by the Erdos-Renyi-kernel rule
-    (``erk``, Evci et al. 2020): density_l = eps * sum(shape_l) / prod(shape_l), capped at 1, eps such that the
-    kept weights are ``density`` of all (a layer at the cap is dense and eps is solved again without it)."""
+    (``erk``, :func:`dturbo.sparsity.erk_densities`)."""
     sizes = np.array([math.prod(s) for s in shapes], dtype=np.float64)
     if distribution == "uniform":
         d = np.full(sizes.size, density)
     else:
-        raw = np.array([sum(s) / math.prod(s) for s in shapes], dtype=np.float64)
-        dense = np.zeros(sizes.size, dtype=bool)
-        while True:  # at most one pass per layer: each pass caps at least one more
-            eps = (density * sizes.sum() - sizes[dense].sum()) / (raw[~dense] * sizes[~dense]).sum()
-            over = ~dense & (eps * raw > 1.0)
-            if not over.any():
-                break
-            dense |= over
-        d = np.where(dense, 1.0, eps * raw)
+        d = erk_densities(list(shapes), sizes, density)
     return [int(k) for k in np.clip(np.round(d * sizes), 1, sizes)]
 
 

@@ -75,6 +75,11 @@ class SparsityConfig(Section):
         "what target_density counts: the fraction of weights kept, or of multiply-adds for one sample (the "
         "shared field then weighs each weight by the multiply-adds it does: costly layers are thinned hardest)"))
     min_layer_density: Probability = Field(0.02, ge=0, le=1)
+    distribution: Literal["auto", "evidence", "erk"] = Field("auto", description=(
+        "scope 'global': how target_density spreads over the layers; evidence: one shared field, the layers' "
+        "evidences compete; erk: each layer its own target by the Erdos-Renyi-kernel rule (density proportional to "
+        "the sum of its weight's dimensions over its size); auto: erk for the layers BatchNorm follows (their scale "
+        "is arbitrary, so their evidence cannot be weighed against other layers'), evidence for the others"))
     layer_targets: dict[str, Probability] = Field(
         default_factory=dict,
         description="final density of layers, each calibrated alone on the same schedule, by name (e.g. "

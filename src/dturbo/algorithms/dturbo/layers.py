@@ -3,11 +3,13 @@ one, and sigma and the rebuilt prior std on a support."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ... import vbi
 from ...config import Config
@@ -18,12 +20,17 @@ from ...turbo import LayerInfo
 from ..statistics import batchnorms
 from .config import PriorConfig
 
+# f(c x) = c f(x) for c > 0, channel by channel
+_HOMOGENEOUS = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
+                nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+
 
 def layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
     """Every Bayesian layer of ``model`` with its grid and its prior from the config's section of its kind; the
     multiply-adds a weight does only when the sparsity budget counts them (they need the model's input shape)."""
     uses = weight_uses(model) if cfg.dturbo.sparsity.budget == "flops" else {}
-    normalised = bool(batchnorms(model))
+    with_batchnorm = bool(batchnorms(model))
+    followed = followed_by_batchnorm(model)
     infos = []
     for name, layer in bayesian_layers(model):
         kind = layer_kind(layer)
@@ -31,8 +38,28 @@ def layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
         prior = resolve_prior(pc, layer_scale(layer))
         one_channel = kind == "conv" and layer.weight_mu.shape[1] == 1
         infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1), kind,
-                               keep_dense=normalised and one_channel))
+                               keep_dense=with_batchnorm and one_channel, normalised=name in followed,
+                               shape=tuple(layer.weight_mu.shape)))
     return infos
+
+
+def followed_by_batchnorm(model: nn.Module) -> set[str]:
+    """The Bayesian layers whose output channels BatchNorm normalises next, in the order the model defines its
+    modules (``Sequential(conv, bn)``, ``self.conv, self.bn``), directly or, for a layer without bias, through
+    modules that commute with a positive scale (ReLU, pooling, dropout): BatchNorm makes those layers' scale
+    arbitrary (:attr:`dturbo.turbo.LayerInfo.normalised`)."""
+    leaves = [m for _, m in model.named_modules() if isinstance(m, BayesianLayer) or not any(m.children())]
+    names = {id(m): n for n, m in bayesian_layers(model)}
+    out = set()
+    for i, layer in enumerate(leaves):
+        if not isinstance(layer, BayesianLayer):
+            continue
+        after = leaves[i + 1:]
+        if layer.bias is None:  # a scale passes through these only without a bias
+            after = list(itertools.dropwhile(lambda m: isinstance(m, _HOMOGENEOUS), after))
+        if after and isinstance(after[0], _BatchNorm) and after[0].num_features == layer.weight_mu.shape[0]:
+            out.add(names[id(layer)])
+    return out
 
 
 def load_layer(layer: BayesianLayer, mu: np.ndarray, mask: np.ndarray, sigma: np.ndarray,
