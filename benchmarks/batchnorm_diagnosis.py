@@ -106,29 +106,28 @@ def diagnose(round_no: int) -> dict[str, Any]:
     names = [info.name for info in server.layers]
     counts = {n: int(np.count_nonzero(after[f"{n}.mu"])) for n in names}
     full = {n: before[f"{n}.mu"] for n in names}
-    row_norm = {n: np.linalg.norm(full[n], axis=1, keepdims=True) + 1e-12 for n in names}
+
+    def chosen(score: dict[str, np.ndarray]) -> float:
+        """Accuracy with each layer's aggregate pruned to the support rule's count of its highest ``score``."""
+        return accuracy(with_layers({n: top(score[n], full[n], counts[n]) for n in names}))
+
+    def evidence(state: dict[str, Any]) -> dict[str, np.ndarray]:
+        """E1 of the E4 held in ``state``."""
+        return {i.name: turbo.support_evidence(state[f"{i.name}.a_tilde"], state[f"{i.name}.b_tilde"], i.prior)
+                for i in server.layers}
+
+    fresh = evidence(after)
     res: dict[str, Any] = {
         "pruned": accuracy(after),
         "unpruned": accuracy(with_layers(full)),
-        "magnitude": accuracy(with_layers({n: top(np.abs(full[n]), full[n], counts[n]) for n in names})),
-        "magnitude per channel": accuracy(with_layers(
-            {n: top(np.abs(full[n]) / row_norm[n], full[n], counts[n]) for n in names})),
-        "magnitude a round before": accuracy(with_layers(
-            {n: top(np.abs(previous[f"{n}.mu"]), full[n], counts[n]) for n in names})),
-        "support rule a round later": accuracy(with_layers(
-            {i.name: top(after[f"{i.name}.pi_logodds"] + turbo.support_evidence(
-                after[f"{i.name}.a_tilde"], after[f"{i.name}.b_tilde"], i.prior), full[i.name], counts[i.name])
-             for i in server.layers})),
-        "evidence alone": accuracy(with_layers(
-            {i.name: top(turbo.support_evidence(
-                after[f"{i.name}.a_tilde"], after[f"{i.name}.b_tilde"], i.prior), full[i.name], counts[i.name])
-             for i in server.layers})),
-        "message alone": accuracy(with_layers(
-            {i.name: top(after[f"{i.name}.pi_logodds"], full[i.name], counts[i.name]) for i in server.layers})),
-        "stale evidence alone": accuracy(with_layers(
-            {i.name: top(turbo.support_evidence(
-                before[f"{i.name}.a_tilde"], before[f"{i.name}.b_tilde"], i.prior), full[i.name], counts[i.name])
-             for i in server.layers})),
+        "magnitude": chosen({n: np.abs(full[n]) for n in names}),
+        "magnitude per channel": chosen(
+            {n: np.abs(full[n]) / (np.linalg.norm(full[n], axis=1, keepdims=True) + 1e-12) for n in names}),
+        "magnitude a round before": chosen({n: np.abs(previous[f"{n}.mu"]) for n in names}),
+        "support rule a round later": chosen({n: after[f"{n}.pi_logodds"] + fresh[n] for n in names}),
+        "evidence alone": chosen(fresh),
+        "message alone": chosen({n: after[f"{n}.pi_logodds"] for n in names}),
+        "stale evidence alone": chosen(evidence(before)),
         "restore": {n: accuracy(with_layers({n: full[n]})) for n in names},
         "density_before": float(sum(np.count_nonzero(full[n]) for n in names) / sum(full[n].size for n in names)),
         "density_after": float(sum(counts.values()) / sum(full[n].size for n in names)),

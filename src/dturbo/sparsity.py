@@ -196,8 +196,8 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     default = np.nan if sp.scope == "global" else sp.target_density
     out = np.array([named.get(n, default) for n in names], dtype=np.float64)
     shared = np.isnan(out)
+    sizes = budget_sizes(layers, sp)
     if sp.scope == "global" and named:
-        sizes = budget_sizes(layers, sp)
         if not shared.any():  # every layer has its own target: together they set the model's density
             overall = float((out * sizes).sum() / sizes.sum())
             if abs(overall - sp.target_density) > 0.005:
@@ -218,8 +218,8 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
                                     for info in layers])
         if spread.any():
             # Every layer's share by the rule, the named ones fixed; the layers left to the field share the rest.
-            erk = erk_densities([info.shape or info.grid for info in layers], budget_sizes(layers, sp),
-                                sp.target_density, np.where(shared, np.nan, out))
+            erk = erk_densities([info.shape or info.grid for info in layers], sizes, sp.target_density,
+                                np.where(shared, np.nan, out))
             out = np.where(spread, erk, out)
     return out
 

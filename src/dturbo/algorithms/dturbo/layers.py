@@ -48,17 +48,16 @@ def followed_by_batchnorm(model: nn.Module) -> set[str]:
     modules (``Sequential(conv, bn)``, ``self.conv, self.bn``), directly or, for a layer without bias, through
     modules that commute with a positive scale (ReLU, pooling, dropout): BatchNorm makes those layers' scale
     arbitrary (:attr:`dturbo.turbo.LayerInfo.normalised`)."""
-    leaves = [m for _, m in model.named_modules() if isinstance(m, BayesianLayer) or not any(m.children())]
-    names = {id(m): n for n, m in bayesian_layers(model)}
+    leaves = [(n, m) for n, m in model.named_modules() if isinstance(m, BayesianLayer) or not any(m.children())]
     out = set()
-    for i, layer in enumerate(leaves):
+    for i, (name, layer) in enumerate(leaves):
         if not isinstance(layer, BayesianLayer):
             continue
-        after = leaves[i + 1:]
+        after = [m for _, m in leaves[i + 1:]]
         if layer.bias is None:  # a scale passes through these only without a bias
             after = list(itertools.dropwhile(lambda m: isinstance(m, _HOMOGENEOUS), after))
         if after and isinstance(after[0], _BatchNorm) and after[0].num_features == layer.weight_mu.shape[0]:
-            out.add(names[id(layer)])
+            out.add(name)
     return out
 
 
