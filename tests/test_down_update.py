@@ -131,7 +131,7 @@ def test_a_client_without_the_weights_refuses_the_update_clearly(halves):
     second = server.downlinks(state, 1, [0])[0]
     fresh = DturboClient(cfg, client.model_factory)
     # supports whole (a long warm-up): only the weights are missing
-    fresh._held = {0: {0: [np.ones(i.grid, bool) for i in fresh.layers]}}
+    fresh.supports.keep(0, 0, [np.ones(i.grid, bool) for i in fresh.layers])
     with pytest.raises(MessageError, match="update from the weights of round 0, and this client holds none"):
         fresh.fit(second, fed.clients[0], 0)
     again = DturboClient(cfg, client.model_factory)

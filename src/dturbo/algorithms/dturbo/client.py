@@ -14,8 +14,9 @@ from ...device import resolve_device
 from ...nn.bayes import bayesian_layers
 from ...prior import resolve_prior
 from ...protocol import ClientAlgorithm, MessageError
+from ...turbo import LayerInfo
 from ..base import ClientData, client_generator
-from ..held import pack, packed_size, unpack
+from ..held import ClientSupports
 from ..local import round_lr, train_local
 from ..plain import PlainState
 from .layers import layer_infos, load_layer, rebuilt_prior_std, sigma_grid_on
@@ -49,11 +50,12 @@ class DturboClient(ClientAlgorithm):
         self.plain = PlainState(self.model)
         self.messages = DturboMessages(cfg, self.model, self.layers, self.plain)
         self.device = resolve_device(cfg.experiment.device)
-        self._held: dict[int, dict[int, list[np.ndarray]]] = {}  # client id -> round -> S of every layer
-        self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": -> the weights held
+        self.supports = ClientSupports([info.name for info in self.layers], [info.grid for info in self.layers])
+        self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": id -> round -> weights
 
     def receive(self, downlink: bytes, client_id: int) -> nn.Module:
-        self._load(self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id)))
+        self._load(self.messages.decode_downlink(downlink, self.supports.held.get(client_id),
+                                                    self._weights.get(client_id)))
         return self.model
 
     def use_server_priors(self, scales: list[float]) -> None:
@@ -66,7 +68,8 @@ class DturboClient(ClientAlgorithm):
                           for info, scale in zip(self.layers, scales, strict=True)]
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        down = self.messages.decode_downlink(downlink, self._held.get(client_id), self._weights.get(client_id))
+        down = self.messages.decode_downlink(downlink, self.supports.held.get(client_id),
+                                             self._weights.get(client_id))
         if self.messages.delta:
             self._keep(client_id, down.round_idx, [d.support for d in down.layers],
                        [d.mu.astype(np.float32) for d in down.layers] if self.messages.update else None)
@@ -117,24 +120,19 @@ class DturboClient(ClientAlgorithm):
     def _keep(self, client_id: int, round_idx: int, supports: list[np.ndarray],
               weights: list[np.ndarray] | None) -> None:
         """Hold the supports (and weights) just decoded, and of the others only the newest (class docstring: why
-        two)."""
-        for held, new in ((self._held, supports), (self._weights, weights)):
-            if new is None:
-                continue
-            mine = held.get(client_id, {})
-            older = [r for r in mine if r != round_idx]
-            held[client_id] = ({max(older): mine[max(older)]} if older else {}) | {round_idx: new}
+        two); the weights follow the rounds whose supports are held."""
+        self.supports.keep(client_id, round_idx, supports)
+        if weights is not None:
+            mine = self._weights.get(client_id, {}) | {round_idx: weights}
+            self._weights[client_id] = {r: mine[r] for r in self.supports.held[client_id] if r in mine}
 
     def export_state(self) -> dict[str, np.ndarray]:
-        """The supports every client holds (packed bits), for the checkpoint; empty with ``positions = "full"``."""
-        out: dict[str, np.ndarray] = {}
-        for cid, mine in sorted(self._held.items()):
-            rounds = sorted(mine)
-            out[f"support_rounds/{cid}"] = np.array(rounds, dtype=np.int64)
-            for slot, r in enumerate(rounds):
-                for info, support in zip(self.layers, mine[r], strict=True):
-                    out[f"{info.name}.support{slot}/{cid}"] = pack(support)
-                if self.messages.update:
+        """The supports every client holds (packed bits) and, with ``down_mu = "update"``, the weights, for the
+        checkpoint; empty with ``positions = "full"``."""
+        out = self.supports.export_state()
+        if self.messages.update:
+            for cid, mine in sorted(self.supports.held.items()):
+                for slot, r in enumerate(sorted(mine)):
                     for info, w in zip(self.layers, self._weights[cid][r], strict=True):
                         out[f"{info.name}.mu{slot}/{cid}"] = w.reshape(-1)
         return out
@@ -142,35 +140,21 @@ class DturboClient(ClientAlgorithm):
     def import_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Inverse of :meth:`export_state` (on resume, or a Flower node's saved state); ValueError when the arrays
         do not fit this model."""
-        self._held, self._weights = {}, {}
+        self.supports.import_state(arrays)
+        self._weights = {}
+        if not self.messages.update:
+            return
         try:
-            for key, rounds in arrays.items():
-                if not key.startswith("support_rounds/"):
-                    continue
-                cid = int(key.split("/", 1)[1])
-                mine, weights = {}, {}
-                for slot, r in enumerate(np.asarray(rounds, dtype=np.int64).reshape(-1).tolist()):
-                    supports, mus = [], []
-                    for info in self.layers:
-                        packed = np.asarray(arrays[f"{info.name}.support{slot}/{cid}"], dtype=np.uint8)
-                        if packed.shape != (packed_size(info.grid),):
-                            raise ValueError(f"the support of {info.name} held by client {cid} has {packed.size} "
-                                             f"bytes, the model's grid needs {packed_size(info.grid)}")
-                        supports.append(unpack(packed, info.grid))
-                        if self.messages.update:
-                            w = np.asarray(arrays[f"{info.name}.mu{slot}/{cid}"])
-                            if w.dtype != np.float32 or w.shape != (int(np.prod(info.grid)),):
-                                raise ValueError(f"the weights of {info.name} held by client {cid} are {w.dtype} "
-                                                 f"{w.shape}, the model's grid needs float32 "
-                                                 f"({int(np.prod(info.grid))},)")
-                            mus.append(w.reshape(info.grid))
-                    mine[r] = supports
-                    if self.messages.update:
-                        weights[r] = mus
-                self._held[cid] = mine
-                if self.messages.update:
-                    self._weights[cid] = weights
-        except (KeyError, TypeError) as err:
+            for cid, mine in self.supports.held.items():
+                self._weights[cid] = {r: [self._weights_at(arrays, info, slot, cid) for info in self.layers]
+                                      for slot, r in enumerate(sorted(mine))}
+        except KeyError as err:
             raise ValueError(f"checkpointed D-Turbo-VBI client state is incomplete ({err})") from None
 
-
+    @staticmethod
+    def _weights_at(arrays: dict[str, np.ndarray], info: LayerInfo, slot: int, cid: int) -> np.ndarray:
+        w = np.asarray(arrays[f"{info.name}.mu{slot}/{cid}"])
+        if w.dtype != np.float32 or w.shape != (int(np.prod(info.grid)),):
+            raise ValueError(f"the weights of {info.name} held by client {cid} are {w.dtype} {w.shape}, the "
+                             f"model's grid needs float32 ({int(np.prod(info.grid))},)")
+        return w.reshape(info.grid)
