@@ -15,8 +15,8 @@ Models of one's own through ``dturbo.Experiment(model=...)``, plain torch layers
 Protocol: Fashion-MNIST (28x28, a seeded subset of 6,000 training images, 2,000 test images), 10 clients, Dirichlet
 0.5, 12 rounds of one local epoch, seeds 0, 1 and 2 (MobileNetV1: seed 0, and again on 12,000 images with seeds 0, 1
 and 2, over 12 rounds and over 24, ``mobilenet24r``: its ramp, paced by local steps, is compressed less), one torch
-thread a run. Goal: D-Turbo-VBI ends within 1.5 points of FedAvg-16 and no round after the
-third falls more than 5 points below the round before.
+thread a run. Goal: D-Turbo-VBI ends within 1.5 points of FedAvg-16 and no round after the third falls more than 5
+points below the round before.
 Writes ``benchmarks/results/batchnorm.{json,md}``.
 
 Usage: .venv/bin/python benchmarks/batchnorm.py [--runs runs/batchnorm] [--jobs 2]
@@ -65,8 +65,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 SEEDS_OF = {"resnet8": 3, "mobilenet": 1, "mobilenet12k": 3, "mobilenet24r": 3}  # how many of SEEDS each model runs
 # the variants beside the defaults run seed 0 of these models: the density spread by the evidence alone, averaged
-# statistics (the failure they illustrate),
-# whole conv channels, a slower ramp, twice the default target density
+# statistics (the failure they illustrate), whole conv channels, a slower ramp, twice the default target density
 VARIANT_MODELS = {"dturbo_evidence": ("resnet8", "mobilenet"), "dturbo_averaged": ("resnet8",),
                   "dturbo_channels": ("resnet8", "mobilenet"),
                   "dturbo_slow": ("mobilenet",), "dturbo_t30": ("mobilenet",)}
@@ -110,13 +109,20 @@ def run_name(model: str, variant: str, seed: int) -> str:
     return f"{model}_{variant}_s{seed}"
 
 
+def parse_run_name(name: str) -> tuple[str, str, int]:
+    """Inverse of :func:`run_name`: (model, variant, seed)."""
+    head, seed = name.rsplit("_s", 1)
+    model, variant = head.split("_", 1)
+    return model, variant, int(seed)
+
+
 def one(name: str, out: Path) -> None:
     """Train run ``name`` into ``out`` in this process, continuing from its checkpoint where it has one."""
     import torch
 
     import dturbo
 
-    model, variant, seed = name.rsplit("_s", 1)[0].split("_", 1) + [int(name.rsplit("_s", 1)[1])]
+    model, variant, seed = parse_run_name(name)
     algorithm, over = VARIANTS[variant]
     cfg: dict[str, Any] = {
         "experiment": {"name": name, "seed": seed, "rounds": ROUNDS_OF[model], "threads": 1, "algorithm": algorithm},
@@ -167,13 +173,13 @@ def summarize(root: Path) -> dict[str, Any]:
         "goal": GOAL, "threads": 1, "machine": platform.machine(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d")}, "runs": [], "models": {}}
     for name, cols in curves.items():
-        model, variant = name.rsplit("_s", 1)[0].split("_", 1)
+        model, variant, seed = parse_run_name(name)
         acc = [float(a) for a in cols["accuracy"]]
         after = GOAL["after_round"]  # rounds after it (1-based) against the round before each
         # to the test set's resolution (2,000 images: 0.05 points), not float noise
         drops = [round(100 * (a - b), 2) for a, b in zip(acc[after - 1 : -1], acc[after:], strict=True)]
         calibration = cols.get("calibration_bits", np.zeros(0))
-        out["runs"].append({"model": model, "variant": variant, "seed": int(name.rsplit("_s", 1)[1]),
+        out["runs"].append({"model": model, "variant": variant, "seed": seed,
                             "final_accuracy": acc[-1], "final_density": float(cols["density"][-1]),
                             "largest_drop_after_round_3": max(drops, default=0.0),
                             "bits": float(cols["cum_bits"][-1]),

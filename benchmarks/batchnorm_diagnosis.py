@@ -138,8 +138,7 @@ def diagnose(round_no: int, run: str = RUN) -> dict[str, Any]:
 
 def markdown(res: dict[str, Any]) -> str:
     best = max(res["restore"].items(), key=lambda kv: kv[1])
-    variant = res["run"].rsplit("_s", 1)[0].split("_", 1)[1]
-    how = {"dturbo_evidence": "one shared field spreads the density", "dturbo": "the library's defaults"}[variant]
+    how = batchnorm.VARIANT_LABELS.get(batchnorm.parse_run_name(res["run"])[1], "the library's defaults")
     lines = [
         "# Why MobileNetV1 with BatchNorm falls in a pruning round", "",
         f"`{res['run']}` of `benchmarks/batchnorm.py` ({how}), round {res['round']} "
@@ -166,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round", type=int, default=8, help="the pruning round to take apart (1-based)")
     ap.add_argument("--run", default=RUN, help=f"a run of benchmarks/batchnorm.py (default {RUN})")
     args = ap.parse_args(argv)
+    if batchnorm.VARIANTS[batchnorm.parse_run_name(args.run)[1]][0] != "dturbo":
+        ap.error(f"--run {args.run}: not a D-Turbo-VBI run of benchmarks/batchnorm.py")
     res = {"run": args.run, "round": args.round, **diagnose(args.round, args.run)}
     name = "batchnorm_diagnosis"
     if (args.run, args.round) != (RUN, 8):

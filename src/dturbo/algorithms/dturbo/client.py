@@ -54,8 +54,7 @@ class DturboClient(ClientAlgorithm):
         self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": id -> round -> weights
 
     def receive(self, downlink: bytes, client_id: int) -> nn.Module:
-        self._load(self.messages.decode_downlink(downlink, self.supports.held.get(client_id),
-                                                    self._weights.get(client_id)))
+        self._load(self._decode(downlink, client_id))
         return self.model
 
     def use_server_priors(self, scales: list[float]) -> None:
@@ -68,8 +67,7 @@ class DturboClient(ClientAlgorithm):
                           for info, scale in zip(self.layers, scales, strict=True)]
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
-        down = self.messages.decode_downlink(downlink, self.supports.held.get(client_id),
-                                             self._weights.get(client_id))
+        down = self._decode(downlink, client_id)
         if self.messages.delta:
             self._keep(client_id, down.round_idx, [d.support for d in down.layers],
                        [d.mu.astype(np.float32) for d in down.layers] if self.messages.update else None)
@@ -100,6 +98,10 @@ class DturboClient(ClientAlgorithm):
         msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
         return self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng)
+
+    def _decode(self, downlink: bytes, client_id: int) -> DturboDownlink:
+        """The downlink, decoded against the supports (and weights) ``client_id`` holds."""
+        return self.messages.decode_downlink(downlink, self.supports.held.get(client_id), self._weights.get(client_id))
 
     def _load(self, down: DturboDownlink) -> list[np.ndarray]:
         """Put a decoded downlink into the client's model; the weights training starts from, per layer."""

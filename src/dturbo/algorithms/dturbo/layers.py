@@ -4,6 +4,7 @@ one, and sigma and the rebuilt prior std on a support."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -53,10 +54,11 @@ def followed_by_batchnorm(model: nn.Module) -> set[str]:
     for i, (name, layer) in enumerate(leaves):
         if not isinstance(layer, BayesianLayer):
             continue
-        after = [m for _, m in leaves[i + 1:]]
+        after: Iterator[nn.Module] = (leaves[j][1] for j in range(i + 1, len(leaves)))
         if layer.bias is None:  # a scale passes through these only without a bias
-            after = list(itertools.dropwhile(lambda m: isinstance(m, _HOMOGENEOUS), after))
-        if after and isinstance(after[0], _BatchNorm) and after[0].num_features == layer.weight_mu.shape[0]:
+            after = itertools.dropwhile(lambda m: isinstance(m, _HOMOGENEOUS), after)
+        norm = next(after, None)
+        if isinstance(norm, _BatchNorm) and norm.num_features == layer.weight_mu.shape[0]:
             out.add(name)
     return out
 
