@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from dturbo import export as ex
 from dturbo.algorithms import ALGORITHMS
 from dturbo.algorithms.dturbo.checks import LocalStepsWarning, local_steps_warning, schedule_warning
+from dturbo.algorithms.dturbo.sparsity import density_schedule
 from dturbo.checkpoint import STATE_FILE, CheckpointError, CheckpointWarning, load_checkpoint, save_checkpoint
 from dturbo.cli import app
 from dturbo.config import ConfigError, load_config, parse_config
@@ -26,7 +27,6 @@ from dturbo.data import DataError, DataWarning, load_dataset
 from dturbo.federation import build_federation
 from dturbo.nn.models import ModelInputError, build_model, check_input_shape
 from dturbo.sim import ScheduleWarning, Simulator
-from dturbo.sparsity import density_schedule
 
 
 def flat(text: str) -> str:

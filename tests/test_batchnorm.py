@@ -176,7 +176,7 @@ def test_the_layers_batchnorm_follows_are_found():
     infos = layer_infos(net, cfg)
     assert [i.name for i in infos if i.normalised] == ["0", "2", "12"]
     assert infos[1].shape == (4, 4, 3, 3)
-    from dturbo.sparsity import layer_targets
+    from dturbo.algorithms.dturbo.sparsity import layer_targets
     targets = dict(zip([i.name for i in infos], layer_targets(infos, cfg.dturbo.sparsity), strict=True))
     assert targets["0"] == 1.0  # one input channel: kept dense
     assert not np.isnan(targets["2"]) and not np.isnan(targets["12"])

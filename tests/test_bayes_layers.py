@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from dturbo import vbi
+from dturbo.algorithms.dturbo import vbi
 from dturbo.nn import BayesConv2d, BayesLinear, build_model
-from dturbo.prior import grid_shape
+from dturbo.nn.shapes import grid_shape
 
 
 @pytest.mark.parametrize("sigma_mode", ["layer", "weight"])

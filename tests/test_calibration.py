@@ -9,7 +9,7 @@ import torch
 from scipy.special import expit
 
 import dturbo.algorithms.dturbo as dt
-from dturbo import turbo
+from dturbo.algorithms.dturbo import turbo
 from dturbo.config import parse_config
 from dturbo.nn.models import build_model, weight_uses
 
@@ -233,7 +233,7 @@ def test_settled_support_a_few_weights_short_keeps_a_real_message(short):
 def test_settled_field_still_rises_within_its_bound():
     """Settled, with evidence that answers the field (no gap): a support 3% under the target is brought back within
     1% of it, by a field that rises at most SETTLED_RISE."""
-    from dturbo.sparsity import SETTLED_RISE
+    from dturbo.algorithms.dturbo.sparsity import SETTLED_RISE
 
     server = _server()
     eta = [np.random.default_rng(3).normal(0, 2, i.grid) for i in server.layers]

@@ -11,12 +11,12 @@ from run_helpers import PAPER_TRANSMISSION
 from safetensors.numpy import load_file
 from scipy.special import expit
 
+from dturbo.algorithms.dturbo.turbo import support, support_evidence
 from dturbo.checkpoint import load_checkpoint
 from dturbo.codec import decode_message, decode_values
 from dturbo.config import parse_config
 from dturbo.nn.bayes import bayesian_layers
 from dturbo.sim import Simulator
-from dturbo.turbo import support, support_evidence
 
 LAYERS = ("dense1", "dense2")
 R = 12.0  # in the window of docs/algorithm.md §11 where the literal algorithm prunes some weights and keeps others

@@ -14,10 +14,10 @@ from scipy import integrate
 from scipy.special import expit
 from torch.distributions import Bernoulli, Gamma, kl_divergence
 
+from dturbo.algorithms.dturbo.sparsity import density_schedule
+from dturbo.algorithms.dturbo.turbo import support, support_evidence
 from dturbo.config import parse_config
 from dturbo.sim import Simulator
-from dturbo.sparsity import density_schedule
-from dturbo.turbo import support, support_evidence
 
 
 def _toy_npz(tmp_path: Path) -> Path:

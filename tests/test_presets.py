@@ -38,7 +38,7 @@ def test_the_quick_preset_is_the_main_jobs_config_file():
 
 def test_presets_name_no_layer_of_a_particular_model():
     """Layer targets select by position or kind (first, last, conv, dense), so a preset fits any model."""
-    from dturbo.sparsity import SELECTORS
+    from dturbo.algorithms.dturbo.sparsity import SELECTORS
 
     for name in presets.names():
         targets = load_config(preset=name).dturbo.sparsity.layer_targets
@@ -139,7 +139,7 @@ def test_every_preset_fits_a_conv_model_with_batchnorm():
 
     import dturbo
     from dturbo.algorithms.dturbo import layer_infos
-    from dturbo.sparsity import layer_targets
+    from dturbo.algorithms.dturbo.sparsity import layer_targets
 
     net = dturbo.bayesianize(nn.Sequential(
         nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),

@@ -18,7 +18,7 @@ from dturbo.data import load_dataset
 from dturbo.federation import build_federation
 from dturbo.nn.bayes import bayesian_layers
 from dturbo.nn.models import build_model
-from dturbo.prior import grid_shape
+from dturbo.nn.shapes import grid_shape
 from dturbo.report import (
     RunSummary,
     _visible_tick_labels,

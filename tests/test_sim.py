@@ -11,13 +11,13 @@ import torch
 from run_helpers import PAPER_TRANSMISSION
 from safetensors.numpy import load_file
 
+from dturbo.algorithms.dturbo.sparsity import density_schedule
+from dturbo.algorithms.dturbo.turbo import support
 from dturbo.checkpoint import CheckpointError, load_checkpoint
 from dturbo.config import parse_config
 from dturbo.data import load_dataset
 from dturbo.federation import build_federation
 from dturbo.sim import BASE_COLUMNS, Simulator
-from dturbo.sparsity import density_schedule
-from dturbo.turbo import support
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fmnist = pytest.mark.skipif(

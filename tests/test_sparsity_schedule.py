@@ -1,5 +1,6 @@
 """The pruning schedule of target mode (docs/sparsity.md §2, docs/models.md#tune-for-a-new-dataset): warm-up and
-ramp in rounds as set, or paced by local training when unset (:func:`dturbo.sparsity.pruning_schedule`)."""
+ramp in rounds as set, or paced by local training when unset
+(:func:`dturbo.algorithms.dturbo.sparsity.pruning_schedule`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import pytest
 import dturbo
 from dturbo.algorithms.dturbo.checks import schedule_warning
 from dturbo.algorithms.dturbo.config import SparsityConfig
+from dturbo.algorithms.dturbo.sparsity import density_schedule, local_steps_a_round, pruning_schedule
 from dturbo.algorithms.local import num_local_steps
 from dturbo.config import ConfigError, TrainConfig, load_config, parse_config
 from dturbo.sim import ScheduleWarning
-from dturbo.sparsity import density_schedule, local_steps_a_round, pruning_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 PACED = [SparsityConfig(), SparsityConfig(warmup_steps=0), SparsityConfig(warmup_steps=10, ramp_steps=1),
@@ -127,7 +128,7 @@ def test_a_run_follows_the_paced_schedule(tmp_path, tiny_config):
 
 
 def test_layer_targets_select_layers_by_name_position_or_kind():
-    from dturbo.sparsity import resolve_layer_targets
+    from dturbo.algorithms.dturbo.sparsity import resolve_layer_targets
 
     names = ["conv1", "conv2", "dense1", "dense2"]
     kinds = ["conv", "conv", "dense", "dense"]
@@ -168,8 +169,8 @@ def test_selectors_give_the_named_setting_the_same_run(tmp_path, tiny_config):
 
 
 def _erk_layers(normalised: tuple[bool, ...]) -> list:
-    from dturbo.prior import resolve_prior
-    from dturbo.turbo import LayerInfo
+    from dturbo.algorithms.dturbo.prior import resolve_prior
+    from dturbo.algorithms.dturbo.turbo import LayerInfo
 
     prior = resolve_prior(parse_config({}).dturbo.prior.conv, 0.1)
     shapes = [(8, 1, 3, 3), (16, 8, 3, 3), (32, 16, 3, 3), (10, 512)]
@@ -182,7 +183,7 @@ def test_erk_targets_keep_the_budget_and_follow_the_rule():
     they keep exactly target_density of the weights; a named layer keeps its target and the rule spreads the rest;
     'auto' gives the rule only the layers BatchNorm follows and leaves the others to the shared field (NaN), which
     then takes exactly what the rule's spread leaves; 'evidence' gives no layer a target."""
-    from dturbo.sparsity import budget_sizes, layer_targets
+    from dturbo.algorithms.dturbo.sparsity import budget_sizes, layer_targets
 
     layers = _erk_layers((True, True, True, False))
     sizes = np.array([np.prod(i.shape) for i in layers], dtype=float)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.special import expit
 
-from dturbo.spmp import GridBPResult, Transitions, grid_bp
+from dturbo.algorithms.dturbo.spmp import GridBPResult, Transitions, grid_bp
 
 DEMO_CONV = dict(p01_row=0.288, p11_row=0.49, p01_col=0.288, p11_col=0.49)  # reference demo, conv layers
 DEMO_DENSE = dict(p01_row=0.3, p11_row=0.48, p01_col=0.3, p11_col=0.48)  # reference demo, dense layers
@@ -322,8 +322,8 @@ def test_tied_rows_are_one_variable_per_row_on_the_column_chain(start: float | N
     """prior.tie_rows: each row is one support variable with the summed evidence of its M weights and M times
     the per-weight field, the rows coupled by the column chain; checked against brute force on that chain."""
     from dturbo.algorithms.dturbo.config import SpmpConfig
-    from dturbo.prior import LayerPrior
-    from dturbo.turbo import module_b, tie_rows
+    from dturbo.algorithms.dturbo.prior import LayerPrior
+    from dturbo.algorithms.dturbo.turbo import module_b, tie_rows
 
     rng = np.random.default_rng(7)
     k, m, field = 5, 3, -0.4

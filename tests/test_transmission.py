@@ -12,11 +12,11 @@ from scipy.special import expit
 
 from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.dturbo import rebuilt_prior_std
+from dturbo.algorithms.dturbo.turbo import support, support_evidence
 from dturbo.codec import CodecError, decode_support, encode_grid, encode_support, payload_bits
 from dturbo.config import ConfigError, parse_config
 from dturbo.quantize import decode_stochastic, dequantize, encode_stochastic, quantize
 from dturbo.sim import Simulator
-from dturbo.turbo import support, support_evidence
 
 
 def test_stochastic_rounding_is_unbiased_and_within_one_level():

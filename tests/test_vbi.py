@@ -9,8 +9,8 @@ from scipy import integrate, stats
 from scipy.optimize import minimize_scalar
 from scipy.special import expit
 
-from dturbo import vbi
-from dturbo.spmp import Transitions, grid_bp
+from dturbo.algorithms.dturbo import vbi
+from dturbo.algorithms.dturbo.spmp import Transitions, grid_bp
 
 pos = st.floats(0.05, 20.0)
 small_pos = st.floats(1e-4, 5.0)

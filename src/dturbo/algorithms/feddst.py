@@ -58,8 +58,8 @@ from ..codec import (
 from ..config import Config, Probability, Section
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
+from ..nn.shapes import erk_densities
 from ..protocol import AlgorithmSpec, ClientAlgorithm
-from ..sparsity import erk_densities
 from .base import (
     ClientData,
     ClientError,
@@ -85,7 +85,7 @@ DOWN_KIND, UP_KIND = "feddst/down", "feddst/up"
 # ================================================================================== the masks
 def layer_counts(shapes: Sequence[tuple[int, ...]], density: float, distribution: str) -> list[int]:
     """Weights each layer keeps for a global ``density``: alike (``uniform``), or by the Erdos-Renyi-kernel rule
-    (``erk``, :func:`dturbo.sparsity.erk_densities`)."""
+    (``erk``, :func:`dturbo.nn.shapes.erk_densities`)."""
     sizes = np.array([math.prod(s) for s in shapes], dtype=np.float64)
     if distribution == "uniform":
         d = np.full(sizes.size, density)

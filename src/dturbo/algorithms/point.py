@@ -27,7 +27,7 @@ from ..codec import decode_dense, encode_dense
 from ..config import Config
 from ..device import resolve_device
 from ..nn.bayes import BayesianLayer, bayesian_layers
-from ..prior import grid_shape
+from ..nn.shapes import grid_shape
 from ..protocol import ClientAlgorithm
 from .base import ClientData, MessageError, RoundResult, State, client_generator, need, pack_scalars, unpack_scalars
 from .bounds import Limit, UploadBounds, magnitude

@@ -39,7 +39,7 @@ from torch import nn
 from ..config import Config, parse_config
 from ..nn.bayes import bayesian_layers
 from ..nn.models import layer_scale
-from ..prior import grid_shape
+from ..nn.shapes import grid_shape
 from . import wire
 
 QUERY = "query.dturbo"

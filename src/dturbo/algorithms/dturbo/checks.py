@@ -9,9 +9,9 @@ from typing import Any
 
 from ...config import Config
 from ...protocol import ScheduleWarning
-from ...sparsity import local_steps_a_round, pruning_schedule
 from ..local import num_local_steps
 from ..plain import DenseStateWarning, PlainState
+from .sparsity import local_steps_a_round, pruning_schedule
 
 __all__ = ["FEW_LOCAL_STEPS", "LocalStepsWarning", "ScheduleWarning", "local_steps_warning", "run_warnings",
            "schedule_warning"]
@@ -28,7 +28,8 @@ class LocalStepsWarning(ScheduleWarning):
 def schedule_warning(cfg: Config, steps: int | None = None) -> str | None:
     """In target mode, when the ramp ends after the last round: the density the schedule reaches at the last round
     and how to reach the target; None when the target is reached. ``steps``: the mean client's local steps a round,
-    which pace a warm-up or ramp not set in rounds (:func:`dturbo.sparsity.pruning_schedule`); None: unknown yet,
+    which pace a warm-up or ramp not set in rounds (:func:`dturbo.algorithms.dturbo.sparsity.pruning_schedule`); None:
+    unknown yet,
     taken as 1 (the longest paced schedule, which still fits the run)."""
     sp = cfg.dturbo.sparsity
     rounds = cfg.experiment.rounds

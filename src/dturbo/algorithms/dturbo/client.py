@@ -12,9 +12,7 @@ from torch import nn
 from ...config import Config
 from ...device import resolve_device
 from ...nn.bayes import bayesian_layers
-from ...prior import resolve_prior
 from ...protocol import ClientAlgorithm, MessageError
-from ...turbo import LayerInfo
 from ..base import ClientData, client_generator
 from ..held import ClientSupports
 from ..local import round_lr, train_local
@@ -27,6 +25,8 @@ from .messages import (
     UpLayer,
     sigma_as_sent,
 )
+from .prior import resolve_prior
+from .turbo import LayerInfo
 
 
 class DturboClient(ClientAlgorithm):

@@ -53,7 +53,7 @@ class SparsityConfig(Section):
     mode = "target": the MRF prior gets an external field (a prior log-odds of activity, part of
     Module B) calibrated each round so that the support size follows a schedule from dense to
     ``target_density`` (cubic ramp over ``ramp_rounds`` after ``warmup_rounds``). Unset, the two are paced by
-    local training (``warmup_steps``, ``ramp_steps``; :func:`dturbo.sparsity.pruning_schedule`,
+    local training (``warmup_steps``, ``ramp_steps``; :func:`dturbo.algorithms.dturbo.sparsity.pruning_schedule`,
     docs/sparsity.md §2, docs/models.md#tune-for-a-new-dataset).
     """
 

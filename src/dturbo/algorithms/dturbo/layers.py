@@ -12,14 +12,15 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ... import vbi
 from ...config import Config
 from ...nn.bayes import BayesianLayer, bayesian_layers, softplus_inverse_tensor
 from ...nn.models import layer_scale, weight_uses
-from ...prior import grid_shape, layer_kind, resolve_prior
-from ...turbo import LayerInfo
+from ...nn.shapes import grid_shape, layer_kind
 from ..statistics import batchnorms
+from . import vbi
 from .config import PriorConfig
+from .prior import resolve_prior
+from .turbo import LayerInfo
 
 # f(c x) = c f(x) for c > 0, channel by channel
 _HOMOGENEOUS = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
@@ -48,7 +49,7 @@ def followed_by_batchnorm(model: nn.Module) -> set[str]:
     """The Bayesian layers whose output channels BatchNorm normalises next, in the order the model defines its
     modules (``Sequential(conv, bn)``, ``self.conv, self.bn``), directly or, for a layer without bias, through
     modules that commute with a positive scale (ReLU, pooling, dropout): BatchNorm makes those layers' scale
-    arbitrary (:attr:`dturbo.turbo.LayerInfo.normalised`)."""
+    arbitrary (:attr:`dturbo.algorithms.dturbo.turbo.LayerInfo.normalised`)."""
     leaves = [(n, m) for n, m in model.named_modules() if isinstance(m, BayesianLayer) or not any(m.children())]
     out = set()
     for i, (name, layer) in enumerate(leaves):

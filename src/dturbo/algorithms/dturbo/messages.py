@@ -48,11 +48,11 @@ from ...codec import (
 )
 from ...config import Config
 from ...nn.bayes import bayesian_layers
-from ...turbo import LayerInfo
 from ..base import MessageError, need, pack_scalars, unpack_scalars
 from ..message import Layouts, MessageSpec, finite, ledger, upload_metrics
 from ..plain import PlainState
 from ..server import Upload
+from .turbo import LayerInfo
 from .values import Float16, scheme
 
 DOWN_KIND, UP_KIND = "dturbo/down", "dturbo/up"

@@ -10,16 +10,14 @@ import numpy as np
 from scipy.special import expit
 from torch import nn
 
-from ... import turbo, vbi
 from ...config import Config
 from ...nn.bayes import bayesian_layers
-from ...sparsity import local_steps_a_round, make_policy, pruning_schedule
-from ...turbo import LayerInfo, LayerState
 from ..base import RoundResult, State
 from ..bounds import Limit, UploadBounds, magnitude, sigma_limit
 from ..held import HeldSupports as ClientHeld
 from ..plain import PlainState
 from ..server import Received, ServerBase
+from . import turbo, vbi
 from .checks import announce_dense
 from .layers import layer_infos, load_layer
 from .messages import (
@@ -31,6 +29,8 @@ from .messages import (
     HeldSupports,
     sigma_as_sent,
 )
+from .sparsity import local_steps_a_round, make_policy, pruning_schedule
+from .turbo import LayerInfo, LayerState
 
 
 class DturboServer(ServerBase[DturboUplink]):

@@ -2,7 +2,8 @@
 docs/sparsity.md).
 
 The literal algorithm decides the support by pi~ >= threshold alone, and its density is all-or-nothing in the
-prior ratio r (§11). A policy makes it controllable through two levers of the turbo step (:mod:`dturbo.turbo`):
+prior ratio r (§11). A policy makes it controllable through two levers of the turbo step
+(:mod:`dturbo.algorithms.dturbo.turbo`):
 whether a round's support rule applies at all (warm-up), and the field h of Module B's prior, a log-odds of
 activity on every node of a layer's grid, which enters the B -> A message (E2) and so the next E3.
 
@@ -25,14 +26,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from ...config import ConfigError
+from ...nn.shapes import erk_densities
+from ..local import num_local_steps
 from . import vbi
-from .algorithms.local import num_local_steps
-from .config import ConfigError
 from .turbo import LayerInfo, module_b
 
 if TYPE_CHECKING:
-    from .algorithms.dturbo.config import DturboConfig, SparsityConfig
-    from .config import TrainConfig
+    from ...config import TrainConfig
+    from .config import DturboConfig, SparsityConfig
 
 
 class SparsityPolicy(Protocol):
@@ -157,27 +159,6 @@ def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str,
                 out[name] = targets[key]
                 break
     return out
-
-
-def erk_densities(shapes: list[tuple[int, ...]], sizes: np.ndarray, density: float,
-                  fixed: np.ndarray | None = None) -> np.ndarray:
-    """Densities by the Erdos-Renyi-kernel rule (Evci et al. 2020): layer l keeps eps * sum(shape_l) / prod(shape_l),
-    capped at 1, with eps such that sum(d_l * sizes_l) = density * sum(sizes) (``sizes``: what a layer counts in the
-    budget, :func:`budget_sizes`; a layer at the cap is dense and eps is solved again without it). ``fixed``: the
-    layers' densities set beforehand, NaN for those the rule spreads."""
-    raw = np.array([sum(s) / math.prod(s) for s in shapes], dtype=np.float64)
-    fixed = np.full(raw.size, np.nan) if fixed is None else np.asarray(fixed, dtype=np.float64)
-    free = np.isnan(fixed)
-    dense = np.zeros(raw.size, dtype=bool)
-    budget = density * sizes.sum() - (fixed[~free] * sizes[~free]).sum()
-    while True:  # at most one pass per layer: each pass caps at least one more
-        spread = free & ~dense
-        eps = (budget - sizes[free & dense].sum()) / max((raw[spread] * sizes[spread]).sum(), 1e-300)
-        over = spread & (eps * raw > 1.0)
-        if not over.any():
-            break
-        dense |= over
-    return np.where(free, np.where(dense, 1.0, np.clip(eps * raw, 0.0, 1.0)), fixed)
 
 
 def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:

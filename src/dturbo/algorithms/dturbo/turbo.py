@@ -10,7 +10,8 @@ One round of the server, with the clients' aggregated moments mu_G, sigma_G (§7
     §7.5  S            = {pi~ >= threshold}, then restricted to the float16 nonzeros of mu_G
 
 It comes in two halves, :func:`module_a` (E3, E4, E1) and :func:`module_b` (SPMP, E2), and the support rule
-:func:`support_rule`, because the field h is the sparsity policy's (:mod:`dturbo.sparsity`, docs/algorithm.md §11):
+:func:`support_rule`, because the field h is the sparsity policy's (:mod:`dturbo.algorithms.dturbo.sparsity`,
+docs/algorithm.md §11):
 it is chosen for every layer at once from every layer's Module A output, between the two halves.
 
 A layer's state between rounds is :class:`LayerState`. The support S is not part of it: S is the nonzeros of mu_G
@@ -35,7 +36,7 @@ from .prior import LayerPrior
 from .spmp import grid_bp
 
 if TYPE_CHECKING:
-    from .algorithms.dturbo.config import SpmpConfig
+    from .config import SpmpConfig
 
 # A weight (re-)entering S restarts from the smallest normal float16, 2^-14, instead of exactly 0 (docs/algorithm.md
 # §7.5 says "restarts from 0"): it must be a nonzero of the 16-bit mu_G to be in S at all.
@@ -117,7 +118,8 @@ def tie_rows(evidence: np.ndarray, prior: LayerPrior) -> np.ndarray:
 
 def support_evidence(a_tilde: np.ndarray, b_tilde: np.ndarray, prior: LayerPrior) -> np.ndarray:
     """(E1) eta = ln C1 - ln C2 - logit(pi) of every support variable under q(rho) = Gamma(a~, b~): the A -> B
-    message, i.e. logit(pi~) - logit(pi) of (E3), computed without pi (:func:`dturbo.vbi.support_evidence`)."""
+    message, i.e. logit(pi~) - logit(pi) of (E3), computed without pi
+    (:func:`dturbo.algorithms.dturbo.vbi.support_evidence`)."""
     return tie_rows(vbi.support_evidence(a_tilde, b_tilde, **prior.gamma_kwargs()), prior)
 
 

@@ -8,7 +8,7 @@ pi_tilde = q(s_n = 1); (a_tilde, b_tilde) are the shape/rate of q(rho_n); mu, si
 mean/std of q(w_n); (a, b) the active and (a_bar, b_bar) the inactive Gamma prior on rho_n.
 
 The turbo messages: E1 (A -> B) is :func:`support_evidence`; E2 (B -> A) is the ``extrinsic`` output of
-:func:`dturbo.spmp.grid_bp`.
+:func:`dturbo.algorithms.dturbo.spmp.grid_bp`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
-"""The hierarchical prior of docs/algorithm.md §2: Gamma hyperparameters per layer and the layer -> grid mapping.
+"""The hierarchical prior of docs/algorithm.md §2: Gamma hyperparameters per layer, and the grid MRF's transitions.
 
-A layer's support grid is its weight matrix *as its GEMM uses it* (docs/algorithm.md §2): Linear is
-(out_features x in_features); Conv2d is (out_channels x in_channels/groups * kh * kw) (Conv1d / Conv3d alike). With this
-choice a cluster in the grid is a block of the computation.
+A layer's support grid (:func:`dturbo.nn.shapes.grid_shape`) is its weight matrix as its GEMM uses it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from .spmp import Transitions
 
 if TYPE_CHECKING:
-    from .algorithms.dturbo.config import PriorConfig
+    from .config import PriorConfig
 
 
 @dataclass(frozen=True)
@@ -56,20 +51,3 @@ def resolve_prior(pc: PriorConfig, layer_scale: float) -> LayerPrior:
         raise ValueError(f"prior scale must be 'matched' or 'absolute', got {pc.scale!r}")
     transitions = Transitions(pc.p01_row, pc.p11_row, pc.p01_col, pc.p11_col, start_row=pc.start, start_col=pc.start)
     return LayerPrior(a, b, a_bar, b_bar, transitions, pc.tie_rows)
-
-
-def grid_shape(layer: nn.Module) -> tuple[int, int]:
-    """(K, M) of a layer's support grid (docs/algorithm.md §2)."""
-    weight = getattr(layer, "weight_mu", None)
-    if weight is None:
-        weight = getattr(layer, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{type(layer).__name__} has no weight tensor")
-    return int(weight.shape[0]), int(weight[0].numel())
-
-
-def layer_kind(layer: nn.Module) -> Literal["conv", "dense"]:
-    """'conv' for convolutional layers (1-, 2- or 3-D), 'dense' for fully connected ones (prior settings are per
-    kind)."""
-    weight = getattr(layer, "weight_mu", getattr(layer, "weight", None))
-    return "conv" if weight is not None and weight.dim() >= 3 else "dense"
