@@ -73,7 +73,7 @@ def overrides(method: str, rounds: int) -> dict[str, Any]:
 
 
 def config(method: str, rounds: int, extra: dict[str, Any] | None = None) -> Any:
-    from dturbo.config import load_config
+    from dturbo.settings import load_config
 
     return load_config(preset=METHODS[method], overrides=overrides(method, rounds) | (extra or {}))
 
@@ -128,8 +128,8 @@ def _rows(out: Path) -> list[dict[str, str]]:
 
 
 def stage_runs(args: argparse.Namespace, attacks: bool = True) -> dict[str, Any]:
-    from dturbo.config import load_config
     from dturbo.data import load_dataset
+    from dturbo.settings import load_config
 
     warnings.simplefilter("ignore")
     base = load_config(preset="quick", overrides=overrides("dturbo", args.rounds))
@@ -233,7 +233,7 @@ print(json.dumps({{"case": case, "maxrss_kb": resource.getrusage(resource.RUSAGE
 
 SERVER_CASE = r'''
 from pathlib import Path
-from dturbo.config import load_config
+from dturbo.settings import load_config
 from dturbo.sim import Simulator
 from dturbo.codec import encode_message
 from dturbo.transport import InProcessClients

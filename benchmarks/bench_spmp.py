@@ -4,9 +4,8 @@
    and the default max_iter / tol: median over repeats of the time for the whole set. §8 asks this to cost
    far less than one client's local training; the project's target is < 0.1 s on a 2-core CPU.
 2. One 40 x 84 grid, ``dturbo.algorithms.dturbo.spmp.grid_bp`` against ``sumproduct`` 0.0.7, the package the paper
-   authors'
-   demo used (``pip install sumproduct==0.0.7``, extra ``bench``): the same MRF (a variable per node, a unary
-   factor per node, a pairwise factor per edge), the same number of flooding iterations, run once (it is slow).
+   authors' demo used (``pip install sumproduct==0.0.7``, extra ``bench``): the same MRF (a variable per node, a
+   unary factor per node, a pairwise factor per edge), the same number of flooding iterations, run once (it is slow).
 
 Usage (from the repository root): .venv/bin/python benchmarks/bench_spmp.py [--repeats 20] [--skip-sumproduct]
 Writes benchmarks/results/spmp.json and prints a table.

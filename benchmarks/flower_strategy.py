@@ -64,8 +64,8 @@ def federation() -> Any:
     if "fed" not in _FEDERATION:
         import torch
 
-        from dturbo.config import load_config
         from dturbo.federation import build_federation
+        from dturbo.settings import load_config
 
         torch.set_num_threads(1)
         _FEDERATION["cfg"] = cfg = load_config(preset=PRESET, overrides=OVERRIDES)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from dturbo import codec  # noqa: E402
 from dturbo.algorithms.registry import build_algorithm  # noqa: E402
 from dturbo.coding.values import decode_symbols, encode_symbols  # noqa: E402
-from dturbo.config import parse_config  # noqa: E402
 from dturbo.federation import build_federation  # noqa: E402
+from dturbo.settings import parse_config  # noqa: E402
 from dturbo.testing import mutate  # noqa: E402
 
 LIMIT = 5000

@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from dturbo.algorithms.registry import ALGORITHMS  # noqa: E402
-from dturbo.config import Config, ConfigError, parse_config  # noqa: E402
+from dturbo.config import Config, ConfigError  # noqa: E402
+from dturbo.settings import parse_config  # noqa: E402
 
 # Keys that name or locate a run without changing what it computes: left out of the cache key.
 NEUTRAL_KEYS = (("experiment", "name"), ("data", "path"))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from harness import read_csv, say  # noqa: E402
 
-from dturbo.config import load_config  # noqa: E402
+from dturbo.settings import load_config  # noqa: E402
 
 RESULTS = HERE / "results"
 GOAL = {"points": 1.0, "bits_ratio": 0.3}

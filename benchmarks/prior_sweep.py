@@ -39,11 +39,11 @@ sys.path.insert(0, str(ROOT / "src"))
 from _runs import run_or_reuse  # noqa: E402
 from harness import RECORDED  # noqa: E402
 
-from dturbo.config import load_config  # noqa: E402
 from dturbo.data import load_dataset  # noqa: E402
 from dturbo.export import export_run, load, save  # noqa: E402
 from dturbo.kernels import time_call  # noqa: E402
 from dturbo.report import read_metrics  # noqa: E402
+from dturbo.settings import load_config  # noqa: E402
 
 STRONG = {"p01": 0.05, "p11": 0.9}
 # The transition probabilities each setting sets for both layer kinds.

@@ -118,7 +118,7 @@ def run_dir_fingerprint(out: Path) -> dict[str, str]:
 
 def simulator_run(name: str, cfg_dict: dict[str, Any], tmp: Path, net: type[nn.Module] | None = None
                   ) -> dict[str, str]:
-    from dturbo.config import load_config
+    from dturbo import load_config
     from dturbo.data import dataset_from_arrays
     from dturbo.federation import build_federation
     from dturbo.sim import Simulator
@@ -143,7 +143,7 @@ def strategy_run(algorithm: str, net: type[nn.Module]) -> dict[str, str]:
 
     import dturbo
     import dturbo.flower as dflower
-    from dturbo.config import load_config
+    from dturbo import load_config
     from dturbo.data import dataset_from_arrays
     from dturbo.federation import build_federation
     from dturbo.flower import client as client_module

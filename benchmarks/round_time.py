@@ -29,8 +29,8 @@ sys.path.insert(0, str(HERE))
 import harness as h  # noqa: E402
 
 from dturbo.algorithms.registry import build_algorithm  # noqa: E402
-from dturbo.config import parse_config  # noqa: E402
 from dturbo.federation import build_federation  # noqa: E402
+from dturbo.settings import parse_config  # noqa: E402
 
 RESULTS = HERE / "results"
 DEFAULT_SETTINGS = ("dturbo_joint_half_t25", "fedavg16_lr2e-3_cos")

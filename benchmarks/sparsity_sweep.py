@@ -30,8 +30,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from harness import RECORDED  # noqa: E402
 
-from dturbo.config import load_config  # noqa: E402
 from dturbo.report import read_metrics  # noqa: E402
+from dturbo.settings import load_config  # noqa: E402
 from dturbo.sim import Simulator  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from dturbo.config import parse_config
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 # Wall-time columns of metrics.csv: the only ones two equal runs may differ in.

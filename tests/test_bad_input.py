@@ -22,10 +22,11 @@ from dturbo.algorithms.dturbo.checks import LocalStepsWarning, local_steps_warni
 from dturbo.algorithms.dturbo.sparsity import density_schedule
 from dturbo.checkpoint import STATE_FILE, CheckpointError, CheckpointWarning, load_checkpoint, save_checkpoint
 from dturbo.cli import app
-from dturbo.config import ConfigError, load_config, parse_config
+from dturbo.config import ConfigError
 from dturbo.data import DataError, DataWarning, load_dataset
 from dturbo.federation import build_federation
 from dturbo.nn.models import ModelInputError, build_model, check_input_shape
+from dturbo.settings import load_config, parse_config
 from dturbo.sim import ScheduleWarning, Simulator
 
 

@@ -17,10 +17,10 @@ from dturbo.algorithms.dturbo.messages import decode_prior_std, encode_prior_std
 from dturbo.algorithms.fedpaq import qsgd_decode, qsgd_encode
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.codec import decode_quantized, encode_dense, encode_message, encode_quantized, payload_bits
-from dturbo.config import parse_config
 from dturbo.data import load_dataset
 from dturbo.federation import build_federation
 from dturbo.ledger import LEDGER_COLUMNS
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

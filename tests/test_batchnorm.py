@@ -15,7 +15,7 @@ from dturbo.algorithms.dturbo import layer_infos
 from dturbo.algorithms.dturbo.layers import followed_by_batchnorm
 from dturbo.algorithms.statistics import Statistics, _kind
 from dturbo.codec import decode_message, encode_dense, encode_message
-from dturbo.config import parse_config
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 from dturbo.transport import InProcessClients
 

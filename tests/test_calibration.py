@@ -10,8 +10,8 @@ from scipy.special import expit
 
 import dturbo.algorithms.dturbo as dt
 from dturbo.algorithms.dturbo import turbo
-from dturbo.config import parse_config
 from dturbo.nn.models import build_model, weight_uses
+from dturbo.settings import parse_config
 
 
 def _server(model: str = "mlp", input_shape=(12,), classes: int = 4, hidden=(10,), **sparsity) -> dt.DturboServer:

@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dturbo.cli import app
-from dturbo.config import ConfigError, load_config, parse_config
+from dturbo.config import ConfigError
+from dturbo.settings import load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

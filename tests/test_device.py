@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 from dturbo.algorithms.base import ClientData
 from dturbo.algorithms.local import train_local
 from dturbo.cli import app
-from dturbo.config import ConfigError, TrainConfig, parse_config
+from dturbo.config import ConfigError, TrainConfig
 from dturbo.device import resolve_device
 from dturbo.nn.models import build_model
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 has_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU on this machine")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from dturbo.config import Config, load_config
+import dturbo
+from dturbo.settings import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "configs" / "fmnist_quick.toml"
@@ -31,9 +32,10 @@ def documented_keys(text: str) -> dict[str, set[str]]:
     return keys
 
 
-def config_fields(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, set[str]]:
+def config_fields(model: type[BaseModel] | None = None, prefix: str = "") -> dict[str, set[str]]:
     """Every field of every section model under ``model``, by dotted section name (sub-sections recursively)."""
     out: dict[str, set[str]] = {prefix: set()} if prefix else {}
+    model = model or dturbo.Config
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
@@ -73,7 +75,7 @@ def test_quick_config_commented_keys_are_only_comments():
     data = tomllib.loads(QUICK.read_text())
     cfg = load_config(QUICK)
     assert "faults" not in data and "fedavg" not in data and "hidden" not in data["model"]
-    assert cfg.model.hidden == Config().model.hidden and cfg.faults == Config().faults
+    assert cfg.model.hidden == dturbo.Config().model.hidden and cfg.faults == dturbo.Config().faults
 
 
 # ------------------------------------------------------------------ citations

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from dturbo.config import Config
+import dturbo
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -50,9 +50,10 @@ def counted_words(text: str) -> int:
     return len(_GENERATED.sub(" ", text).split())
 
 
-def config_fields(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, set[str]]:
+def config_fields(model: type[BaseModel] | None = None, prefix: str = "") -> dict[str, set[str]]:
     """Every key of every config section, by dotted section name (sub-sections recursively)."""
     out: dict[str, set[str]] = {}
+    model = model or dturbo.Config
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):

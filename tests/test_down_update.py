@@ -19,8 +19,8 @@ from dturbo.algorithms.dturbo import DturboClient
 from dturbo.algorithms.dturbo.config import TransmissionConfig
 from dturbo.algorithms.dturbo.messages import DownLayer, DturboDownlink
 from dturbo.algorithms.registry import build_algorithm
-from dturbo.config import parse_config
 from dturbo.federation import build_federation
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 BITS = 4

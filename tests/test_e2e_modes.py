@@ -14,8 +14,8 @@ from scipy.special import expit
 from dturbo.algorithms.dturbo.turbo import support, support_evidence
 from dturbo.checkpoint import load_checkpoint
 from dturbo.codec import decode_message, decode_values
-from dturbo.config import parse_config
 from dturbo.nn.bayes import bayesian_layers
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 LAYERS = ("dense1", "dense2")

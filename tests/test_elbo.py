@@ -16,7 +16,7 @@ from torch.distributions import Bernoulli, Gamma, kl_divergence
 
 from dturbo.algorithms.dturbo.sparsity import density_schedule
 from dturbo.algorithms.dturbo.turbo import support, support_evidence
-from dturbo.config import parse_config
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 

@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+import dturbo
 from dturbo import export as ex
 from dturbo.cli import app
-from dturbo.config import Config
 from dturbo.kernels import CONV_KERNELS, KERNELS, PanelLinear, column_runs, direct_supported, make_linear
 from dturbo.nn.bayes import BayesianLayer
 from dturbo.nn.models import build_model
@@ -71,7 +71,7 @@ def alexnet_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
 def write_run(root: Path, model_name: str, state: dict[str, torch.Tensor], *,
               input_norm: dict | None = FMNIST_NORM, **model_kw: object) -> Path:
     """A run directory as `dturbo run` leaves it: config.toml + model.safetensors."""
-    cfg = Config()
+    cfg = dturbo.Config()
     cfg.model.name = model_name
     for k, v in model_kw.items():
         setattr(cfg.model, k, v)

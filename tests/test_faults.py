@@ -11,8 +11,8 @@ from run_helpers import cut_and_resume, rows_of
 
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.checkpoint import load_checkpoint
-from dturbo.config import parse_config
 from dturbo.faults import CORRUPTIONS, corrupt, draw_faults
+from dturbo.settings import parse_config
 from dturbo.sim import PoisonedStateError, Simulator, TooFewClientsError, check_finite
 
 

@@ -22,8 +22,8 @@ from dturbo.algorithms.feddst import (
 )
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.codec import encode_support_delta, encode_values
-from dturbo.config import parse_config
 from dturbo.federation import build_federation
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 TIMING = {"seconds", "server_seconds"}

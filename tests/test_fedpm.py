@@ -30,8 +30,9 @@ from dturbo.coding.masks import (
     encode_mask_payload,
     mask_cost_bits,
 )
-from dturbo.config import ConfigError, parse_config
+from dturbo.config import ConfigError
 from dturbo.federation import build_federation
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 

@@ -31,11 +31,11 @@ from run_helpers import rows_of  # noqa: E402
 
 from dturbo.algorithms.base import ClientAlgorithm, ClientError  # noqa: E402
 from dturbo.checkpoint import load_checkpoint  # noqa: E402
-from dturbo.config import load_config  # noqa: E402
 from dturbo.flower import client_app as client_module  # noqa: E402
 from dturbo.flower import wire  # noqa: E402
 from dturbo.flower.inprocess import InProcessGrid, run_inprocess  # noqa: E402
 from dturbo.flower.server_app import server_settings  # noqa: E402
+from dturbo.settings import load_config  # noqa: E402
 from dturbo.sim import CLIENT_STATE_PREFIX, Simulator, TooFewClientsError  # noqa: E402
 from dturbo.transport import ClientLost  # noqa: E402
 

@@ -34,7 +34,7 @@ from test_flower import (  # noqa: E402
     write_config,
 )
 
-from dturbo.config import load_config  # noqa: E402
+from dturbo.settings import load_config  # noqa: E402
 from dturbo.sim import Simulator  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,10 +20,10 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents  # noqa: E402
 from run_helpers import rows_of  # noqa: E402
 
-from dturbo.config import load_config  # noqa: E402
 from dturbo.flower import client_app as client_module  # noqa: E402
 from dturbo.flower import wire  # noqa: E402
 from dturbo.flower.inprocess import InProcessGrid, run_inprocess  # noqa: E402
+from dturbo.settings import load_config  # noqa: E402
 from dturbo.sim import Simulator  # noqa: E402
 
 CLIENTS, ROUNDS = 3, 3

@@ -25,7 +25,7 @@ from flwr.serverapp import ServerApp  # noqa: E402
 import dturbo  # noqa: E402
 import dturbo.flower as dflower  # noqa: E402
 from dturbo.algorithms.base import ClientData  # noqa: E402
-from dturbo.config import ConfigError, load_config  # noqa: E402
+from dturbo.config import ConfigError  # noqa: E402
 from dturbo.data import dataset_from_arrays  # noqa: E402
 from dturbo.federation import Federation, build_federation  # noqa: E402
 from dturbo.flower import client as client_module  # noqa: E402
@@ -33,6 +33,7 @@ from dturbo.flower import protocol, wire  # noqa: E402
 from dturbo.flower.inprocess import InProcessGrid  # noqa: E402
 from dturbo.nn.bayes import bayesian_layers  # noqa: E402
 from dturbo.nn.convert import user_model_factory  # noqa: E402
+from dturbo.settings import load_config  # noqa: E402
 from dturbo.sim import Simulator, evaluate  # noqa: E402
 
 CLIENTS = 3

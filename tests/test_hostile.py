@@ -19,9 +19,10 @@ from dturbo.algorithms.registry import build_algorithm
 from dturbo.algorithms.robust import Bulyan, Krum, Median, RobustAggregation, TrimmedMean, krum_scores
 from dturbo.attacks import ATTACKS, RoundView, hostile_clients
 from dturbo.codec import decode_dense, decode_quantized, encode_grid, encode_quantized, encode_ternary, encode_values
-from dturbo.config import RobustConfig, parse_config
+from dturbo.config import RobustConfig
 from dturbo.federation import build_federation
 from dturbo.ledger import Traffic
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 from dturbo.transport import ClientLost, InProcessClients
 

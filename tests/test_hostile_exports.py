@@ -21,8 +21,8 @@ from dturbo.nn.models import build_model
 
 def _export(tmp_path: Path) -> Path:
     """An honest export of a seeded LeNet-5 (built-in format)."""
-    from dturbo.config import load_config
     from dturbo.rundir import RunDir
+    from dturbo.settings import load_config
 
     run = tmp_path / "run"
     run.mkdir()

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from dturbo.checkpoint import STATE_FILE, CheckpointError, CheckpointWarning, load_checkpoint, save_checkpoint
 from dturbo.cli import app
-from dturbo.config import ConfigError, parse_config
+from dturbo.config import ConfigError
 from dturbo.rundir import RunDir, RunDirError, RunDirLocked
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 

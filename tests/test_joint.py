@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from run_helpers import load_benchmark
 
-from dturbo.config import parse_config
+from dturbo.settings import parse_config
 
 CAMPAIGN = """
 [protocol]
@@ -272,7 +272,7 @@ note = "n"
     s = h.Settings(results=tmp_path / "results", runs_root=tmp_path / "runs", data_path=str(toy))
     job = h.plan(h.Job(camp, camp.candidates[0], 0, s))
     assert job.status == "todo"
-    from dturbo.config import parse_config
+    from dturbo.settings import parse_config
     from dturbo.sim import Simulator
 
     Simulator(parse_config(job.tree), tmp_path / "ran").run()

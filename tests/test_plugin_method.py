@@ -32,8 +32,9 @@ from dturbo.algorithms.base import (
 )
 from dturbo.algorithms.registry import model_factory
 from dturbo.codec import CodecError, decode_dense, decode_quantized, encode_dense, encode_quantized
-from dturbo.config import Config, ConfigError, load_config
+from dturbo.config import Config, ConfigError
 from dturbo.protocol import ClientAlgorithm, ClientData, MessageError, Rejection, RoundResult, ServerAlgorithm, State
+from dturbo.settings import load_config
 
 DOWN, UP = "signs/down", "signs/up"
 
@@ -174,7 +175,7 @@ def test_its_section_is_a_config_section_while_registered(signs):
 
 
 def test_unregistered_it_is_gone():
-    assert "signs" not in ALGORITHMS and "signs" not in Config.model_fields
+    assert "signs" not in ALGORITHMS and "signs" not in dturbo.Config.model_fields
     with pytest.raises(ConfigError, match="unknown key"):
         load_config({"signs": {"step": 0.5}})
     with pytest.raises(ConfigError, match="Input should be 'dturbo', .* or 'feddst'"):

@@ -22,8 +22,8 @@ from dturbo.codec import (
     encode_support_delta,
     payload_bits,
 )
-from dturbo.config import parse_config
 from dturbo.federation import build_federation
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 # the columns allowed to differ between a "full" and a "delta" run: the downlink's bits and the times

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from dturbo import presets
 from dturbo.cli import app
-from dturbo.config import ConfigError, load_config
+from dturbo.config import ConfigError
+from dturbo.settings import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

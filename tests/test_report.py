@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.cli import app
-from dturbo.config import load_config, parse_config
 from dturbo.data import load_dataset
 from dturbo.federation import build_federation
 from dturbo.nn.bayes import bayesian_layers
@@ -33,6 +32,7 @@ from dturbo.report import (
     read_metrics,
     summarize,
 )
+from dturbo.settings import load_config, parse_config
 from dturbo.sim import Simulator
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,9 +22,9 @@ from dturbo.algorithms.dturbo.messages import UP_KIND
 from dturbo.algorithms.dturbo.spmp import Transitions, grid_bp
 from dturbo.algorithms.local import LocalResult
 from dturbo.codec import decode_grid, decode_message, decode_values, encode_dense, encode_values
-from dturbo.config import parse_config
 from dturbo.nn.bayes import bayesian_layers
 from dturbo.nn.models import build_model
+from dturbo.settings import parse_config
 
 DENSE_MRF = {"p01_row": 0.3, "p11_row": 0.48, "p01_col": 0.3, "p11_col": 0.48}  # config defaults, dense layers
 R = 20.0  # active / inactive prior variance ratio used here (scale-matched prior, docs/algorithm.md §2)

@@ -14,9 +14,9 @@ from safetensors.numpy import load_file
 from dturbo.algorithms.dturbo.sparsity import density_schedule
 from dturbo.algorithms.dturbo.turbo import support
 from dturbo.checkpoint import CheckpointError, load_checkpoint
-from dturbo.config import parse_config
 from dturbo.data import load_dataset
 from dturbo.federation import build_federation
+from dturbo.settings import parse_config
 from dturbo.sim import BASE_COLUMNS, Simulator
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -318,15 +318,17 @@ def test_sigma_modes_run_and_keep_their_shape(tmp_path, sigma_mode):
 def test_the_registry_offers_exactly_the_configurable_algorithms() -> None:
     """algorithms/registry.py is where the runner looks a configured name up; the config accepts exactly its names
     and holds one section per method, each the spec's. dturbo.sim.ALGORITHMS is the same table."""
+    import dturbo
     from dturbo import sim
     from dturbo.algorithms.registry import ALGORITHMS
-    from dturbo.config import Config, ConfigError, parse_config
+    from dturbo.config import ConfigError
     from dturbo.protocol import ClientAlgorithm, ServerAlgorithm
+    from dturbo.settings import parse_config
 
     assert sim.ALGORITHMS is ALGORITHMS
     assert list(ALGORITHMS) == ["dturbo", "fedavg", "fedpaq", "dssm", "fedpm", "stc", "feddst"]
     for name, spec in ALGORITHMS.items():
-        assert spec.name == name and Config.model_fields[name].annotation is spec.section
+        assert spec.name == name and dturbo.Config.model_fields[name].annotation is spec.section
         assert issubclass(spec.server, ServerAlgorithm) and issubclass(spec.client, ClientAlgorithm)  # type: ignore
         assert parse_config({"experiment": {"algorithm": name}}).experiment.algorithm == name
     with pytest.raises(ConfigError, match="Input should be 'dturbo', 'fedavg', .* or 'feddst'"):

@@ -17,7 +17,8 @@ from dturbo.algorithms.dturbo.checks import schedule_warning
 from dturbo.algorithms.dturbo.config import SparsityConfig
 from dturbo.algorithms.dturbo.sparsity import density_schedule, local_steps_a_round, pruning_schedule
 from dturbo.algorithms.local import num_local_steps
-from dturbo.config import ConfigError, TrainConfig, load_config, parse_config
+from dturbo.config import ConfigError, TrainConfig
+from dturbo.settings import load_config, parse_config
 from dturbo.sim import ScheduleWarning
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,9 +33,10 @@ from dturbo.codec import (
     encode_ternary,
     payload_bits,
 )
-from dturbo.config import ConfigError, parse_config
+from dturbo.config import ConfigError
 from dturbo.federation import build_federation
 from dturbo.ledger import LEDGER_COLUMNS
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 TIMING = {"seconds", "server_seconds"}

@@ -14,8 +14,9 @@ from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.dturbo import rebuilt_prior_std
 from dturbo.algorithms.dturbo.turbo import support, support_evidence
 from dturbo.codec import CodecError, decode_support, encode_grid, encode_support, payload_bits
-from dturbo.config import ConfigError, parse_config
+from dturbo.config import ConfigError
 from dturbo.quantize import decode_stochastic, dequantize, encode_stochastic, quantize
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 

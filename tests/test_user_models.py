@@ -20,11 +20,11 @@ from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.dturbo.sparsity import SETTLED_SHORTFALL
 from dturbo.algorithms.plain import PlainState
 from dturbo.checkpoint import CheckpointError
-from dturbo.config import load_config
 from dturbo.nn import BayesConv2d, BayesianizeError, BayesLinear, UnsupportedLayerError, bayesian_layers
 from dturbo.nn.convert import user_model_factory
 from dturbo.nn.models import ModelOutputError
 from dturbo.nn.shapes import grid_shape
+from dturbo.settings import load_config
 from dturbo.testing import Residual
 
 TIMING = {"seconds", "server_seconds"}

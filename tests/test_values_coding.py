@@ -13,8 +13,9 @@ import pytest
 from dturbo.algorithms.dturbo.config import TransmissionConfig
 from dturbo.codec import CodecError, encode_quantized, payload_bits
 from dturbo.coding.values import MAX_CODED_LEVELS, decode_symbols, encode_symbols
-from dturbo.config import ConfigError, parse_config
+from dturbo.config import ConfigError
 from dturbo.quantize import decode_stochastic, encode_stochastic
+from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
 

@@ -14,8 +14,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, load_config
+from .config import ConfigError
 from .rundir import RunDir, RunDirLocked
+from .settings import load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="D-Turbo-VBI: Bayesian federated model compression.")
 config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Show configurations.")
@@ -25,7 +26,7 @@ console = Console(stderr=True)
 
 def _version(value: bool) -> None:
     if value:
-        from . import __version__
+        from ._version import __version__
 
         print(f"dturbo {__version__}")
         raise typer.Exit()

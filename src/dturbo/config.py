@@ -1,12 +1,13 @@
-"""Experiment configuration: TOML in, validated pydantic models out.
+"""Experiment configuration: the sections every run reads, and how TOML and ``--set`` overrides become them.
 
-Every section forbids unknown keys, and every error names the offending key (``section.key``) and
-what is expected, so a typo never silently falls back to a default.
+This module knows no method. The full configuration class, these sections and one section per registered method,
+is composed by the registry (:func:`dturbo.algorithms.registry.config_class`), and :mod:`dturbo.settings` reads a
+file, a mapping or a preset into it. Every section forbids unknown keys, and every error names the offending key
+(``section.key``) and what is expected, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -16,8 +17,6 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
 
 Probability = float
 # how quantised values are written (dturbo.coding.values): fixed-length, or range-coded (lossless, fewer bits)
@@ -49,16 +48,6 @@ class ExperimentConfig(_Section):
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description=(
         "where clients train and the global model is evaluated (the server's closed forms and Module B stay on "
         "the CPU); auto: cuda when torch sees a GPU, else cpu"))
-
-    @field_validator("algorithm", mode="before")
-    @classmethod
-    def _registered(cls, v: Any) -> Any:
-        names = list(_methods())
-        if v not in names:
-            quoted = [repr(n) for n in names]
-            expected = " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
-            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
-        return v
 
 
 class DataConfig(_Section):
@@ -194,33 +183,9 @@ class TrainConfig(_Section):
 
 
 class Config(_Section):
-    """The whole configuration: the sections every run reads, and one section per registered method
-    (:func:`dturbo.algorithms.register` adds it; the default method's right after ``[train]``, the others after
-    ``[robust]``)."""
-
-    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    federation: FederationConfig = Field(default_factory=FederationConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    faults: FaultsConfig = Field(default_factory=FaultsConfig)
-    robust: RobustConfig = Field(default_factory=RobustConfig)
-
-    def __init__(self, /, **data: Any) -> None:
-        _methods()
-        super().__init__(**data)
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> Config:
-        _methods()
-        return super().model_validate(obj, **kwargs)
-
-    @model_validator(mode="after")
-    def _algorithm_lr(self) -> Config:
-        # Filled, not derived on use: config.json then records the rate a run trained with.
-        if self.train.lr is None:
-            self.train.lr = _methods()[self.experiment.algorithm].default_lr
-        return self
+    """The base of the whole configuration: the class :func:`dturbo.algorithms.registry.config_class` composes
+    from :data:`CORE_SECTIONS` and every registered method's section subclasses it (its fields are those sections;
+    this base declares none)."""
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)
@@ -229,60 +194,18 @@ class Config(_Section):
         return tomli_w.dumps(self.to_dict())
 
 
-_CORE_SECTIONS = tuple(Config.__pydantic_fields__)
+# The sections every run reads, in the order of a config file; the default method's section follows [train]
+# (AFTER_DEFAULT_METHOD), the other methods' the last of these.
+CORE_SECTIONS: dict[str, type[Section]] = {
+    "experiment": ExperimentConfig, "data": DataConfig, "federation": FederationConfig, "model": ModelConfig,
+    "train": TrainConfig, "faults": FaultsConfig, "robust": RobustConfig,
+}
+AFTER_DEFAULT_METHOD = "train"
 
 
-def _methods() -> dict[str, Any]:
-    """The registered methods by name (:data:`dturbo.algorithms.ALGORITHMS`), the built-in ones registered on first
-    use: the registry imports the methods (and torch), which ``import dturbo`` leaves for when a config is read."""
-    from .algorithms.registry import ALGORITHMS
-
-    return ALGORITHMS
-
-
-class _Fields:
-    """``Config.model_fields``: Config's keys include the registered methods' sections, so listing them loads the
-    registry first."""
-
-    def __get__(self, instance: object, owner: type[Config]) -> dict[str, FieldInfo]:
-        _methods()
-        return owner.__pydantic_fields__
-
-
-type.__setattr__(Config, "model_fields", _Fields())
-
-
-def set_method_sections(sections: Mapping[str, type[BaseModel]], default: str) -> None:
-    """Make ``sections`` (each registered method's, by name, in registration order) Config's method sections:
-    ``default``'s (the default method's) right after ``[train]``, the others after the sections every run reads.
-    The registry calls it whenever a method is registered or removed."""
-    core = {k: v for k, v in Config.__pydantic_fields__.items() if k in _CORE_SECTIONS}
-    fields: dict[str, FieldInfo] = {}
-    for name, info in core.items():
-        fields[name] = info
-        if name == "train" and default in sections:
-            fields[default] = FieldInfo(annotation=sections[default], default_factory=sections[default])
-    for name, section in sections.items():
-        if name not in fields:
-            fields[name] = FieldInfo(annotation=section, default_factory=section)
-    Config.__pydantic_fields__ = fields
-    Config.model_rebuild(force=True)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DEFAULT_LR":  # the learning rate of an unset [train] lr, by method
-        return {n: spec.default_lr for n, spec in _methods().items()}
-    if name.endswith("Config") and name.isidentifier() and not name.startswith("_"):
-        # a method's section class, importable from here as from its module (dturbo.config.StcConfig)
-        for spec in _methods().values():
-            if spec.section.__name__ == name:
-                return spec.section
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _known_keys(parts: list[str]) -> list[str]:
+def _known_keys(schema: type[Config], parts: list[str]) -> list[str]:
     """The keys of the section that ``parts`` (a key's path) names, or of the top level."""
-    model: Any = Config
+    model: Any = schema
     for p in parts:
         ann = model.model_fields[p].annotation if p in getattr(model, "model_fields", {}) else None
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
@@ -291,11 +214,11 @@ def _known_keys(parts: list[str]) -> list[str]:
     return list(model.model_fields)
 
 
-def _unknown_key(key: str) -> str:
+def _unknown_key(schema: type[Config], key: str) -> str:
     import difflib
 
     parts = key.split(".")
-    known = _known_keys(parts[:-1])
+    known = _known_keys(schema, parts[:-1])
     # a key typed short (``target`` for ``target_density``) first, then the nearest by spelling
     close = [k for k in known if k.startswith(parts[-1])][:1] or difflib.get_close_matches(parts[-1], known, n=1,
                                                                                             cutoff=0.6)
@@ -304,27 +227,21 @@ def _unknown_key(key: str) -> str:
             f"value")
 
 
-def _format_error(err: ValidationError) -> str:
+def format_error(schema: type[Config], err: ValidationError) -> str:
+    """A ValidationError of ``schema`` as ConfigError's text: one line per key, a close key for an unknown one."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(_unknown_key(key))
+            lines.append(_unknown_key(schema, key))
         else:
             lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def parse_config(data: dict[str, Any]) -> Config:
-    try:
-        return Config.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
-
-
-def _declared_type(parts: list[str]) -> Any:
+def _declared_type(schema: type[Config], parts: list[str]) -> Any:
     """The annotation of config key ``parts`` (``["experiment", "rounds"]``), or None for an unknown key."""
-    model: Any = Config
+    model: Any = schema
     ann: Any = None
     for p in parts:
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or p not in model.model_fields:
@@ -341,7 +258,7 @@ def _is_text(ann: Any) -> bool:
                               for a in args)
 
 
-def parse_override_value(key: str, raw: str) -> Any:
+def parse_override_value(schema: type[Config], key: str, raw: str) -> Any:
     """The typed value of ``--set key=raw``: text for a key declared as text (``data.path=/x``,
     ``experiment.name=true``), else TOML (``rounds=20`` an int, ``lr=0.1`` a float, ``hidden=[64, 32]`` a list,
     ``layer_targets={conv1 = 0.3}`` a table); a value that is not TOML stays text and is refused by validation
@@ -351,7 +268,7 @@ def parse_override_value(key: str, raw: str) -> Any:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
-    if _is_text(_declared_type(key.strip().split("."))) and not isinstance(value, str):
+    if _is_text(_declared_type(schema, key.strip().split("."))) and not isinstance(value, str):
         return raw  # a name or path that happens to read as TOML (true, 2024, 1e3)
     return value
 
@@ -369,7 +286,8 @@ def _set_key(data: dict[str, Any], key: str, value: Any, item: str) -> None:
     node[parts[-1]] = value
 
 
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
+def apply_overrides(schema: type[Config], data: dict[str, Any], overrides: Sequence[str] | Mapping[str, Any]
+                    ) -> dict[str, Any]:
     """Apply overrides to a raw config mapping: ``section.key=value`` strings, as ``--set`` gives them (value
     typed by :func:`parse_override_value`), or a mapping of dotted keys to values (a string value is typed
     the same way, so ``{"experiment.rounds": "20"}`` equals ``--set experiment.rounds=20``; other values are
@@ -380,7 +298,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str] | Mapping[str
                 raise ConfigError(f"override key {key!r} must be a dotted key such as 'experiment.rounds'")
             if isinstance(value, os.PathLike):
                 value = os.fspath(value)  # {"data.path": Path(...)}
-            typed = parse_override_value(key, value) if isinstance(value, str) else value
+            typed = parse_override_value(schema, key, value) if isinstance(value, str) else value
             _set_key(data, key, typed, f"{key}={value!r}")
         return data
     if isinstance(overrides, str | bytes):
@@ -390,37 +308,11 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str] | Mapping[str
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        _set_key(data, key, parse_override_value(key, raw), item)
+        _set_key(data, key, parse_override_value(schema, key, raw), item)
     return data
 
 
-def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
-                overrides: Sequence[str] | Mapping[str, Any] | None = None, *, preset: str | None = None) -> Config:
-    """A validated :class:`Config` from a TOML file (a path), a mapping shaped like the TOML, a Config, or a preset
-    shipped with dturbo (``preset="recommended"``, :mod:`dturbo.presets`), with ``overrides`` applied
-    (:func:`apply_overrides`: ``["experiment.rounds=3"]`` as ``--set`` takes them, or ``{"experiment.rounds": 3}``).
-    The source is not modified. Raises :class:`ConfigError` naming the key."""
-    if (source is None) == (preset is None):
-        raise ConfigError("give a config (a TOML file, a dict or a dturbo.Config) or a preset name, one of the two")
-    if preset is not None:
-        from . import presets
-
-        try:
-            return parse_config(apply_overrides(presets.read(preset), overrides or []))
-        except presets.PresetError as err:
-            raise ConfigError(str(err)) from None
-    if isinstance(source, Config):
-        data = source.to_dict()
-    elif isinstance(source, Mapping):
-        data = copy.deepcopy(dict(source))
-    elif isinstance(source, str | os.PathLike):
-        data = _read_toml(Path(source))
-    else:
-        raise ConfigError(f"a config is a TOML file path, a dict or a dturbo.Config, not {type(source).__name__}")
-    return parse_config(apply_overrides(data, overrides or []))
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
     try:
         raw = path.read_bytes()
     except OSError as err:

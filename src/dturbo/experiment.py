@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from .algorithms.plain import DenseStateWarning
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError
 from .data import DataError, Dataset, dataset_from_arrays
 from .data.readers import NPZ_KEYS
 from .device import resolve_device
 from .nn.convert import ModelSource, user_model_factory
 from .nn.models import check_input_shape
 from .rundir import RunDir
+from .settings import load_config
 from .sim import ModelFactory, Simulator, round_summary
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike[str]

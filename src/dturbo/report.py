@@ -280,7 +280,7 @@ def method_label(cfg: object) -> str:
 
 def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, repeats: int = 5) -> RunSummary:
     """Read one run directory (config.toml, metrics.csv; model.safetensors for the inference time)."""
-    from .config import load_config
+    from .settings import load_config
 
     run_dir = Path(run_dir)
     run = RunDir(run_dir)

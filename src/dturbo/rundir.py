@@ -28,7 +28,8 @@ from .checkpoint import (
     run_counters,
     save_checkpoint,
 )
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError
+from .settings import load_config
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,42 +1,44 @@
 """The registry of federated methods: ``experiment.algorithm`` -> :class:`~dturbo.protocol.AlgorithmSpec`, the one
-list of methods the runners, the config and the command line read; and how a configuration becomes a method's two
+list of methods the runners, the config and the command line read; the full configuration class composed from the
+sections every run reads and each method's (:func:`config_class`); and how a configuration becomes a method's two
 halves on its model.
 
 Every method is written against :mod:`dturbo.protocol`; the runner (:mod:`dturbo.sim`) and the Flower apps build
 theirs with :func:`build_algorithm`. A new method is a module defining its halves, its config section and its
-``AlgorithmSpec``, and one :func:`register` call: its section then appears in :class:`dturbo.config.Config`.
+``AlgorithmSpec``, and one :func:`register` call: its section then appears in :func:`config_class`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import torch
+from pydantic import Field, create_model, model_validator
 from torch import nn
 
-from .. import config as _config
-from ..config import Config, ConfigError
+from ..config import AFTER_DEFAULT_METHOD, CORE_SECTIONS, Config, ConfigError, ExperimentConfig, Section
 from ..data import Dataset
 from ..nn import models
 from ..protocol import AlgorithmSpec, ClientAlgorithm, ModelFactory, ServerAlgorithm
 
-__all__ = ["ALGORITHMS", "AlgorithmSpec", "ModelFactory", "build_algorithm", "model_factory", "register",
-           "unregister"]
+__all__ = ["ALGORITHMS", "AlgorithmSpec", "ModelFactory", "build_algorithm", "config_class", "model_factory",
+           "model_options", "register", "unregister"]
 
 # The registered methods by name, in registration order (the order of their config sections).
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
 # The method of a config that names none (``experiment.algorithm``'s default).
-DEFAULT_ALGORITHM = _config.ExperimentConfig.model_fields["algorithm"].default
+DEFAULT_ALGORITHM = ExperimentConfig.model_fields["algorithm"].default
+_composed: list[type[Config]] = []  # the class config_class() returns, made again when the methods change
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
     """Add a method: ``experiment.algorithm = spec.name`` runs it, and ``[spec.name]`` (its section) joins the
     config. A name taken by a method or by a section every run reads is refused (ValueError)."""
-    if spec.name in ALGORITHMS or spec.name in _config.Config.__pydantic_fields__:
+    if spec.name in ALGORITHMS or spec.name in CORE_SECTIONS:
         raise ValueError(f"algorithm {spec.name!r}: the name is taken (a registered method or a config section)")
     ALGORITHMS[spec.name] = spec
-    _sync_config()
+    _composed.clear()
     return spec
 
 
@@ -45,12 +47,52 @@ def unregister(name: str) -> AlgorithmSpec:
     if name not in ALGORITHMS:
         raise KeyError(f"no registered algorithm {name!r}")
     spec = ALGORITHMS.pop(name)
-    _sync_config()
+    _composed.clear()
     return spec
 
 
-def _sync_config() -> None:
-    _config.set_method_sections({name: spec.section for name, spec in ALGORITHMS.items()}, DEFAULT_ALGORITHM)
+class _MethodsConfig(Config):
+    @model_validator(mode="after")
+    def _algorithm_lr(self) -> _MethodsConfig:
+        # Filled, not derived on use: config.json then records the rate a run trained with.
+        train, experiment = self.train, self.experiment
+        if train.lr is None:
+            train.lr = ALGORITHMS[experiment.algorithm].default_lr
+        return self
+
+
+def config_class() -> type[Config]:
+    """The whole configuration (:class:`dturbo.Config`): the sections every run reads
+    (:data:`dturbo.config.CORE_SECTIONS`), the default method's section after ``[train]`` and the other registered
+    methods' after those, in registration order; ``experiment.algorithm`` one of the registered methods. Composed
+    once per set of registered methods: every class it returns subclasses :class:`dturbo.config.Config`."""
+    if not _composed:
+        names = tuple(ALGORITHMS)
+        default = ExperimentConfig.model_fields["algorithm"]
+        experiment = create_model(
+            "ExperimentConfig", __base__=ExperimentConfig, __module__=ExperimentConfig.__module__,
+            algorithm=(Literal[names], Field(default.default, description=default.description)))  # type: ignore[valid-type]
+        fields: dict[str, Any] = {}
+        for name, section in {**CORE_SECTIONS, "experiment": experiment}.items():
+            fields[name] = _field(section)
+            if name == AFTER_DEFAULT_METHOD and DEFAULT_ALGORITHM in ALGORITHMS:
+                fields[DEFAULT_ALGORITHM] = _field(ALGORITHMS[DEFAULT_ALGORITHM].section)
+        for name, spec in ALGORITHMS.items():
+            fields.setdefault(name, _field(spec.section))
+        _composed.append(create_model("Config", __base__=_MethodsConfig, __module__="dturbo", __doc__=(
+            "The whole configuration: the sections every run reads and one section per registered method "
+            "(dturbo.algorithms.registry.config_class)."), **fields))
+    return _composed[0]
+
+
+def _field(section: type[Section]) -> tuple[type[Section], Any]:
+    return section, Field(default_factory=section)
+
+
+def model_options(cfg: Config) -> dict[str, Any]:
+    """The keyword arguments the configured method builds its model with (``AlgorithmSpec.model_options``:
+    D-Turbo-VBI's ``sigma_mode`` and ``sigma_init_ratio``), for :func:`dturbo.bayesianize` and the built-in models."""
+    return _spec(cfg).model_options(cfg)
 
 
 def model_factory(cfg: Config, input_shape: Sequence[int], num_classes: int) -> ModelFactory:
@@ -62,7 +104,7 @@ def model_factory(cfg: Config, input_shape: Sequence[int], num_classes: int) -> 
         raise ConfigError("config key 'model.name': 'custom' stands for a model given to dturbo.Experiment(model=...) "
                           "in Python; it cannot be built from the config (dturbo run, Flower): name a built-in model")
     shape = tuple(int(d) for d in input_shape)
-    options = _spec(cfg).model_options(cfg)
+    options = model_options(cfg)
 
     def make() -> nn.Module:
         return models.build_model(cfg.model.name, shape, num_classes, hidden=cfg.model.hidden, width=cfg.model.width,

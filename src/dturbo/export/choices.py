@@ -51,7 +51,7 @@ def _cpu_name() -> str:
 def key(spec: dict[str, Any], tensors: dict[str, torch.Tensor], batch_size: int) -> str:
     """The circumstances the choices hold for: this machine (processor, cores, torch and its threads), the batch
     size, and the model (its spec, and each tensor's shape and nonzeros, which the sparse kernels' speed follows)."""
-    from .. import __version__
+    from .._version import __version__
 
     model = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode())
     for name in sorted(tensors):

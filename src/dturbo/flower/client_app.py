@@ -36,7 +36,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from ..config import Config, parse_config
+from ..config import Config
+from ..settings import parse_config
 from . import wire
 
 if TYPE_CHECKING:

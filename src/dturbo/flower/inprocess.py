@@ -153,7 +153,7 @@ def run_inprocess(config: str | Path, out: str | Path, *, resume: bool = False, 
                   server_app: ServerApp | None = None, run_config: dict[str, Any] | None = None) -> InProcessGrid:
     """Run the ServerApp over an :class:`InProcessGrid` (one node per client of the configuration, running
     the ClientApp) into the run directory ``out``; returns the grid."""
-    from ..config import load_config
+    from ..settings import load_config
     from .client_app import app as client_app
     from .server_app import app as default_server_app
 

@@ -36,10 +36,11 @@ from typing import Any
 from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
-from ..config import Config, parse_config
+from ..config import Config
 from ..nn.bayes import bayesian_layers
 from ..nn.models import layer_scale
 from ..nn.shapes import grid_shape
+from ..settings import parse_config
 from . import wire
 
 QUERY = "query.dturbo"
@@ -57,11 +58,11 @@ def algorithms() -> tuple[str, ...]:
 
 
 def settings_text(cfg: Config) -> str:
-    """``cfg`` as TOML holding only the keys whose values differ from ``Config()``'s (the train messages carry it
+    """``cfg`` as TOML holding only the keys whose values differ from the defaults' (the train messages carry it
     whole every round, so it is kept short); :func:`parse_settings` gives ``cfg`` back."""
     import tomli_w
 
-    return tomli_w.dumps(_diff(cfg.to_dict(), Config().to_dict()))
+    return tomli_w.dumps(_diff(cfg.to_dict(), type(cfg)().to_dict()))
 
 
 def _diff(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,8 @@ from flwr.app import DEFAULT_TTL, ConfigRecord, Context, Message, MessageType, R
 from flwr.serverapp import Grid, ServerApp
 
 from ..algorithms.base import ClientError
-from ..config import Config, load_config
+from ..config import Config
+from ..settings import load_config
 from ..sim import Simulator
 from ..transport import ClientLost, Downlinks, Reply
 from . import wire

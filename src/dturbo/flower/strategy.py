@@ -60,8 +60,9 @@ from torch import nn
 
 from ..algorithms.base import MessageError, ServerAlgorithm, State
 from ..algorithms.statistics import Statistics, calibrate
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError
 from ..ledger import Traffic
+from ..settings import load_config
 from . import protocol, wire
 from .client import bayesian_model
 

@@ -1,0 +1,3 @@
+"""The package version (pyproject.toml says the same)."""
+
+__version__ = "0.2.0"
