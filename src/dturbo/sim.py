@@ -1,12 +1,12 @@
 """The federated runner: one linear loop of rounds over a transport, into a run directory.
 
-Shaped like Flower's ``Strategy.start``: each round the server algorithm selects clients and makes the downlink,
-the transport (:mod:`dturbo.transport`) carries it to the clients and brings their uplinks back, the server
-aggregates, the runner evaluates the global model and the run directory (:class:`dturbo.rundir.RunDir`) records
-the round. Nothing about an algorithm lives here (:mod:`dturbo.protocol`), nor how bytes travel: in process
-(:class:`~dturbo.transport.InProcessClients`, the default) or over Flower (:mod:`dturbo.flower`), with injected
-faults (:mod:`dturbo.faults`) wrapped around either. Bits are 8 x the bytes of the messages really exchanged
-(:mod:`dturbo.ledger`).
+Shaped like Flower's ``Strategy.start``: each round (:func:`dturbo.rounds.fit_round`, the round every runner runs)
+the server algorithm selects clients and makes the downlink, the transport (:mod:`dturbo.transport`) carries it to
+the clients and brings their uplinks back, the server aggregates, the runner evaluates the global model and the run
+directory (:class:`dturbo.rundir.RunDir`) records the round. Nothing about an algorithm lives here
+(:mod:`dturbo.protocol`), nor how bytes travel: in process (:class:`~dturbo.transport.InProcessClients`, the
+default) or over Flower (:mod:`dturbo.flower`), with injected faults (:mod:`dturbo.faults`) wrapped around either.
+Bits are 8 x the bytes of the messages really exchanged (:mod:`dturbo.ledger`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .algorithms.base import ClientError, MessageError, RoundResult
 from .algorithms.registry import ALGORITHMS, ModelFactory, build_algorithm
 from .algorithms.statistics import Statistics, calibrate
 from .checkpoint import CheckpointError, config_fingerprint, data_fingerprint
-from .codec import CodecError
 from .config import Config
 from .data import Dataset
 from .device import CPU, resolve_device
-from .faults import CORRUPTIONS, Corrupted, corrupt, draw_faults, with_faults
+from .faults import CORRUPTIONS, corrupt, draw_faults, with_faults
 from .federation import Federation, build_federation
 from .ledger import LEDGER_COLUMNS, Traffic
 from .protocol import ScheduleWarning
+from .rounds import PoisonedStateError, Round, TooFewClientsError, check_finite, fit_round
 from .rundir import RunDir, RunDirError
-from .transport import ClientLate, ClientLost, InProcessClients, Reply, Transport
+from .transport import ClientLost, Downlinks, InProcessClients, Reply, Transport
 
 # The runner's names, importable from here (tests, users' scripts).
 __all__ = [
@@ -51,7 +49,6 @@ BASE_COLUMNS = ["round", "accuracy", "loss", "density", "up_bits", "down_bits", 
 # arrays go into the same atomic checkpoint file as the server state, under this prefix, and back through
 # ``import_state(arrays)`` on --resume, so that a resumed run is identical to an uninterrupted one.
 CLIENT_STATE_PREFIX = "clients/"
-_COUNTS = ("clients_failed", "clients_dropped", "clients_late", "clients_corrupted")
 
 
 @torch.no_grad()
@@ -82,47 +79,6 @@ def round_summary(row: dict[str, Any]) -> str:
     """A metrics row in one line, as progress shows it: accuracy, density and the bits so far."""
     return (f"acc {float(row['accuracy']):.4f}  density {float(row['density']):.3f}  "
             f"bits {format_bits(float(row['cum_bits']))}")
-
-
-@dataclass
-class Attempt:
-    """What one attempt at a round gathered: the uplinks to aggregate, who sent each, the client counts and the
-    events (one line each in events.log)."""
-
-    participants: int
-    uplinks: list[bytes] = field(default_factory=list)
-    senders: list[int] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
-    events: list[str] = field(default_factory=list)
-
-    def take(self, cid: int, reply: Reply) -> None:
-        """Sort one client's reply: an uplink to aggregate, or a count and an event saying why not."""
-        if isinstance(reply, ClientLost):
-            self.counts["clients_dropped"] += 1
-            self.events.append(f"client {cid}: did not answer ({reply})")
-        elif isinstance(reply, ClientLate):
-            self.counts["clients_late"] += 1
-            self.events.append(f"client {cid}: answered after the deadline ({reply}), ignored")
-        elif isinstance(reply, ClientError):
-            self.counts["clients_failed"] += 1
-            self.events.append(f"client {cid}: {reply}")
-        else:
-            if isinstance(reply, Corrupted):
-                self.counts["clients_corrupted"] += 1
-            self.uplinks.append(reply)
-            self.senders.append(cid)
-
-
-@dataclass
-class Round:
-    """A completed round: the server's result, the bits of every attempt, the attempt that completed it, how many
-    attempts before it were run again, and the events of all of them."""
-
-    result: RoundResult
-    traffic: Traffic
-    attempt: Attempt
-    retries: int
-    events: list[str]
 
 
 class Simulator:
@@ -182,7 +138,6 @@ class Simulator:
             outcome = self.fit_round(state, rnd)
             result, traffic = outcome.result, outcome.traffic
             state = result.state
-            check_finite(state, rnd + 1)
             last = rnd == cfg.experiment.rounds - 1
             if (rnd + 1) % cfg.experiment.eval_every == 0 or last:
                 state = self.calibrate(state, rnd + 1, traffic, outcome.events)
@@ -217,48 +172,22 @@ class Simulator:
         return rows
 
     def fit_round(self, state: dict[str, Any], rnd: int) -> Round:
-        """One round: select, send the downlink, gather the uplinks, aggregate; run again
-        (``federation.on_too_few = "retry"``) while fewer than ``min_clients`` updates are valid. Raises
+        """One round (:func:`dturbo.rounds.fit_round`): select, send the downlink, gather the uplinks, aggregate;
+        run again (``federation.on_too_few = "retry"``) while fewer than ``min_clients`` updates are valid. Raises
         TooFewClientsError when the round cannot be completed; nothing saved is touched."""
-        fed = self.cfg.federation
-        traffic = Traffic(self.server.layouts, self.server.max_uplink_bytes)
-        events: list[str] = []
-        for retries in range(fed.max_retries + 1):
-            participants = self.server.select_clients(rnd)
-            try:
-                downlinks = self.server.downlinks(state, rnd, participants)
-            except CodecError as err:
-                raise PoisonedStateError(
-                    f"round {rnd + 1}: the server state of round {rnd} cannot be sent ({err}); its checkpoint cannot "
-                    f"be continued with --resume: start again into a fresh --out") from None
-            attempt = Attempt(len(participants))
-            for cid, reply in self.transport(downlinks, rnd).items():
-                attempt.take(cid, reply)
-            events += attempt.events
-            traffic.add(list(downlinks.values()), attempt.uplinks)
-            try:
-                result = self.server.aggregate(state, attempt.uplinks, rnd, attempt.senders)
-            except MessageError as err:  # not a single valid update
-                result, valid, why = None, 0, f": {err}"
-            else:
-                valid, why = int(result.metrics["clients_ok"]), ""
-                for rejection in result.rejected:  # which upload: its position among the senders'
-                    events.append(f"client {attempt.senders[rejection.uplink]}: upload rejected: {rejection.reason}")
-                    why = f"; the last refusal: {rejection.reason}"
-            if result is not None and valid >= fed.min_clients:
-                return Round(result, traffic, attempt, retries, events)
-            events.append(f"attempt {retries + 1}: {valid} valid client updates, fewer than federation.min_clients = "
-                          f"{fed.min_clients}{why}")
-            if fed.on_too_few == "stop":
-                break
-        self.run_dir.append_events(rnd + 1, events)
-        then = (f"the checkpoint of round {rnd} is intact: fix the cause and continue with --resume" if rnd else
-                f"no round was saved, so there is nothing to --resume: fix the cause, delete {self.out} and run "
-                f"again, or run into another --out")
-        raise TooFewClientsError(
-            f"round {rnd + 1}: fewer than federation.min_clients = {fed.min_clients} valid client updates after "
-            f"{retries + 1} attempt(s) (see {self.run_dir.events_path}); {then}"
-        )
+
+        def send(downlinks: Downlinks) -> tuple[list[bytes], dict[int, Reply]]:
+            return list(downlinks.values()), self.transport(downlinks, rnd)
+
+        try:
+            return fit_round(self.server, state, rnd, self.cfg.federation, send)
+        except TooFewClientsError as err:
+            self.run_dir.append_events(rnd + 1, err.events)
+            then = (f"the checkpoint of round {rnd} is intact: fix the cause and continue with --resume" if rnd else
+                    f"no round was saved, so there is nothing to --resume: fix the cause, delete {self.out} and run "
+                    f"again, or run into another --out")
+            raise TooFewClientsError(f"{err} (see {self.run_dir.events_path}); {then}", err.events,
+                                     err.attempts) from None
 
     def calibrate(self, state: dict[str, Any], next_round: int, traffic: Traffic, events: list[str]
                   ) -> dict[str, Any]:
@@ -336,23 +265,6 @@ class Simulator:
             except ValueError as err:
                 raise CheckpointError(f"checkpoint in {self.run_dir.checkpoint_dir}: {err}; left untouched") from None
         return {k: v for k, v in state.items() if not k.startswith(CLIENT_STATE_PREFIX)}
-
-
-class TooFewClientsError(RuntimeError):
-    """A round could not gather ``federation.min_clients`` valid client updates."""
-
-
-class PoisonedStateError(RuntimeError):
-    """The server state took a NaN or Inf; the run stops before it can be checkpointed."""
-
-
-def check_finite(state: dict[str, Any], round_no: int) -> None:
-    """Refuse to go on (and to checkpoint) with a NaN / Inf anywhere in the server state."""
-    bad = [k for k, v in state.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v))]
-    if bad:
-        kept = f"round {round_no - 1}'s is intact" if round_no > 1 else "no round was saved yet"
-        raise PoisonedStateError(f"round {round_no}: the server state holds NaN/Inf in {', '.join(bad[:5])}; "
-                                 f"stopping before the checkpoint is written ({kept})")
 
 
 def _fmt(v: float) -> float | str:
