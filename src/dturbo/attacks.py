@@ -6,8 +6,9 @@ function of the round and the client, so a run with attackers is reproducible an
 The attacks, one small class each: ``values`` (every value +-65504, float16's largest), ``overflow`` (every value
 +-3e38 in float32), ``sign_flip`` (values times -4, sigma times 4: inside the bounds), ``samples`` (n_t = every
 sample of the federation), ``loss`` (a NaN, Inf or -1e300 training loss), ``copy`` (another client's upload of the
-round sent as its own), ``spoof`` (its own upload under another client's id). A value attack on FedPM, whose upload
-is a mask, sends the mask inverted.
+round sent as its own), ``spoof`` (its own upload under another client's id). A value attack on a field only its
+method reads (FedPM's mask) sends it negated (:meth:`dturbo.protocol.ServerAlgorithm.negated_payload`: FedPM's mask
+inverted).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from .codec import (
     encode_ternary,
     encode_values,
 )
-from .coding.masks import decode_mask_payload, encode_mask_payload
 from .coding.values import decode_symbols, encode_symbols
 from .config import Config
 
@@ -61,11 +61,6 @@ class RoundView:
 
     def layout(self, kind: str, name: str) -> str | None:
         return self.server.layouts.get(kind, {}).get(name.rsplit(".", 1)[-1])
-
-    def mask_probs(self, name: str) -> np.ndarray:
-        """The keep probabilities FedPM's downlink gave layer ``name``'s mask (the coder's model)."""
-        probs = self.server.messages.decode_downlink(self.downlink).probs
-        return probs[[info.name for info in self.server.layers].index(name.rsplit(".", 1)[0])]
 
 
 class Attack:
@@ -117,10 +112,8 @@ class ValueAttack(Attack):
             idx, negative, mu, n = decode_ternary(payload)
             return encode_ternary(idx, self.negate(negative), float(self.values(np.array([mu]), True)[0]), n,
                                   self._dtype(payload[0] & 3))
-        if layout == "mask":
-            probs = ctx.mask_probs(name)
-            bits = decode_mask_payload(payload, probs, probs.size)
-            return encode_mask_payload(1 - bits, probs, ctx.cfg.fedpm.upload_model)
+        if layout == "mask":  # a layout only its method reads (FedPM's coded mask): the method negates it
+            return ctx.server.negated_payload(name, payload, ctx.downlink) or payload
         return payload
 
     def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:

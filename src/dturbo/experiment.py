@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .algorithms.plain import DenseStateWarning
+from .algorithms.registry import model_options
 from .config import Config, ConfigError
 from .data import DataError, Dataset, dataset_from_arrays
 from .data.readers import NPZ_KEYS
@@ -211,9 +212,7 @@ class Experiment:
     def _model_factory(self, dataset: Dataset | None) -> ModelFactory:
         """The factory of ``model`` for the run on ``dataset`` (its sample shape recorded on the model)."""
         assert self.model is not None
-        d = self.config.dturbo
-        return user_model_factory(self.model, sigma_mode=d.sigma_mode, sigma_init_ratio=d.sigma_init_ratio,
-                                  seed=self.config.experiment.seed,
+        return user_model_factory(self.model, **model_options(self.config), seed=self.config.experiment.seed,
                                   input_shape=dataset.input_shape if dataset is not None else ())
 
     def _on_round(self) -> Callable[[dict[str, Any]], None] | None:

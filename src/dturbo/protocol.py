@@ -116,6 +116,12 @@ class ServerAlgorithm:
         broadcast; a method whose broadcast builds on what clients hold overrides it."""
         return self.downlink(state, round_idx)
 
+    def negated_payload(self, name: str, payload: bytes, downlink: bytes) -> bytes | None:
+        """The payload of upload field ``name`` with its meaning negated, as a sign-flipping attacker writes it
+        (:mod:`dturbo.attacks`), for a layout only the method reads (FedPM's range-coded mask, whose coder's model
+        is the client's ``downlink``); None: the method has no such field."""
+        return None
+
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
                   ) -> RoundResult:
         """The round's result from its uploads; ``senders``: the client each upload came from (the one the runner
@@ -139,6 +145,9 @@ class ClientAlgorithm:
     keeps_state: ClassVar[bool] = False
     cfg: Config
     device: torch.device  # where local work runs
+    # The client's working copy of the network (built from the model factory): after fit, the model it trained
+    # (a Flower node hands its weights to the user's model); its ``input_shape`` is the samples' shape.
+    model: nn.Module
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:
         """Client ``client_id``'s upload of the round ``downlink`` opens, trained on ``data``."""

@@ -282,6 +282,17 @@ class FedPmServer(ServerBase[FedPmUplink]):
     def bits(self) -> int:
         return self.cfg.fedpm.down_bits
 
+    def negated_payload(self, name: str, payload: bytes, downlink: bytes) -> bytes | None:
+        """An upload's mask of field ``name`` inverted, coded again with the keep probabilities of the client's
+        ``downlink`` (its coder's model)."""
+        layer, suffix = name.rsplit(".", 1)
+        if suffix != "mask":
+            return None
+        probs = self.messages.decode_downlink(downlink).probs
+        p = probs[[info.name for info in self.layers].index(layer)]
+        bits = decode_mask_payload(payload, p, p.size)
+        return encode_mask_payload(1 - bits, p, self.cfg.fedpm.upload_model)
+
     def _eval_masks(self, probs: dict[str, np.ndarray], rounds_done: int) -> dict[str, np.ndarray]:
         """The global model's mask per layer after ``rounds_done`` rounds (module docstring, Evaluation)."""
         if self.cfg.fedpm.eval_mask == "threshold":

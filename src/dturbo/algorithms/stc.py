@@ -73,7 +73,7 @@ from ..codec import decode_dense, decode_ternary, encode_dense, encode_ternary
 from ..config import Config, ConfigError, Probability, Section
 from ..device import resolve_device
 from ..nn.bayes import bayesian_layers
-from ..protocol import AlgorithmSpec, ClientAlgorithm
+from ..protocol import NO_CLIENT, AlgorithmSpec, ClientAlgorithm
 from .base import (
     ClientData,
     ClientError,
@@ -451,8 +451,9 @@ class StcClient(ClientAlgorithm):
 
     # ------------------------------------------------------------- downlink
     def global_weights(self, downlink: bytes, client_id: int) -> tuple[int, np.ndarray]:
-        """(round, the global model as a float32 flat vector) from a downlink and the model copy; ClientError when
-        the copy is missing or does not match (never trains from wrong weights)."""
+        """(round, the global model as a float32 flat vector) from a downlink and the model copy, which it becomes
+        (for a node that holds nothing, ``NO_CLIENT``: the copy stays as it is); ClientError when the copy is
+        missing or does not match (never trains from wrong weights)."""
         msg = self.messages.decode_downlink(downlink)
         round_idx, mode, digest = msg.round_idx, msg.mode, msg.digest
         have = self._model
@@ -473,7 +474,8 @@ class StcClient(ClientAlgorithm):
         if model_digest(theta) != digest:
             raise ClientError(f"client {client_id}: the model rebuilt from the downlink of round {round_idx} does "
                               f"not match the server's (digest): refusing to train from wrong weights")
-        self._model = _ModelCopy(round_idx, digest, theta)
+        if client_id != NO_CLIENT:  # an evaluation's global model is not the round this client trains from
+            self._model = _ModelCopy(round_idx, digest, theta)
         return round_idx, theta
 
     def _residual_entering(self, client_id: int, round_idx: int) -> np.ndarray:

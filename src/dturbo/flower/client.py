@@ -62,6 +62,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 from ..algorithms.base import ClientAlgorithm, ClientData, ClientError, MessageError
+from ..algorithms.registry import model_options
 from ..algorithms.statistics import answer, is_request
 from ..codec import CodecError
 from ..config import Config
@@ -139,24 +140,27 @@ def _as_client_data(x: Any, y: Any) -> ClientData:
 
 # --------------------------------------------------------------------------------------------- the client
 def bayesian_model(model: nn.Module, cfg: Config) -> nn.Module:
-    """``model`` with Bayesian layers: made so in place when it has none (the configuration's sigma settings);
-    ValueError when its layers' sigma does not have the configuration's ``sigma_mode``."""
+    """``model`` with Bayesian layers: made so in place when it has none, with the method's model options
+    (:func:`dturbo.algorithms.registry.model_options`: D-Turbo-VBI's sigma settings); ValueError when its layers'
+    sigma is not kept as those options say."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    options = model_options(cfg)
     if not bayesian_layers(model):
-        model = bayesianize(model, sigma_mode=cfg.dturbo.sigma_mode, sigma_init_ratio=cfg.dturbo.sigma_init_ratio)
-    check_sigma_mode(model, cfg)
+        model = bayesianize(model, **options)
+    check_sigma_mode(model, options.get("sigma_mode", "layer"))
     return model
 
 
-def check_sigma_mode(model: nn.Module, cfg: Config) -> None:
-    """ValueError when the model's Bayesian layers keep sigma otherwise than ``[dturbo] sigma_mode`` says."""
-    want = "weight" if cfg.dturbo.sigma_mode == "weight" else "layer"
+def check_sigma_mode(model: nn.Module, sigma_mode: str) -> None:
+    """ValueError when the model's Bayesian layers keep sigma otherwise than ``sigma_mode`` (the method's model
+    option, ``[dturbo] sigma_mode``) says."""
+    want = "weight" if sigma_mode == "weight" else "layer"
     wrong = [name for name, layer in bayesian_layers(model) if layer.sigma_mode != want]
     if wrong:
         raise ValueError(f"layers {', '.join(wrong)} keep sigma per {'layer' if want == 'weight' else 'weight'}, "
-                         f"but dturbo.sigma_mode = {cfg.dturbo.sigma_mode!r}: bayesianize the model with "
-                         f"sigma_mode={cfg.dturbo.sigma_mode!r}")
+                         f"but dturbo.sigma_mode = {sigma_mode!r}: bayesianize the model with "
+                         f"sigma_mode={sigma_mode!r}")
 
 
 def _architecture(model: nn.Module) -> str:
@@ -216,9 +220,8 @@ def fit(msg: Message, context: Context, model: nn.Module, data: DataSource) -> M
         failure = ConfigRecord({"client": cid, "round": rnd, "reason": str(err)})
         return Message(RecordDict({wire.FAILURE: failure}), reply_to=msg)
     save_state(_state_runtime(rt), context, cid, rnd)
-    trained = getattr(rt.client, "model", None)
-    if isinstance(trained, nn.Module) and not calibration:
-        bayesian_model(model, rt.cfg).load_state_dict(trained.state_dict())
+    if not calibration:  # the user's model holds the locally trained weights
+        bayesian_model(model, rt.cfg).load_state_dict(rt.client.model.state_dict())
     reply = RecordDict({
         wire.UP: wire.bytes_record(up),
         protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: len(local)}),
@@ -258,9 +261,8 @@ def count_samples(msg: Message, context: Context, data: DataSource) -> Message:
 def _input_shape(rt: Runtime, data: ClientData) -> None:
     """Record one sample's shape on the client's model when it records none (``sparsity.budget = "flops"`` counts
     the multiply-adds on it)."""
-    model = getattr(rt.client, "model", None)
-    if isinstance(model, nn.Module) and getattr(model, "input_shape", None) is None:
-        model.input_shape = tuple(int(d) for d in data.x.shape[1:])
+    if getattr(rt.client.model, "input_shape", None) is None:
+        rt.client.model.input_shape = tuple(int(d) for d in data.x.shape[1:])
 
 
 # ------------------------------------------------------------------------------------ the global model

@@ -36,7 +36,6 @@ from typing import Any
 from flwr.app import DEFAULT_TTL, ConfigRecord, Context, Message, MessageType, RecordDict, UserConfig
 from flwr.serverapp import Grid, ServerApp
 
-from ..algorithms.base import ClientError
 from ..config import Config
 from ..settings import load_config
 from ..sim import Simulator
@@ -177,22 +176,10 @@ class FlowerTransport:
         return out
 
     def _answer(self, reply: Message, cid: int, rnd: int) -> Reply:
-        if reply.has_error():
-            err = reply.error
-            if err.code in wire.LOST_CODES:
-                self.node_of.pop(cid, None)  # rediscovered when it comes back
-                return ClientLost(f"Flower error {err.code}: {err.reason}")
-            return ClientError(f"ClientApp failed (Flower error {err.code}): {err.reason}")
-        content = reply.content
-        if wire.FAILURE in content.config_records:
-            return ClientError(str(content.config_records[wire.FAILURE]["reason"]))
-        try:
-            task = wire.task_record(content)
-            if int(task["client"]) != cid or int(task["round"]) != rnd:
-                raise wire.WireError(f"reply is for client {task['client']}, round {task['round']}")
-            return wire.record_bytes(content, wire.UP)
-        except (wire.WireError, KeyError, TypeError, ValueError) as err:
-            return ClientError(f"malformed reply: {err}")
+        answer = wire.reply_upload(reply, cid, rnd)
+        if isinstance(answer, ClientLost):
+            self.node_of.pop(cid, None)  # rediscovered when it comes back
+        return answer
 
 
 def server_settings(run_config: UserConfig) -> dict[str, Any]:

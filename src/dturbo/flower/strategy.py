@@ -58,11 +58,13 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from torch import nn
 
-from ..algorithms.base import MessageError, ServerAlgorithm, State
+from .. import rounds
+from ..algorithms.base import ServerAlgorithm, State
 from ..algorithms.statistics import Statistics, calibrate
 from ..config import Config, ConfigError
 from ..ledger import Traffic
 from ..settings import load_config
+from ..transport import Reply
 from . import protocol, wire
 from .client import bayesian_model
 
@@ -77,9 +79,8 @@ class _Pending:
     """What one round's :meth:`DturboStrategy.configure_train` sent, for its :meth:`aggregate_train`."""
 
     server_round: int
-    participants: list[int]  # the selected client ids
-    sent: list[tuple[Message, int]]  # (message, client id)
-    downlinks: list[bytes]  # the bytes of the messages sent, in that order
+    downlinks: dict[int, bytes]  # every selected client's downlink, in the order of the selection
+    sent: list[tuple[Message, int]]  # (message, client id) of those that left
 
 
 @dataclass
@@ -234,7 +235,7 @@ class DturboStrategy(Strategy):
         """Fix the federation (the connected nodes, their client ids and n), the configuration and the server's
         initial state (:meth:`start` calls it; call it yourself to drive the rounds by hand)."""
         nodes = self._wait_for_nodes(grid)
-        node_of, total = self._connect(grid, nodes)
+        node_of, total, samples = self._connect(grid, nodes)
         cfg = self.config_for(num_rounds, len(node_of))
         from ..algorithms.registry import ALGORITHMS
 
@@ -245,6 +246,8 @@ class DturboStrategy(Strategy):
 
         spec = ALGORITHMS[self.algorithm]
         server = spec.server(cfg, factory, total)
+        if samples:  # the n_t an upload may claim: its sender's own count (algorithms.bounds)
+            server.partitions = [samples[cid] for cid in range(len(node_of))]
         # The nodes' sample counts are unknown here: the warnings that need them stay silent.
         for warning in spec.run_warnings(cfg, SimpleNamespace(total_samples=total, clients=None)):
             log.warning("dturbo: %s", warning)
@@ -261,10 +264,11 @@ class DturboStrategy(Strategy):
             time.sleep(1)
         return sorted(nodes)
 
-    def _connect(self, grid: Grid, nodes: list[int]) -> tuple[dict[int, int], int]:
-        """(client id -> node id, n): from ``total_samples`` and the node order, or from the nodes' answers."""
+    def _connect(self, grid: Grid, nodes: list[int]) -> tuple[dict[int, int], int, dict[int, int]]:
+        """(client id -> node id, n, client id -> its n_t): from ``total_samples`` and the node order (no n_t), or
+        from the nodes' answers."""
         if self.total_samples is not None:
-            return dict(enumerate(nodes)), self.total_samples
+            return dict(enumerate(nodes)), self.total_samples, {}
         msgs = [Message(RecordDict({wire.TASK: ConfigRecord({"algorithm": self.algorithm})}), dst_node_id=node,
                         message_type=protocol.QUERY) for node in nodes]
         counts: dict[int, int] = {}
@@ -299,7 +303,7 @@ class DturboStrategy(Strategy):
             node_of = dict(enumerate(answered))
             log.info("dturbo: the nodes' partition-ids are not 0..%d; client ids follow the node ids' order",
                      len(answered) - 1)
-        return node_of, sum(counts.values())
+        return node_of, sum(counts.values()), {cid: counts[node] for cid, node in node_of.items()}
 
     def _need_session(self) -> _Session:
         if self.session is None:
@@ -337,19 +341,40 @@ class DturboStrategy(Strategy):
         if self.fraction_train == 0.0:
             return []
         rnd = server_round - 1
-        participants = run.server.select_clients(rnd)
-        online = set(grid.get_node_ids())
-        downlinks = run.server.downlinks(run.state, rnd, participants)
+        downlinks = rounds.first_downlinks(run.server, run.state, rnd)
         config["server-round"] = server_round
-        sent: list[tuple[Message, int]] = []
-        for cid in participants:
-            node = run.node_of[cid]
-            if node not in online:
-                continue  # counted as dropped by aggregate_train
-            sent.append((self._train_message(rnd, cid, downlinks[cid], config), cid))
-        run.pending = _Pending(server_round, participants, sent, [downlinks[cid] for _, cid in sent])
-        log.info("configure_train: %d clients selected (out of %d)", len(participants), len(run.node_of))
+        sent = self._train_messages(rnd, downlinks, config, grid)
+        run.pending = _Pending(server_round, downlinks, sent)
+        log.info("configure_train: %d clients selected (out of %d)", len(downlinks), len(run.node_of))
         return [m for m, _ in sent]
+
+    def _train_messages(self, rnd: int, downlinks: Mapping[int, bytes], config: ConfigRecord, grid: Grid
+                        ) -> list[tuple[Message, int]]:
+        """A train message to each client of ``downlinks`` whose node is connected (the others count as dropped),
+        with its client id."""
+        online = set(grid.get_node_ids())
+        node_of = self._need_session().node_of
+        return [(self._train_message(rnd, cid, down, config), cid) for cid, down in downlinks.items()
+                if node_of[cid] in online]
+
+    def _matched(self, sent: list[tuple[Message, int]], replies: Iterable[Message]) -> dict[int, Message]:
+        """Each client's reply to ``sent``, matched by the message it answers, else by its node, in client id
+        order; a client answered twice keeps its first answer, a reply to no message sent is left out."""
+        by_message = {m.metadata.message_id: cid for m, cid in sent if m.metadata.message_id}
+        sent_to = {cid for _, cid in sent}
+        client_of = self._need_session().client_of
+        out: dict[int, Message] = {}
+        for reply in replies:
+            cid = by_message.get(reply.metadata.reply_to_message_id, client_of.get(reply.metadata.src_node_id))
+            if cid is None or cid not in sent_to or cid in out:
+                log.info("\t> a reply from node %s that answers no message sent; ignored", reply.metadata.src_node_id)
+                continue
+            out[cid] = reply
+        return dict(sorted(out.items()))
+
+    def _replies(self, rnd: int, sent: list[tuple[Message, int]], replies: Iterable[Message]) -> dict[int, Reply]:
+        """Each client's reply to ``sent`` (:meth:`_matched`) as the runner's reply: its upload, or why none."""
+        return {cid: wire.reply_upload(reply, cid, rnd) for cid, reply in self._matched(sent, replies).items()}
 
     def _train_message(self, rnd: int, cid: int, down: bytes, config: ConfigRecord) -> Message:
         """The train message to client ``cid`` of round ``rnd`` (0-based) carrying ``down``."""
@@ -360,69 +385,61 @@ class DturboStrategy(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode the uploads (in client id order, as the runner sums them), run the algorithm's server step, and
-        return the new global model's state_dict with the round's metrics (None arrays when no upload is valid)."""
-        from ..sim import check_finite
-
+        """The runner's round (:func:`dturbo.rounds.fit_round`) on the replies: each selected client's upload
+        checked against its sender and partition and booked within the size bound, the algorithm's server step,
+        again with fresh train messages while fewer than ``federation.min_clients`` uploads are valid
+        (``on_too_few = "retry"``); the new global model's state_dict with the round's metrics. Raises
+        :class:`dturbo.rounds.TooFewClientsError` when the round cannot be completed."""
         run = self._need_session()
         pending = run.pending
         if pending is None or pending.server_round != server_round:
             return None, None
+        rnd = server_round - 1
         replies = list(replies)
-        client_of = run.client_of
-        by_message = {m.metadata.message_id: cid for m, cid in pending.sent if m.metadata.message_id}
-        uploads: dict[int, tuple[bytes, Message]] = {}
-        counts = {"clients_failed": 0, "clients_dropped": 0}
-        answered: set[int] = set()
-        for reply in replies:
-            cid = by_message.get(reply.metadata.reply_to_message_id, client_of.get(reply.metadata.src_node_id))
-            if cid is not None:
-                answered.add(cid)
-            outcome = self._upload(reply, cid, server_round - 1)
-            if isinstance(outcome, bytes) and cid is not None:
-                uploads[cid] = (outcome, reply)
-            else:
-                counts["clients_dropped" if outcome == "lost" else "clients_failed"] += 1
-                log.info("\t> client %s: %s", cid, outcome if isinstance(outcome, str) else "no client id")
-        sent_ids = {cid for _, cid in pending.sent}
-        counts["clients_dropped"] += len(set(pending.participants) - (answered & sent_ids))
-        order = sorted(uploads)
-        uplinks = [uploads[cid][0] for cid in order]
-        traffic = Traffic(run.server.layouts)
-        traffic.add(pending.downlinks, uplinks)
-        metrics: dict[str, float] = {"participants": float(len(pending.participants)), **counts}
-        log.info("aggregate_train: received %d uploads and %d failures", len(uplinks),
-                 counts["clients_failed"] + counts["clients_dropped"])
-        arrays = None
-        if uplinks:
-            try:
-                result = run.server.aggregate(run.state, uplinks, server_round - 1)
-            except MessageError as err:
-                log.warning("round %d: no valid upload (%s); the global model stays", server_round, err)
-            else:
-                check_finite(result.state, server_round)
-                run.state = result.state
-                for rejection in result.rejected:
-                    log.warning("client %d: upload rejected: %s", order[rejection.uplink], rejection.reason)
-                metrics |= result.metrics
-                if run.statistics is not None and self._evaluated(server_round):
-                    run.state = self._calibrate(server_round, traffic)
-                    metrics["calibration_bits"] = traffic.calibration_bits
-                arrays = self.global_arrays()
+        replied = list(replies)
+        assert run.grid is not None
+        grid = run.grid
+
+        def send(downlinks: Mapping[int, bytes]) -> tuple[list[bytes], dict[int, Reply]]:
+            sent = self._train_messages(rnd, downlinks, ConfigRecord({"server-round": server_round}), grid)
+            answers = list(grid.send_and_receive([m for m, _ in sent], timeout=run.timeout))
+            replied.extend(answers)
+            return [downlinks[cid] for _, cid in sent], self._replies(rnd, sent, answers)
+
+        first = rounds.Sent(pending.downlinks, [pending.downlinks[cid] for _, cid in pending.sent],
+                            self._replies(rnd, pending.sent, replies))
+        try:
+            outcome = rounds.fit_round(run.server, run.state, rnd, run.cfg.federation, send, first)
+        except rounds.TooFewClientsError as err:
+            for event in err.events:
+                log.warning("round %d: %s", server_round, event)
+            raise
+        for event in outcome.events:
+            log.info("\t> %s", event)
+        run.state = outcome.result.state
+        traffic = outcome.traffic
+        metrics: dict[str, float] = {"participants": float(outcome.attempt.participants), **outcome.attempt.counts,
+                                     "retries": outcome.retries, **outcome.result.metrics}
+        log.info("aggregate_train: %d valid uploads of %d clients", int(outcome.result.metrics["clients_ok"]),
+                 outcome.attempt.participants)
+        if run.statistics is not None and self._evaluated(server_round):
+            run.state = self._calibrate(server_round, traffic)
+            metrics["calibration_bits"] = traffic.calibration_bits
         run.cum_bits += traffic.up_bits + traffic.down_bits
         metrics |= {"up_bits": traffic.up_bits, "down_bits": traffic.down_bits, "cum_bits": run.cum_bits,
                     **traffic.parts,
                     "flower_down_bytes": sum(protocol.message_bytes(m.content) for m, _ in pending.sent),
-                    "flower_up_bytes": sum(protocol.message_bytes(r.content) for r in replies if not r.has_error())}
+                    "flower_up_bytes": sum(protocol.message_bytes(r.content) for r in replied if not r.has_error())}
         record = MetricRecord({k: _number(v) for k, v in metrics.items() if _number(v) is not None})
+        contents = [reply.content for cid, reply in self._matched(pending.sent, replies).items()
+                    if isinstance(first.replies[cid], bytes)]
         try:
-            contents = [uploads[cid][1].content for cid in order]
             if contents:
                 for key, value in self.train_metrics_aggr_fn(contents, self.weighted_by_key).items():
                     record.setdefault(key, value)
         except (KeyError, TypeError, ValueError, StopIteration) as err:
             log.warning("round %d: the clients' MetricRecords do not aggregate (%s)", server_round, err)
-        return arrays, record
+        return self.global_arrays(), record
 
     def _evaluated(self, server_round: int) -> bool:
         """Whether the runner evaluates round ``server_round`` (``experiment.eval_every``, and the last)."""
@@ -438,20 +455,11 @@ class DturboStrategy(Strategy):
         grid = run.grid
 
         def send(requests: dict[int, bytes]) -> dict[int, object]:
-            online = set(grid.get_node_ids())
-            sent = []
-            for cid, data in requests.items():
-                if run.node_of[cid] not in online:
-                    continue
-                config = ConfigRecord({"server-round": server_round + 1})
-                sent.append((self._train_message(server_round, cid, data, config), cid))
+            sent = self._train_messages(server_round, requests, ConfigRecord({"server-round": server_round + 1}),
+                                        grid)
             replies = list(grid.send_and_receive([m for m, _ in sent], timeout=run.timeout))
-            by_message = {m.metadata.message_id: cid for m, cid in sent}
             out: dict[int, object] = {cid: "lost" for _, cid in sent}
-            for reply in replies:
-                cid = by_message.get(reply.metadata.reply_to_message_id)
-                if cid is not None:
-                    out[cid] = self._upload(reply, cid, server_round)
+            out.update(self._replies(server_round, sent, replies))
             return out
 
         events: list[str] = []
@@ -459,24 +467,6 @@ class DturboStrategy(Strategy):
         for event in events:
             log.warning("round %d: %s", server_round, event)
         return state
-
-    def _upload(self, reply: Message, cid: int | None, rnd: int) -> bytes | str:
-        """A reply's upload bytes, or why it has none: ``"lost"`` (the node never answered) or a reason."""
-        if reply.has_error():
-            err = reply.error
-            if err.code in wire.LOST_CODES:
-                return "lost"
-            return f"ClientApp failed (Flower error {err.code}): {err.reason}"
-        content = reply.content
-        if wire.FAILURE in content.config_records:
-            return str(content.config_records[wire.FAILURE].get("reason", "failed"))
-        try:
-            task = wire.task_record(content)
-            if int(task["client"]) != cid or int(task["round"]) != rnd:
-                raise wire.WireError(f"reply is for client {task['client']}, round {task['round']}")
-            return wire.record_bytes(content, wire.UP)
-        except (wire.WireError, KeyError, TypeError, ValueError) as err:
-            return f"malformed reply: {err}"
 
     # -------------------------------------------------------------------------------------- evaluation
     def evaluation_downlink(self, server_round: int) -> bytes:

@@ -20,8 +20,11 @@ A discovery query (message type ``query.partition``) asks a SuperNode for its ``
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common.constant import ErrorCode
+
+from ..algorithms.base import ClientError
+from ..transport import ClientLost, Reply
 
 TRAIN = "train"
 PARTITION_QUERY = "query.partition"
@@ -79,3 +82,24 @@ def partition_of(context: Context) -> tuple[int, int | None]:
     if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 1):
         raise WireError(f"node config {NUM_PARTITIONS} must be a positive integer, got {num!r}")
     return pid, num
+
+
+def reply_upload(reply: Message, cid: int, rnd: int) -> Reply:
+    """A train reply of client ``cid`` in round ``rnd`` (0-based) as a runner's reply: its upload bytes, or why
+    there are none (:class:`~dturbo.transport.ClientLost` when the node never answered, else a
+    :class:`~dturbo.algorithms.base.ClientError` with the reason)."""
+    if reply.has_error():
+        err = reply.error
+        if err.code in LOST_CODES:
+            return ClientLost(f"Flower error {err.code}: {err.reason}")
+        return ClientError(f"ClientApp failed (Flower error {err.code}): {err.reason}")
+    content = reply.content
+    if FAILURE in content.config_records:
+        return ClientError(str(content.config_records[FAILURE].get("reason", "failed")))
+    try:
+        task = task_record(content)
+        if int(task["client"]) != cid or int(task["round"]) != rnd:
+            raise WireError(f"reply is for client {task['client']}, round {task['round']}")
+        return record_bytes(content, UP)
+    except (WireError, KeyError, TypeError, ValueError) as err:
+        return ClientError(f"malformed reply: {err}")
