@@ -2,7 +2,7 @@
 client's own downlink and every uplink once, by direction and part (headers, positions, values).
 
 An uplink is sized from its framing, after the server's size bound: one longer than the bound is refused unread
-(:meth:`dturbo.algorithms.base.MessageSpec.open`) and booked as the bound's bytes, all headers (the server reads no
+(:meth:`dturbo.algorithms.message.MessageSpec.open`) and booked as the bound's bytes, all headers (the server reads no
 further); one within it is split into parts reading only headers, in memory bounded whatever its headers claim
 (:func:`dturbo.codec.payload_bits`)."""
 
@@ -10,7 +10,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .algorithms.base import LEDGER_PARTS, message_bits
+from .codec import decode_message, payload_bits
+from .protocol import MessageError
+
+LEDGER_PARTS = ("headers", "positions", "values")
+
+
+def message_bits(data: bytes, layouts: dict[str, dict[str, str]]) -> dict[str, int]:
+    """Bits of one framed message by part (docs/algorithm.md §9): ``headers`` (framing, field names, types, shapes,
+    counters), ``positions`` and ``values``; they sum to ``8 * len(data)``. ``layouts`` maps the message kind
+    and each field's name suffix (``dense1.mu`` -> ``mu``) to the encoder that made the payload."""
+    kind, fields = decode_message(data)
+    table = layouts.get(kind)
+    if table is None:
+        raise MessageError(f"no ledger layout for message kind {kind!r}")
+    out = dict.fromkeys(LEDGER_PARTS, 0)
+    out["headers"] = 8 * (len(data) - sum(len(p) for _, p in fields))  # framing
+    for name, payload in fields:
+        suffix = name.rsplit(".", 1)[-1]
+        if suffix not in table:
+            raise MessageError(f"no ledger layout for field {name!r} of {kind!r}")
+        for part, bits in payload_bits(payload, table[suffix]).items():
+            out[part] += bits
+    return out
+
 
 # metrics.csv's ledger columns: up and down apart, each split into headers, positions and values.
 LEDGER_COLUMNS = [f"{d}_{part}_bits" for d in ("up", "down") for part in LEDGER_PARTS]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..codec import decode_message, decode_values, encode_message, encode_values, payload_bits
+from ..codec import decode_message, decode_values, encode_message, encode_values
+from ..ledger import LEDGER_PARTS, message_bits
 from ..protocol import (  # the protocol's types, importable from here too
     ClientAlgorithm,
     ClientData,
@@ -105,25 +106,3 @@ def sample_uniform(seed: int, round_idx: int, n: int, k: int | None) -> list[int
         return list(range(n))
     rng = np.random.default_rng([seed, round_idx, 0x5A])
     return sorted(rng.choice(n, size=k, replace=False).tolist())
-
-
-LEDGER_PARTS = ("headers", "positions", "values")
-
-
-def message_bits(data: bytes, layouts: dict[str, dict[str, str]]) -> dict[str, int]:
-    """Bits of one framed message by part (docs/algorithm.md §9): ``headers`` (framing, field names, types, shapes,
-    counters), ``positions`` and ``values``; they sum to ``8 * len(data)``. ``layouts`` maps the message kind
-    and each field's name suffix (``dense1.mu`` -> ``mu``) to the encoder that made the payload."""
-    kind, fields = decode_message(data)
-    table = layouts.get(kind)
-    if table is None:
-        raise MessageError(f"no ledger layout for message kind {kind!r}")
-    out = dict.fromkeys(LEDGER_PARTS, 0)
-    out["headers"] = 8 * (len(data) - sum(len(p) for _, p in fields))  # framing
-    for name, payload in fields:
-        suffix = name.rsplit(".", 1)[-1]
-        if suffix not in table:
-            raise MessageError(f"no ledger layout for field {name!r} of {kind!r}")
-        for part, bits in payload_bits(payload, table[suffix]).items():
-            out[part] += bits
-    return out

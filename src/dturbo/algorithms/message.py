@@ -3,7 +3,7 @@
 A :class:`MessageSpec` names a message kind (``"dturbo/up"``) and maps each field's name suffix (``dense1.mu`` ->
 ``mu``) to the codec layout that encodes it (``codec.PAYLOAD_LAYOUTS``). The same spec frames the message (it
 refuses a field the ledger could not book), opens it (with the size bound) and gives the ledger its table
-(:func:`dturbo.algorithms.base.message_bits`), so the three cannot drift apart.
+(:func:`dturbo.ledger.message_bits`), so the three cannot drift apart.
 
 Every upload opens with the same header, read by :meth:`MessageSpec.open_upload`: ``meta`` (round, client id, n_t)
 and ``metrics`` (the client's training figures); the algorithm's decoder reads the rest into its typed record.

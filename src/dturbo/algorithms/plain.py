@@ -32,7 +32,7 @@ from ..nn.bayes import bayesian_layers
 from .base import MessageError, State, need
 
 SUFFIX = "plain"
-LAYOUT = {SUFFIX: "dense"}  # merged into an algorithm's message layouts (base.message_bits)
+LAYOUT = {SUFFIX: "dense"}  # merged into an algorithm's message layouts (dturbo.ledger.message_bits)
 
 
 @dataclass(frozen=True)
