@@ -66,6 +66,7 @@ def test_cli_resume_without_run_is_refused(tmp_path):
     assert result.exit_code == 2 and "holds no run" in result.output
 
 
+@pytest.mark.slow
 def test_cli_small_npz_run_and_report(tmp_path):
     import numpy as np
 

@@ -17,6 +17,7 @@ def test_there_are_examples():
     assert len(EXAMPLES) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script, tmp_path):
     env = {**os.environ, "DTURBO_EXAMPLE_SMALL": "1", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg",
@@ -28,6 +29,7 @@ def test_example_runs(script, tmp_path):
     assert (tmp_path / "out").is_dir()
 
 
+@pytest.mark.slow
 def test_models_doc_snippet_runs(tmp_path):
     """docs/models.md's first python block, run from an empty folder (it needs no file of the repository)."""
     text = (ROOT / "docs" / "models.md").read_text()

@@ -39,6 +39,7 @@ def files(run: Path) -> list[str]:
     return sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow
 def test_same_run_directory_as_the_cli(tmp_path, tiny_config, toy_npz):
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(dturbo.load_config(tiny_config(data={"name": "npz", "path": str(toy_npz)})).to_toml())

@@ -147,6 +147,7 @@ print(sorted(m for m in sys.modules if m.startswith("test")))
 """
 
 
+@pytest.mark.slow
 def test_loads_in_a_fresh_process_without_the_models_code(exported):
     """One sample and a batch of 7 (the example had 2) give the model's outputs within 1e-4, in a process that has
     neither the test module nor the model classes."""

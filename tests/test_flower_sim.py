@@ -144,6 +144,7 @@ def check_run(tmp_path: Path, output: str, rounds: int, clients: int) -> None:
     assert [int(r["participants"]) for r in rows_of(tmp_path / "run")] == [clients] * rounds
 
 
+@pytest.mark.slow
 def test_simulation_engine_100_clients_equals_simulator(tmp_path, sim, toy100):
     """D-Turbo-VBI on the documented federation, 100 virtual SuperNodes, every client every round: the same
     metrics, bits and model as in process."""
@@ -157,6 +158,7 @@ def test_simulation_engine_100_clients_equals_simulator(tmp_path, sim, toy100):
     print(f"simulation engine: {CLIENTS} clients, 2 rounds of D-Turbo-VBI in {seconds:.0f} s")
 
 
+@pytest.mark.slow
 def test_simulation_engine_client_state_and_federation_config(tmp_path, sim, toy100):
     """STC (each client's model copy and residual in its node's Context.state, while two Ray workers take the
     virtual nodes in turn) on 10 nodes set with ``--federation-config``: equal to the Simulator too."""
@@ -167,6 +169,7 @@ def test_simulation_engine_client_state_and_federation_config(tmp_path, sim, toy
     check_run(tmp_path, output, rounds=3, clients=10)
 
 
+@pytest.mark.slow
 def test_simulation_size_must_match_the_clients(tmp_path, sim, toy100):
     """A 10-client experiment on the 100-node federation: stopped before anything is written, with an error
     naming both numbers and the setting to change."""

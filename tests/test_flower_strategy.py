@@ -120,6 +120,7 @@ def density_of(state_dict: dict[str, torch.Tensor]) -> float:
 
 
 # ------------------------------------------------------------------------- Flower's simulation entry point
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # Ray's notice about its accelerator variables
 def test_run_simulation_two_rounds_three_clients() -> None:
     """The strategy in a user's ServerApp, the helpers in their ClientApp, on Flower's simulation engine."""

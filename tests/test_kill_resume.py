@@ -53,6 +53,7 @@ def _run(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
                              *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sigkill_then_resume_gives_identical_metrics(tmp_path, seed):
     cfg = _config(tmp_path)

@@ -201,6 +201,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", [t for t in native.TARGETS if t != "avx512"])
 def test_the_kernel_built_for_a_narrower_target_equals_torch(target: str) -> None:
     import os

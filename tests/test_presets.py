@@ -91,6 +91,7 @@ def test_run_help_shows_what_each_argument_is():
     assert "run directories" in CliRunner().invoke(app, ["report", "--help"], terminal_width=120).output
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (FMNIST / "train-images-idx3-ubyte.gz").exists(), reason="Fashion-MNIST not installed")
 def test_the_wheel_works_alone_outside_the_repository(tmp_path):
     """Build the wheel, install it (no dependencies) into a fresh virtual environment outside the repository whose

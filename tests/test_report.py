@@ -64,6 +64,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_compare_writes_figures_and_a_table_from_the_runs_files(runs, tmp_path):
     summaries, files = compare(runs, tmp_path / "rep", targets=[0.3, 0.999], inference=True)
     for name in ("accuracy_vs_bits.png", "accuracy_vs_bits.svg", "comparison.md", "comparison.csv",
@@ -287,6 +288,7 @@ def test_saved_figures_are_cut_to_what_is_drawn(tmp_path, close_figures):
     assert plt.get_fignums() == []  # every figure closed after saving
 
 
+@pytest.mark.slow
 def test_saved_figures_are_byte_reproducible(tmp_path, close_figures):
     """Regenerating a committed figure must not churn it: the same drawing, the same PNG and SVG bytes."""
     run = _fake_run(tmp_path / "run", 4, 3e7, 4e8, messages=True)

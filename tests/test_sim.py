@@ -60,6 +60,7 @@ def strip_timing(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
+@pytest.mark.slow
 @needs_fmnist
 def test_short_real_run_trains_sparsifies_and_writes_run_dir(tmp_path, fed):
     cfg = parse_config(small_config())
@@ -82,6 +83,7 @@ def test_short_real_run_trains_sparsifies_and_writes_run_dir(tmp_path, fed):
     assert msg["dense2.pi"].shape == (84, 120) and msg["dense2.mask"].shape == (84, 120)
 
 
+@pytest.mark.slow
 @needs_fmnist
 def test_resume_gives_identical_metrics(tmp_path, fed):
     cfg = parse_config(small_config())
@@ -162,6 +164,7 @@ def test_global_model_is_masked_mean(tmp_path):
             assert sched - 1.0 / size - 5e-4 <= dens <= sched, (name, row["round"], dens, sched)
 
 
+@pytest.mark.slow
 @needs_fmnist
 def test_tied_rows_prune_whole_conv_channels_and_export_removes_them(tmp_path, fed):
     """prior.conv.tie_rows: every conv row (output channel) is one support variable, kept or pruned whole, at

@@ -142,6 +142,7 @@ def toy(make_toy) -> Path:
     return make_toy(600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("down_mu", ["values", "update"])
 def test_a_range_coded_run_trains_exactly_as_the_fixed_one_in_fewer_bits(tmp_path, toy, tiny_config, down_mu):
     def run(code: str) -> list[dict[str, Any]]:
