@@ -7,8 +7,8 @@ BatchNorm (calibration); a robust rule under sign-flipping attackers; the Flower
 for each method it runs. A run's fingerprint is the SHA-256 of its metrics rows (wall-time columns left out), of
 its final model's tensors, of its resolved config and of its last checkpoint's arrays.
 
-    python benchmarks/reference_runs.py --out fingerprints.json      # write them
-    python benchmarks/reference_runs.py --check fingerprints.json    # run again and compare, run by run
+    python benchmarks/reference_runs.py --out benchmarks/results/reference_runs.json      # write them
+    python benchmarks/reference_runs.py --check benchmarks/results/reference_runs.json    # run again, compare
 
 Fingerprints depend on the torch build and the machine's float arithmetic: compare two commits on one machine.
 """

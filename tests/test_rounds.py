@@ -52,34 +52,24 @@ def run(app: Callable[[Message, Context], Message], rounds: int = 2, **federatio
     return strategy, result
 
 
+def with_meta(reply: Message, upload: bytes, client: int | None = None, n_t: int | None = None) -> Message:
+    """``reply`` with its upload's header claiming another client id or sample count."""
+    kind, fields = decode_message(upload)
+    round_idx, own, own_n = unpack_scalars(dict(fields)["meta"], 3)
+    meta = pack_scalars([round_idx, own if client is None else client, own_n if n_t is None else n_t])
+    return with_upload(reply, encode_message(kind, [(n, meta if n == "meta" else p) for n, p in fields]))
+
+
 def test_a_spoofed_upload_is_refused_by_the_strategy() -> None:
     """Client 0 sends its upload under client 1's id: the strategy knows who sent it and refuses it."""
-
-    def spoof(pid: int, upload: bytes, reply: Message) -> Message | None:
-        if pid != 0:
-            return None
-        kind, fields = decode_message(upload)
-        round_idx, _, n_t = unpack_scalars(dict(fields)["meta"], 3)
-        meta = pack_scalars([round_idx, 1, n_t])
-        return with_upload(reply, encode_message(kind, [(n, meta if n == "meta" else p) for n, p in fields]))
-
-    _, result = run(app_with(spoof))
+    _, result = run(app_with(lambda pid, up, reply: with_meta(reply, up, client=1) if pid == 0 else None))
     for m in result.train_metrics_clientapp.values():
         assert m["clients_rejected"] == 1 and m["clients_ok"] == CLIENTS - 1
 
 
 def test_an_upload_claiming_more_samples_than_its_node_holds_is_refused() -> None:
     """The nodes' answers to the sample query are their partitions: an upload claiming more is refused."""
-
-    def inflate(pid: int, upload: bytes, reply: Message) -> Message | None:
-        if pid != 2:
-            return None
-        kind, fields = decode_message(upload)
-        round_idx, client, _ = unpack_scalars(dict(fields)["meta"], 3)
-        meta = pack_scalars([round_idx, client, 10_000])
-        return with_upload(reply, encode_message(kind, [(n, meta if n == "meta" else p) for n, p in fields]))
-
-    strategy, result = run(app_with(inflate))
+    strategy, result = run(app_with(lambda pid, up, reply: with_meta(reply, up, n_t=10_000) if pid == 2 else None))
     assert strategy.session.server.partitions == [200, 200, 200]
     assert all(m["clients_rejected"] == 1 for m in result.train_metrics_clientapp.values())
 
