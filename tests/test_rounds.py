@@ -141,3 +141,4 @@ def test_a_retried_round_counts_its_retries_and_every_attempts_bits() -> None:
     _, clean = run(user_client_app(), rounds=1)
     c = clean.train_metrics_clientapp[1]
     assert m["down_bits"] == 2 * c["down_bits"] and m["up_bits"] == c["up_bits"]  # both attempts' downlinks
+    assert m["flower_down_bytes"] == 2 * c["flower_down_bytes"]  # Flower's bytes of both attempts' messages

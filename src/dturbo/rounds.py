@@ -110,12 +110,12 @@ def fit_round(server: ServerAlgorithm, state: State, rnd: int, fed: FederationCo
     events: list[str] = []
     for retries in range(fed.max_retries + 1):
         if first is not None and retries == 0:
-            downlinks, (sent, replies) = first.downlinks, (first.sent, first.replies)
+            selected, sent, replies = first.downlinks, first.sent, first.replies
         else:
-            downlinks = _downlinks(server, state, rnd)
-            sent, replies = send(downlinks)
-        attempt = Attempt(len(downlinks))
-        for cid in downlinks:  # the order the server sums in: the selection's
+            selected = downlinks(server, state, rnd)
+            sent, replies = send(selected)
+        attempt = Attempt(len(selected))
+        for cid in selected:  # the order the server sums in: the selection's
             attempt.take(cid, replies.get(cid, ClientLost("no reply")))
         events += attempt.events
         traffic.add(sent, attempt.uplinks)
@@ -139,7 +139,9 @@ def fit_round(server: ServerAlgorithm, state: State, rnd: int, fed: FederationCo
                              f"updates after {retries + 1} attempt(s)", events, retries + 1)
 
 
-def _downlinks(server: ServerAlgorithm, state: State, rnd: int) -> dict[int, bytes]:
+def downlinks(server: ServerAlgorithm, state: State, rnd: int) -> dict[int, bytes]:
+    """The selected clients' downlinks of an attempt at round ``rnd``; PoisonedStateError when the state cannot be
+    sent."""
     participants = server.select_clients(rnd)
     try:
         return server.downlinks(state, rnd, participants)
@@ -148,10 +150,6 @@ def _downlinks(server: ServerAlgorithm, state: State, rnd: int) -> dict[int, byt
             f"round {rnd + 1}: the server state of round {rnd} cannot be sent ({err}); its checkpoint cannot "
             f"be continued with --resume: start again into a fresh --out") from None
 
-
-def first_downlinks(server: ServerAlgorithm, state: State, rnd: int) -> dict[int, bytes]:
-    """The downlinks of round ``rnd``'s first attempt (a runner that sends them itself: the Strategy)."""
-    return _downlinks(server, state, rnd)
 
 
 def check_finite(state: dict[str, Any], round_no: int) -> None:

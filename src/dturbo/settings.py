@@ -15,8 +15,7 @@ from . import config as _config
 from .algorithms.registry import config_class
 from .config import Config, ConfigError
 
-__all__ = ["ConfigError", "apply_overrides", "config_class", "load_config", "parse_config",
-           "parse_override_value"]
+__all__ = ["ConfigError", "apply_overrides", "config_class", "load_config", "parse_config"]
 
 
 def parse_config(data: dict[str, Any]) -> Config:
@@ -26,11 +25,6 @@ def parse_config(data: dict[str, Any]) -> Config:
         return schema.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_config.format_error(schema, err)) from None
-
-
-def parse_override_value(key: str, raw: str) -> Any:
-    """The typed value of ``--set key=raw`` (:func:`dturbo.config.parse_override_value`)."""
-    return _config.parse_override_value(config_class(), key, raw)
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ theirs with :func:`build_algorithm`. A new method is a module defining its halve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
@@ -29,7 +30,6 @@ __all__ = ["ALGORITHMS", "AlgorithmSpec", "ModelFactory", "build_algorithm", "co
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
 # The method of a config that names none (``experiment.algorithm``'s default).
 DEFAULT_ALGORITHM = ExperimentConfig.model_fields["algorithm"].default
-_composed: list[type[Config]] = []  # the class config_class() returns, made again when the methods change
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
@@ -38,7 +38,7 @@ def register(spec: AlgorithmSpec) -> AlgorithmSpec:
     if spec.name in ALGORITHMS or spec.name in CORE_SECTIONS:
         raise ValueError(f"algorithm {spec.name!r}: the name is taken (a registered method or a config section)")
     ALGORITHMS[spec.name] = spec
-    _composed.clear()
+    config_class.cache_clear()
     return spec
 
 
@@ -47,7 +47,7 @@ def unregister(name: str) -> AlgorithmSpec:
     if name not in ALGORITHMS:
         raise KeyError(f"no registered algorithm {name!r}")
     spec = ALGORITHMS.pop(name)
-    _composed.clear()
+    config_class.cache_clear()
     return spec
 
 
@@ -61,28 +61,26 @@ class _MethodsConfig(Config):
         return self
 
 
+@functools.cache
 def config_class() -> type[Config]:
     """The whole configuration (:class:`dturbo.Config`): the sections every run reads
     (:data:`dturbo.config.CORE_SECTIONS`), the default method's section after ``[train]`` and the other registered
     methods' after those, in registration order; ``experiment.algorithm`` one of the registered methods. Composed
     once per set of registered methods: every class it returns subclasses :class:`dturbo.config.Config`."""
-    if not _composed:
-        names = tuple(ALGORITHMS)
-        default = ExperimentConfig.model_fields["algorithm"]
-        experiment = create_model(
-            "ExperimentConfig", __base__=ExperimentConfig, __module__=ExperimentConfig.__module__,
-            algorithm=(Literal[names], Field(default.default, description=default.description)))  # type: ignore[valid-type]
-        fields: dict[str, Any] = {}
-        for name, section in {**CORE_SECTIONS, "experiment": experiment}.items():
-            fields[name] = _field(section)
-            if name == AFTER_DEFAULT_METHOD and DEFAULT_ALGORITHM in ALGORITHMS:
-                fields[DEFAULT_ALGORITHM] = _field(ALGORITHMS[DEFAULT_ALGORITHM].section)
-        for name, spec in ALGORITHMS.items():
-            fields.setdefault(name, _field(spec.section))
-        _composed.append(create_model("Config", __base__=_MethodsConfig, __module__="dturbo", __doc__=(
-            "The whole configuration: the sections every run reads and one section per registered method "
-            "(dturbo.algorithms.registry.config_class)."), **fields))
-    return _composed[0]
+    default = ExperimentConfig.model_fields["algorithm"]
+    experiment = create_model(
+        "ExperimentConfig", __base__=ExperimentConfig, __module__=ExperimentConfig.__module__,
+        algorithm=(Literal[tuple(ALGORITHMS)], Field(default.default, description=default.description)))
+    fields: dict[str, Any] = {}
+    for name, section in {**CORE_SECTIONS, "experiment": experiment}.items():
+        fields[name] = _field(section)
+        if name == AFTER_DEFAULT_METHOD and DEFAULT_ALGORITHM in ALGORITHMS:
+            fields[DEFAULT_ALGORITHM] = _field(ALGORITHMS[DEFAULT_ALGORITHM].section)
+    for name, spec in ALGORITHMS.items():
+        fields.setdefault(name, _field(spec.section))
+    return create_model("Config", __base__=_MethodsConfig, __module__="dturbo", __doc__=(
+        "The whole configuration: the sections every run reads and one section per registered method "
+        "(dturbo.algorithms.registry.config_class)."), **fields)
 
 
 def _field(section: type[Section]) -> tuple[type[Section], Any]:

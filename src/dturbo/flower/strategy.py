@@ -341,7 +341,7 @@ class DturboStrategy(Strategy):
         if self.fraction_train == 0.0:
             return []
         rnd = server_round - 1
-        downlinks = rounds.first_downlinks(run.server, run.state, rnd)
+        downlinks = rounds.downlinks(run.server, run.state, rnd)
         config["server-round"] = server_round
         sent = self._train_messages(rnd, downlinks, config, grid)
         run.pending = _Pending(server_round, downlinks, sent)
@@ -372,9 +372,10 @@ class DturboStrategy(Strategy):
             out[cid] = reply
         return dict(sorted(out.items()))
 
-    def _replies(self, rnd: int, sent: list[tuple[Message, int]], replies: Iterable[Message]) -> dict[int, Reply]:
-        """Each client's reply to ``sent`` (:meth:`_matched`) as the runner's reply: its upload, or why none."""
-        return {cid: wire.reply_upload(reply, cid, rnd) for cid, reply in self._matched(sent, replies).items()}
+    @staticmethod
+    def _replies(rnd: int, matched: Mapping[int, Message]) -> dict[int, Reply]:
+        """Each client's matched reply (:meth:`_matched`) as the runner's reply: its upload, or why none."""
+        return {cid: wire.reply_upload(reply, cid, rnd) for cid, reply in matched.items()}
 
     def _train_message(self, rnd: int, cid: int, down: bytes, config: ConfigRecord) -> Message:
         """The train message to client ``cid`` of round ``rnd`` (0-based) carrying ``down``."""
@@ -396,6 +397,8 @@ class DturboStrategy(Strategy):
             return None, None
         rnd = server_round - 1
         replies = list(replies)
+        matched = self._matched(pending.sent, replies)
+        messages = [m for m, _ in pending.sent]  # every train message and reply of the round, retries' too
         replied = list(replies)
         assert run.grid is not None
         grid = run.grid
@@ -403,11 +406,12 @@ class DturboStrategy(Strategy):
         def send(downlinks: Mapping[int, bytes]) -> tuple[list[bytes], dict[int, Reply]]:
             sent = self._train_messages(rnd, downlinks, ConfigRecord({"server-round": server_round}), grid)
             answers = list(grid.send_and_receive([m for m, _ in sent], timeout=run.timeout))
+            messages.extend(m for m, _ in sent)
             replied.extend(answers)
-            return [downlinks[cid] for _, cid in sent], self._replies(rnd, sent, answers)
+            return [downlinks[cid] for _, cid in sent], self._replies(rnd, self._matched(sent, answers))
 
         first = rounds.Sent(pending.downlinks, [pending.downlinks[cid] for _, cid in pending.sent],
-                            self._replies(rnd, pending.sent, replies))
+                            self._replies(rnd, matched))
         try:
             outcome = rounds.fit_round(run.server, run.state, rnd, run.cfg.federation, send, first)
         except rounds.TooFewClientsError as err:
@@ -428,11 +432,10 @@ class DturboStrategy(Strategy):
         run.cum_bits += traffic.up_bits + traffic.down_bits
         metrics |= {"up_bits": traffic.up_bits, "down_bits": traffic.down_bits, "cum_bits": run.cum_bits,
                     **traffic.parts,
-                    "flower_down_bytes": sum(protocol.message_bytes(m.content) for m, _ in pending.sent),
+                    "flower_down_bytes": sum(protocol.message_bytes(m.content) for m in messages),
                     "flower_up_bytes": sum(protocol.message_bytes(r.content) for r in replied if not r.has_error())}
         record = MetricRecord({k: _number(v) for k, v in metrics.items() if _number(v) is not None})
-        contents = [reply.content for cid, reply in self._matched(pending.sent, replies).items()
-                    if isinstance(first.replies[cid], bytes)]
+        contents = [reply.content for cid, reply in matched.items() if isinstance(first.replies[cid], bytes)]
         try:
             if contents:
                 for key, value in self.train_metrics_aggr_fn(contents, self.weighted_by_key).items():
@@ -459,7 +462,7 @@ class DturboStrategy(Strategy):
                                         grid)
             replies = list(grid.send_and_receive([m for m, _ in sent], timeout=run.timeout))
             out: dict[int, object] = {cid: "lost" for _, cid in sent}
-            out.update(self._replies(server_round, sent, replies))
+            out.update(self._replies(server_round, self._matched(sent, replies)))
             return out
 
         events: list[str] = []
