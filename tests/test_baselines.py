@@ -14,12 +14,12 @@ from safetensors.numpy import load_file
 from dturbo.algorithms.base import message_bits
 from dturbo.algorithms.dssm import dssm_count, top_k
 from dturbo.algorithms.dturbo.messages import decode_prior_std, encode_prior_std
-from dturbo.algorithms.fedpaq import qsgd_decode, qsgd_encode
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.codec import decode_quantized, encode_dense, encode_message, encode_quantized, payload_bits
 from dturbo.data import load_dataset
 from dturbo.federation import build_federation
 from dturbo.ledger import LEDGER_COLUMNS
+from dturbo.quantize import qsgd_decode, qsgd_encode
 from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 

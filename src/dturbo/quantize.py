@@ -7,6 +7,10 @@ odd, so no level is 0: a value on the support never decodes to 0 and the support
 Each value is rounded to one of its two neighbouring levels at random, with the probabilities that make the
 decoded value's expectation exactly v (stochastic rounding): E[dequantise(quantise(v))] = v, and the error of
 one value is below one level spacing, 2 * scale / (L - 1).
+
+The QSGD quantiser (Alistarh et al. 2017; FedPAQ's, REFERENCE.md) scales by the norm instead: s levels
+||v|| * l / s, l = 0..s, each sign, 0 among them, also unbiased. Most values of a long vector round to 0, so its
+symbols range-code to well under a bit each; ``bits`` bits hold s = 2**(bits - 1) - 1 (2s + 1 symbols).
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ def _levels(bits: int) -> int:
     return 1 << int(bits)
 
 
-def quantize(values: np.ndarray, bits: int, rng: np.random.Generator) -> tuple[np.ndarray, float]:
-    """(symbols in 0..L-1, scale): unbiased stochastic rounding of ``values`` onto the 2**bits levels."""
+def quantize(values: np.ndarray, bits: int, rng: np.random.Generator, clip: float | None = None
+             ) -> tuple[np.ndarray, float]:
+    """(symbols in 0..L-1, scale): unbiased stochastic rounding of ``values`` onto the 2**bits levels. ``clip``:
+    the scale is at most ``clip`` times the values' root mean square, and larger values round to the end levels
+    (biased; for a sender that sends what it rounds off again, an error-feedback downlink)."""
     levels = _levels(bits)
     v = np.asarray(values, dtype=np.float64).reshape(-1)
-    scale = float(np.float32(np.abs(v).max())) if v.size else 0.0  # the receiver sees a float32 scale
+    largest = float(np.abs(v).max()) if v.size else 0.0
+    if clip is not None and v.size:
+        largest = min(largest, clip * float(np.sqrt(np.mean(v * v))))
+    scale = float(np.float32(largest))  # the receiver sees a float32 scale
     if scale == 0.0 or not np.isfinite(scale):
         if v.size and not np.isfinite(scale):
             raise ValueError("cannot quantise NaN or Inf")
@@ -47,11 +57,12 @@ def dequantize(symbols: np.ndarray, bits: int, scale: float) -> np.ndarray:
     return float(scale) * (2.0 * np.asarray(symbols, dtype=np.float64) - (levels - 1)) / (levels - 1)
 
 
-def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator, coded: bool = False) -> bytes:
+def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator, coded: bool = False,
+                      clip: float | None = None) -> bytes:
     """``values`` as ``bits``-bit symbols plus one float32 scale: written at ``bits`` bits each (codec layout
     ``quantized``), or range-coded (``coded``: layout ``coded``, :mod:`dturbo.coding.values`; the same symbols, so
     the same decoded values, in fewer bytes)."""
-    symbols, scale = quantize(values, bits, rng)
+    symbols, scale = quantize(values, bits, rng, clip)
     return (encode_symbols if coded else encode_quantized)(symbols, _levels(bits), [scale])
 
 
@@ -66,3 +77,51 @@ def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False
     if symbols.shape != (count,):
         raise CodecError(f"quantised payload has {symbols.size} values, expected {count}")
     return dequantize(symbols, bits, float(params[0]))
+
+
+def qsgd_encode(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, float]:
+    """Symbols in 0..2s and the norm of QSGD with s levels (unbiased stochastic rounding); a vector of zeros or of
+    non-finite norm gives s everywhere (0) and norm 0."""
+    norm = float(np.linalg.norm(v))
+    if norm == 0.0 or not np.isfinite(norm):
+        return np.full(v.size, s, dtype=np.int64), 0.0
+    scaled = s * np.abs(v) / norm
+    low = np.floor(scaled)
+    level = low + (rng.random(v.size) < scaled - low)
+    return (s + np.sign(v) * level).astype(np.int64), norm
+
+
+def qsgd_decode(symbols: np.ndarray, s: int, norm: float) -> np.ndarray:
+    """The values of QSGD ``symbols`` (float64)."""
+    return norm * (symbols.astype(np.float64) - s) / s
+
+
+def norm_levels(bits: int) -> int:
+    """QSGD's s that ``bits`` bits hold: 2s + 1 <= 2**bits symbols, s >= 1 (so bits >= 2)."""
+    if not 2 <= int(bits) <= MAX_BITS:
+        raise ValueError(f"norm-scaled quantisation needs bits in 2..{MAX_BITS}, got {bits}")
+    return (1 << (int(bits) - 1)) - 1
+
+
+def encode_norm(values: np.ndarray, bits: int, rng: np.random.Generator, coded: bool = True) -> bytes:
+    """``values`` by QSGD with s = :func:`norm_levels` (``bits``): 2s + 1 symbols plus the float32 norm, written
+    at ``bits`` bits each or range-coded (``coded``)."""
+    s = norm_levels(bits)
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(v)):
+        raise ValueError("cannot quantise NaN or Inf")
+    symbols, norm = qsgd_encode(v, s, rng)
+    return (encode_symbols if coded else encode_quantized)(symbols, 2 * s + 1, [norm])
+
+
+def decode_norm(payload: bytes, bits: int, count: int, coded: bool = True) -> np.ndarray:
+    """Inverse of :func:`encode_norm` (up to the rounding): exactly ``count`` values, or CodecError."""
+    s = norm_levels(bits)
+    symbols, levels, params = (decode_symbols if coded else decode_quantized)(payload, max_elements=count)
+    if levels != 2 * s + 1:
+        raise CodecError(f"norm-scaled payload has {levels} symbols, expected {2 * s + 1} ({bits} bits)")
+    if params.shape != (1,) or not np.isfinite(params[0]) or params[0] < 0:
+        raise CodecError("norm-scaled payload needs one finite, non-negative norm")
+    if symbols.shape != (count,):
+        raise CodecError(f"norm-scaled payload has {symbols.size} values, expected {count}")
+    return qsgd_decode(symbols, s, float(params[0]))

@@ -21,23 +21,9 @@ from ..codec import decode_dense, decode_quantized, encode_dense, encode_quantiz
 from ..coding.values import decode_symbols, encode_symbols
 from ..config import Config, Section, ValuesCode
 from ..protocol import AlgorithmSpec
+from ..quantize import qsgd_decode, qsgd_encode
 from .base import MessageError
 from .point import PointClient, PointLayer, PointMessages, PointServer, sigma_options
-
-
-def qsgd_encode(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, float]:
-    """Symbols in 0..2s and the norm of QSGD with s levels (unbiased stochastic rounding)."""
-    norm = float(np.linalg.norm(v))
-    if norm == 0.0 or not np.isfinite(norm):
-        return np.full(v.size, s, dtype=np.int64), 0.0
-    scaled = s * np.abs(v) / norm
-    low = np.floor(scaled)
-    level = low + (rng.random(v.size) < scaled - low)
-    return (s + np.sign(v) * level).astype(np.int64), norm
-
-
-def qsgd_decode(symbols: np.ndarray, s: int, norm: float) -> np.ndarray:
-    return norm * (symbols.astype(np.float64) - s) / s
 
 
 class FedPaqConfig(Section):

@@ -111,6 +111,14 @@ class TransmissionConfig(Section):
         "2**down_bits levels per layer (stochastic rounding), so the rounding error of one downlink is sent again in "
         "the next; needs positions = 'delta' (the server knows what each client holds) and down_bits < 16 "
         "(docs/communication.md)"))
+    up_quantizer: Literal["max", "norm"] = Field("max", description=(
+        "the levels of the quantised update up (up_bits < 16): max, 2**bits levels over the layer's largest value, "
+        "none at 0; norm, QSGD's s = 2**(bits - 1) - 1 levels of the layer's norm, 0 among them (up_bits >= 2): "
+        "most values of an update round to 0 and range-code to under a bit each (docs/communication.md)"))
+    down_quantizer: Literal["max", "clipped"] = Field("max", description=(
+        "the levels of mu_G down (down_bits < 16): max, 2**bits levels over the layer's largest value; clipped, "
+        "over at most 3 root mean squares, larger values on the end levels (needs down_mu = 'update', which sends "
+        "what is clipped again; a client that holds no weights gets them on the max levels)"))
     values_code: ValuesCode = Field("range", description=(
         "how quantised values (up_bits / down_bits < 16; float16 values are sent as they are) are written: fixed, "
         "bits bits each; range, range-coded under "
@@ -122,6 +130,11 @@ class TransmissionConfig(Section):
         for key in ("up_bits", "down_bits"):
             if 12 < getattr(self, key) < 16:
                 raise ValueError(f"{key} must be 16 (float16) or 1..12 (quantised), got {getattr(self, key)}")
+        if self.up_quantizer == "norm" and self.up_bits == 1:
+            raise ValueError("up_quantizer = 'norm' needs up_bits of at least 2 (1 bit holds no level 0)")
+        if self.down_quantizer == "clipped" and self.down_mu != "update":
+            raise ValueError("down_quantizer = 'clipped' needs down_mu = 'update' (the next downlink sends what is "
+                             "clipped)")
         if self.down_mu == "update" and (self.positions != "delta" or self.down_bits == 16):
             raise ValueError("down_mu = 'update' needs positions = 'delta' (the server must know which weights each "
                              f"client holds) and down_bits in 1..12; got positions = '{self.positions}', down_bits = "

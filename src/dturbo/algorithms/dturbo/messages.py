@@ -171,7 +171,11 @@ class DturboMessages:
         self.delta = self.tr.positions == "delta"
         self.update = self.tr.down_mu == "update"
         coded = self.tr.values_code == "range"
-        self.up_values, self.down_values = scheme(self.tr.up_bits, coded), scheme(self.tr.down_bits, coded)
+        self.up_values = scheme(self.tr.up_bits, coded, self.tr.up_quantizer)
+        self.down_values = scheme(self.tr.down_bits, coded, self.tr.down_quantizer)
+        # down_mu = "update": a client that holds no weights gets them on the max levels (nothing sends the clipped
+        # part again to a client that drops out)
+        self.down_first = scheme(self.tr.down_bits, coded)
         # mu_G cluster-coded on its grid, S its nonzeros; else S travels apart, then mu_G on S
         self.grid = isinstance(self.down_values, Float16) and not self.delta
         down = {"meta": "header", "sigma": "values", "bias": "dense"}
@@ -261,12 +265,13 @@ class DturboMessages:
         and the weights R' it holds once it decodes them (:func:`updated_weights`): |R' - mu_G| on S stays below one
         level spacing, 2 max|mu_G - R| / (2**down_bits - 1), and what one round rounds off the next one sends."""
         rng = np.random.default_rng([self.cfg.experiment.seed, msg.round_idx, client_id, 0xD1])
+        values = self.down_first if weights is None else self.down_values
         steps, after = [], []
         for i, layer in enumerate(msg.layers):
             held = np.zeros(layer.support.shape, np.float32) if weights is None else weights[i]
-            step = self.down_values.encode(layer.mu[layer.support] - held[layer.support], rng)
+            step = values.encode(layer.mu[layer.support] - held[layer.support], rng)
             steps.append(step)
-            decoded = self.down_values.decode(step, int(layer.support.sum()), "mu")
+            decoded = values.decode(step, int(layer.support.sum()), "mu")
             after.append(updated_weights(held, layer.support, decoded))
         return steps, after
 
@@ -292,7 +297,8 @@ class DturboMessages:
                                             held)
                 mu = np.zeros(mask.shape)
                 k = int(mask.sum())
-                on_s = self.down_values.decode(need(fields, f"{n}.mu"), k, f"{n}.mu")
+                values = self.down_first if self.update and base == NO_BASE else self.down_values
+                on_s = values.decode(need(fields, f"{n}.mu"), k, f"{n}.mu")
                 if self.update:  # the step from the weights held
                     mu = updated_weights(self._held_weights(info, i, round_idx, base, weights), mask, on_s)
                     mu = mu.astype(np.float64)

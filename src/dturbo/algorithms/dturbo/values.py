@@ -1,6 +1,7 @@
 """How D-Turbo-VBI writes the weights on a support (``[dturbo.transmission]``: ``up_bits``, ``down_bits``,
-``values_code``), one small class a scheme; :func:`scheme` picks it. An upload in a quantised scheme carries the
-update from the weights the client received (the server adds it to its own mu_G), one in float16 the weights."""
+``quantizer``, ``values_code``), one small class a scheme; :func:`scheme` picks it. An upload in a quantised scheme
+carries the update from the weights the client received (the server adds it to its own mu_G), one in float16 the
+weights."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...codec import decode_values, encode_values
-from ...quantize import decode_stochastic, encode_stochastic
+from ...quantize import decode_norm, decode_stochastic, encode_norm, encode_stochastic
 from ..base import MessageError
 
 
@@ -46,12 +47,40 @@ class Stochastic:
         return _count(decode_stochastic(payload, self.bits, count, self.coded), count, name)
 
 
-ValueScheme = Float16 | Stochastic
+@dataclass(frozen=True)
+class Norm(Stochastic):
+    """``quantizer = "norm"``: QSGD's s = 2**(bits - 1) - 1 levels of the layer's norm, 0 among them
+    (:mod:`dturbo.quantize`): an update's small values mostly round to 0, so range-coded it costs well under a bit
+    a value."""
+
+    def encode(self, values: np.ndarray, rng: np.random.Generator) -> bytes:
+        return encode_norm(values, self.bits, rng, self.coded)
+
+    def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
+        return _count(decode_norm(payload, self.bits, count, self.coded), count, name)
 
 
-def scheme(bits: int, coded: bool) -> ValueScheme:
-    """The scheme of ``bits`` (16: float16) with ``values_code = "range"`` (``coded``) or ``"fixed"``."""
-    return Float16() if bits == 16 else Stochastic(bits, coded)
+@dataclass(frozen=True)
+class Clipped(Stochastic):
+    """``down_quantizer = "clipped"``: the max scheme with the scale at most :data:`CLIP` times the root mean square,
+    larger values on the end levels. An update's few large values no longer spread the levels over a range most
+    values never reach, so the rounding error stays a fraction of the update, and the error-feedback downlink
+    (``down_mu = "update"``) sends what is clipped or rounded off again the next round."""
+
+    def encode(self, values: np.ndarray, rng: np.random.Generator) -> bytes:
+        return encode_stochastic(values, self.bits, rng, self.coded, clip=CLIP)
+
+
+CLIP = 3.0
+ValueScheme = Float16 | Stochastic | Norm | Clipped
+QUANTIZERS = {"max": Stochastic, "norm": Norm, "clipped": Clipped}
+
+
+def scheme(bits: int, coded: bool, quantizer: str = "max") -> ValueScheme:
+    """The scheme of ``bits`` (16: float16) with ``values_code = "range"`` (``coded``) or ``"fixed"``, levels
+    spread over the largest value (``quantizer = "max"``), the norm (``"norm"``) or at most 3 root mean squares
+    (``"clipped"``)."""
+    return Float16() if bits == 16 else QUANTIZERS[quantizer](bits, coded)
 
 
 def _count(values: np.ndarray, count: int, name: str) -> np.ndarray:
