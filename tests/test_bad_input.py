@@ -186,13 +186,17 @@ def test_corrupted_checkpoint_is_refused_and_left_untouched(tmp_path):
     assert path.read_bytes() == bytes(raw)
 
 
-def test_checkpoint_without_checksum_still_loads_with_a_warning(tmp_path):
+def test_checkpoint_without_checksum_is_refused_unless_asked_for_by_name(tmp_path):
     folder = tmp_path / "checkpoint"
     folder.mkdir()
     state = {"w": np.ones(8, np.float32)}
-    (folder / STATE_FILE).write_bytes(save(state, metadata={"counters": json.dumps({"rounds_done": 1})}))
+    raw = save(state, metadata={"counters": json.dumps({"rounds_done": 1})})
+    (folder / STATE_FILE).write_bytes(raw)
+    with pytest.raises(CheckpointError, match="has no checksum, not one of the whole file.*--resume-unverified"):
+        load_checkpoint(folder)
+    assert (folder / STATE_FILE).read_bytes() == raw
     with pytest.warns(CheckpointWarning, match="no checksum"):
-        got, counters = load_checkpoint(folder)
+        got, counters = load_checkpoint(folder, unverified=True)
     assert counters == {"rounds_done": 1} and np.array_equal(got["w"], state["w"])
 
 

@@ -169,3 +169,77 @@ def test_on_flower_an_update_run_is_the_simulators(tmp_path, toy):
     sim, flower = flower_and_simulator(config(toy, 5, federation={"clients_per_round": 3}), tmp_path)
     assert rows_of(flower) == rows_of(sim)
     assert_same_model(flower, sim)
+
+
+# ------------------------------------------------------------------------------ the levels of an update
+def _heavy(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """An update as training makes it: most values small, a few tens of times larger (Student's t, 2.5 dof)."""
+    return rng.standard_t(2.5, size=shape)
+
+
+def test_clipped_levels_need_an_update_and_norm_levels_two_bits():
+    TransmissionConfig(down_mu="update", down_quantizer="clipped", up_quantizer="norm", up_bits=2)
+    with pytest.raises(ValidationError, match="down_quantizer = 'clipped' needs down_mu = 'update'"):
+        TransmissionConfig(down_quantizer="clipped")
+    with pytest.raises(ValidationError, match="up_quantizer = 'norm' needs up_bits of at least 2"):
+        TransmissionConfig(up_quantizer="norm", up_bits=1)
+
+
+@pytest.fixture(scope="module")
+def clipped(toy):
+    cfg = parse_config(config(toy, down_bits=3, dturbo={"transmission": {"down_quantizer": "clipped"}}))
+    return build_algorithm(cfg, build_federation(cfg))[0].messages
+
+
+def _tracking(quantizer: str, rounds: int = 30) -> tuple[np.ndarray, float]:
+    """Error feedback at 3 bits, as :meth:`encode_update` runs it: mu_G moves by a heavy-tailed step each round,
+    the client's weights by the decoded update from them. The error's norm by round, and the steps' median norm."""
+    from dturbo.algorithms.dturbo.values import scheme
+
+    values, rng = scheme(3, True, quantizer), np.random.default_rng(5)
+    mu = rng.normal(size=1000)
+    held = mu.astype(np.float32)
+    errors, steps = [], []
+    for t in range(rounds):
+        step = 0.01 * _heavy(rng, mu.shape)
+        mu, steps = mu + step, steps + [np.linalg.norm(step)]
+        held = (held + values.decode(values.encode(mu - held, np.random.default_rng(t)), mu.size, "mu")
+                ).astype(np.float32)
+        errors.append(np.linalg.norm(held - mu))
+    return np.array(errors), float(np.median(steps))
+
+
+def test_a_clipped_downlink_keeps_the_weights_held_near_a_heavy_tailed_mu_g():
+    """Levels clipped at 3 root mean squares keep the error of what a client holds within a few of mu_G's steps
+    in every one of 30 rounds, and below the max levels' error on average and at worst: a few large values no longer
+    spread the levels so far that rounding the small ones costs more than they carry."""
+    clip, step = _tracking("clipped")
+    most, _ = _tracking("max")
+    assert clip.max() < 2.5 * step, (clip, step)
+    assert clip.mean() < most.mean() and clip.max() < most.max()
+
+
+def test_a_clipped_downlink_sends_a_client_without_weights_the_max_levels(clipped):
+    """A client that holds nothing gets mu_G itself, on the max levels: every weight within one spacing of them,
+    2 max|mu_G| / (2**3 - 1), none clipped."""
+    rng = np.random.default_rng(7)
+    support = rng.random((20, 30)) < 0.6
+    mu = _heavy(rng, support.shape) * support
+    after = clipped.encode_update(_record(mu, support), 0, None)[1][0]
+    assert np.abs(after[support] - mu[support]).max() <= 2 * np.abs(mu).max() / 7 * (1 + 1e-6)
+
+
+def test_norm_levels_are_unbiased_and_cost_under_a_bit_a_value():
+    """QSGD's levels (s = 15 at 5 bits) on a heavy-tailed update: the mean of many draws is the update (within 4
+    standard errors), 0 is among the levels, and range-coded the symbols cost under a bit each, from real bytes."""
+    from dturbo.algorithms.dturbo.values import scheme
+
+    rng = np.random.default_rng(8)
+    v = _heavy(rng, (4000,))
+    norm5 = scheme(5, True, "norm")
+    payloads = [norm5.encode(v, np.random.default_rng(i)) for i in range(400)]
+    draws = np.stack([norm5.decode(p, v.size, "mu") for p in payloads])
+    spacing = np.linalg.norm(v) / 15
+    assert np.all(np.abs(draws.mean(0) - v) < 4 * spacing / 2 / np.sqrt(len(draws)))
+    assert (draws == 0).mean() > 0.5
+    assert 8 * np.mean([len(p) for p in payloads]) / v.size < 1.0

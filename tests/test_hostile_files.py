@@ -73,6 +73,26 @@ def test_an_edited_checkpoint_header_is_refused(tmp_path, edit):
     assert path.read_bytes() == before
 
 
+def test_a_run_whose_checkpoint_lost_its_checksum_resumes_only_when_asked_by_name(tmp_path, toy):
+    """The attack: delete the checksum key, then edit anything. --resume refuses it and leaves the run as it was;
+    --resume-unverified (an older dturbo's checkpoint one trusts) continues it, with a warning."""
+    cfg = config(toy, rounds=3)
+    Simulator(parse_config(config(toy, rounds=2)), tmp_path / "run").run()
+    (tmp_path / "run" / "config.toml").write_text((tmp_path / "run" / "config.toml").read_text().replace(
+        "rounds = 2", "rounds = 3"))
+    path = tmp_path / "run" / "checkpoint" / STATE_FILE
+    _edit_header(path, lambda h: h["__metadata__"].pop("sha256_file"))
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError, match="no checksum, not one of the whole file"):
+        Simulator(parse_config(cfg), tmp_path / "run", resume=True).run()
+    assert path.read_bytes() == before
+    out = CliRunner().invoke(app, ["run", "--out", str(tmp_path / "run"), "--resume-unverified", "--no-figures",
+                                   str(tmp_path / "run" / "config.toml")])
+    assert out.exit_code == 0, out.output
+    assert "cannot be verified" in out.output
+    assert len((tmp_path / "run" / "metrics.csv").read_text().splitlines()) == 4
+
+
 def test_a_checkpoint_whose_checksum_covers_only_its_tensors_loads_with_a_warning(tmp_path):
     import hashlib
 
@@ -85,8 +105,10 @@ def test_a_checkpoint_whose_checksum_covers_only_its_tensors_loads_with_a_warnin
     start = 8 + int.from_bytes(data[:8], "little")
     digest = hashlib.sha256(data[start:]).hexdigest()
     (folder / STATE_FILE).write_bytes(data[:start].replace(b"?" * 64, digest.encode()) + data[start:])
+    with pytest.raises(CheckpointError, match="has a checksum of its tensors only"):
+        load_checkpoint(folder)
     with pytest.warns(CheckpointWarning, match="covers its tensors, not its header"):
-        got, counters = load_checkpoint(folder)
+        got, counters = load_checkpoint(folder, unverified=True)
     assert counters == {"rounds_done": 1} and np.array_equal(got["w"], state["w"])
 
 
@@ -207,3 +229,15 @@ def test_a_partition_id_two_nodes_claim_is_given_to_neither(tmp_path, toy):
     events = (tmp_path / "flower" / "events.log").read_text().splitlines()
     assert events == [f"round {r}: client 1: did not answer (partition-id=1 is claimed by more than one node "
                       f"({grid.node_id(1)}, 9999991))" for r in (1, 2)]
+
+
+def test_a_model_too_big_for_memory_is_a_config_error_with_its_size(toy, monkeypatch):
+    """hidden = [65536, 65536]: its parameters are counted on the meta device, nothing is allocated, and the error
+    gives the memory the run would need and the memory there is."""
+    from dturbo.nn import models
+
+    monkeypatch.setattr(models, "available_memory", lambda: 16 * 2**30)
+    cfg = parse_config(config(toy, model={"name": "mlp", "hidden": [65536, 65536]}))
+    with pytest.raises(ConfigError, match=r"4,296,146,951 parameters: a run needs about 320\.1 GiB .* 16\.0 GiB"):
+        Simulator(cfg, Path("never-written"))
+    assert not Path("never-written").exists()

@@ -161,8 +161,9 @@ def _data_start(data: bytes) -> int:
     return start
 
 
-def _verify(path: Path, data: bytes, start: int, meta: dict[str, Any]) -> None:
-    """Check the checksum saved in a checkpoint's header; CheckpointError when the file does not match it."""
+def _verify(path: Path, data: bytes, start: int, meta: dict[str, Any], unverified: bool) -> None:
+    """Check the checksum saved in a checkpoint's header; CheckpointError when the file does not match it, or when
+    it carries no checksum of the whole file and ``unverified`` is false."""
     again = ("Restore the run folder from a backup, or start the run again into a fresh --out")
     expected = meta.get(CHECKSUM_KEY)
     if isinstance(expected, str):
@@ -178,6 +179,13 @@ def _verify(path: Path, data: bytes, start: int, meta: dict[str, Any]) -> None:
                 f"untouched. {again}")
         return
     old = meta.get(TENSORS_CHECKSUM_KEY)
+    if not unverified:
+        what = "a checksum of its tensors only" if old is not None else "no checksum"
+        raise CheckpointError(
+            f"checkpoint {path} has {what}, not one of the whole file (an older dturbo wrote it, or the key was "
+            f"deleted): it cannot be verified, and was left untouched. If you wrote it and trust it, resume with "
+            f"`dturbo run ... --resume-unverified` (Python: resume='unverified'); the next checkpoint carries a "
+            f"checksum of the whole file")
     if old is None:
         warnings.warn(f"checkpoint {path} has no checksum (written by an older dturbo): it cannot be verified; "
                       f"the next checkpoint will carry one", CheckpointWarning, stacklevel=3)
@@ -202,10 +210,11 @@ def run_counters(path: Path, counters: Any) -> dict[str, Any]:
     return counters
 
 
-def load_checkpoint(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def load_checkpoint(folder: Path, *, unverified: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(state, counters) of the checkpoint in ``folder``; :class:`CheckpointError` if it is missing, unreadable
     or corrupted (it does not match the checksum saved with it: its tensors, or its header's names, dtypes, shapes
-    and counters). Nothing is ever modified."""
+    and counters), or carries no checksum of the whole file; ``unverified``: such a checkpoint of an older dturbo
+    loads, with a :class:`CheckpointWarning`. Nothing is ever modified."""
     path = folder / STATE_FILE
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; run without --resume to start a new run")
@@ -213,7 +222,7 @@ def load_checkpoint(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]
         data = path.read_bytes()
         start = _data_start(data)
         meta = json.loads(data[8:start]).get("__metadata__") or {}
-        _verify(path, data, start, meta)
+        _verify(path, data, start, meta, unverified)
         state = load(data)
         counters = json.loads(meta["counters"])
     except (SafetensorError, OSError, KeyError, ValueError, AttributeError, TypeError) as err:

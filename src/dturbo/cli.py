@@ -21,7 +21,7 @@ from .settings import load_config
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="D-Turbo-VBI: Bayesian federated model compression.")
 config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Show configurations.")
 app.add_typer(config_app, name="config")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # a line of a log or a pipe is one line, never cut at 80 columns
 
 
 def _version(value: bool) -> None:
@@ -64,6 +64,9 @@ def run(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory (new, or empty)")] = None,
     preset: Annotated[str | None, typer.Option(help="a preset shipped with dturbo (`dturbo presets`)")] = None,
     resume: Annotated[bool, typer.Option(help="continue from the run directory's checkpoint")] = False,
+    resume_unverified: Annotated[bool, typer.Option(help=(
+        "--resume from a checkpoint without a checksum of the whole file (an older dturbo's), which --resume "
+        "refuses: only one you wrote and trust"))] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a config key: section.key=value")] = None,
     figures: Annotated[bool, typer.Option(help="draw the run's figures at the end")] = True,
 ) -> None:
@@ -77,6 +80,7 @@ def run(
         return
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} names a file; --out must be a directory (a new or empty one for a new run)")
+    resume = resume or resume_unverified
     if resume and not RunDir(out).config_path.exists():
         _fail(f"--resume: {out} holds no run (no config.toml)")
     console.print(f"[bold]dturbo[/] {cfg.experiment.name}: {cfg.experiment.algorithm} on {cfg.data.name}, "
@@ -108,7 +112,7 @@ def run(
         with progress, warnings.catch_warnings():
             warnings.simplefilter("default")
             warnings.showwarning = _show_warning
-            sim = Simulator(cfg, out, resume=resume, on_round=on_round)
+            sim = Simulator(cfg, out, resume="unverified" if resume_unverified else resume, on_round=on_round)
             task = progress.add_task("rounds", total=cfg.experiment.rounds, info="", completed=0)
             rows = sim.run()
     except KeyboardInterrupt:

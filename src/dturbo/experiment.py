@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -121,7 +121,8 @@ class Experiment:
         out: the run directory (new or empty; with ``resume``, a run directory to continue).
         num_classes: the number of classes (labels must lie below it); default the largest label + 1. With a
             mapping ``data``, its ``num_classes`` entry is used when this is None.
-        resume: continue from the run directory's checkpoint (the same metrics as an uninterrupted run).
+        resume: continue from the run directory's checkpoint (the same metrics as an uninterrupted run);
+            ``"unverified"`` also from one without a checksum of the whole file (an older dturbo's).
         progress: True prints a line per round to stderr (as ``dturbo run`` does in a log); a callable is
             called with each round's metrics row instead; False is silent.
         figures: draw the run's figures into ``out/figures`` at the end, as ``dturbo run`` does.
@@ -138,7 +139,8 @@ class Experiment:
     """
 
     def __init__(self, config: ConfigSource, *, data: DataSource | None = None, out: str | os.PathLike[str],
-                 num_classes: int | None = None, resume: bool = False, progress: Progress = True,
+                 num_classes: int | None = None, resume: bool | Literal["unverified"] = False,
+                 progress: Progress = True,
                  figures: bool = True, model: ModelSource | None = None) -> None:
         cfg = load_config(config)
         if model is not None:

@@ -164,18 +164,19 @@ class RunDir:
         atomic_write_bytes(self.config_path, cfg.to_toml().encode())
 
     def checkpoint_to_resume(self, fingerprint: str, config: Config | None = None,
-                             data: dict[str, str] | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+                             data: dict[str, str] | None = None, *, unverified: bool = False
+                             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(state, counters) of the checkpoint a resumed run continues from, checked against the configuration's
         ``fingerprint`` and the ``data`` (:func:`dturbo.checkpoint.data_fingerprint`); CheckpointError naming the
         problem (nothing is modified): the keys in which ``config`` differs from the run's config.toml, the arrays
-        that differ."""
+        that differ. ``unverified``: a checkpoint without a checksum of the whole file loads (an older dturbo's)."""
         self._refuse_a_file()
         if not (self.checkpoint_dir / STATE_FILE).exists() and self.started():
             raise CheckpointError(
                 f"{self.path} has no checkpoint to resume (the run stopped before its first round was saved): run "
                 f"again without --resume into a fresh --out, or delete {self.path} and run again"
             )
-        state, counters = load_checkpoint(self.checkpoint_dir)
+        state, counters = load_checkpoint(self.checkpoint_dir, unverified=unverified)
         counters = run_counters(self.checkpoint_dir / STATE_FILE, counters)
         if counters.get("fingerprint") != fingerprint:
             raise CheckpointError(

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -84,18 +84,22 @@ def round_summary(row: dict[str, Any]) -> str:
 class Simulator:
     """Runs an experiment into a run directory (docs/rundir.md)."""
 
-    def __init__(self, cfg: Config, out: Path, *, resume: bool = False, federation: Federation | None = None,
-                 dataset: Dataset | None = None, on_round: Callable[[dict[str, Any]], None] | None = None,
+    def __init__(self, cfg: Config, out: Path, *, resume: bool | Literal["unverified"] = False,
+                 federation: Federation | None = None, dataset: Dataset | None = None,
+                 on_round: Callable[[dict[str, Any]], None] | None = None,
                  model: Callable[[Dataset], ModelFactory] | None = None, transport: Transport | None = None) -> None:
         """``federation``: clients already split (tests); else ``dataset`` (data already loaded, e.g. a library
         user's arrays: :func:`dturbo.data.dataset_from_arrays`) is split among the clients; else the config's
         data is read. ``model``: given the dataset, the factory of a model of one's own (``dturbo.Experiment``'s
         ``model=``) that replaces the built-in model of ``[model]``. ``transport``: how the round's messages reach
-        the clients (default: the clients in this process); ``[faults]`` are injected around it."""
+        the clients (default: the clients in this process); ``[faults]`` are injected around it. ``resume``:
+        continue the checkpoint in ``out``; ``"unverified"``: also one without a checksum of the whole file (an
+        older dturbo's)."""
         self.cfg = cfg
         self.out = Path(out)
         self.run_dir = RunDir(self.out)
-        self.resume = resume
+        self.resume = bool(resume)
+        self.unverified = resume == "unverified"
         self.on_round = on_round
         if cfg.experiment.threads:  # before anything is built: reductions depend on the thread count
             torch.set_num_threads(cfg.experiment.threads)
@@ -214,7 +218,8 @@ class Simulator:
         if not self.resume:
             self.run_dir.create(self.cfg)
             return self.server.init(), 0, 0.0, []
-        state, counters = self.run_dir.checkpoint_to_resume(self.fingerprint, self.cfg, self.data_fingerprint)
+        state, counters = self.run_dir.checkpoint_to_resume(self.fingerprint, self.cfg, self.data_fingerprint,
+                                                            unverified=self.unverified)
         state = self._restore_client_state(state)
         fresh = self.server.init()
         if set(state) != set(fresh):

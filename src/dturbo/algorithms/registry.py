@@ -131,6 +131,7 @@ def build_algorithm(cfg: Config, fed: Federated, factory: ModelFactory | None = 
     # Input size and classes vs model, before anything runs: a clear ModelInputError / ModelOutputError instead of
     # a traceback mid-round. fork_rng: building reseeds torch's global RNG, which the run's own draws must not notice.
     with torch.random.fork_rng(devices=[]):
+        models.check_memory(factory, cfg.model.name)  # counted on the meta device, before any allocation
         model = factory()
         name = cfg.model.name if cfg.model.name != "custom" else type(model).__name__
         models.check_input_shape(model, fed.dataset.input_shape, name, fed.dataset.num_classes,

@@ -5,7 +5,8 @@ Run config (``[tool.flwr.app.config]`` in pyproject.toml, overridden with ``flwr
 * ``config``: path of the dturbo TOML configuration (on the machine running the ServerApp);
 * ``out``: the run directory, the same files as ``dturbo run --out`` writes (relative paths are taken from
   the ServerApp process's working directory: pass absolute ones);
-* ``resume`` (default false): continue the run directory's checkpoint, as ``dturbo run --resume``;
+* ``resume`` (default false): continue the run directory's checkpoint, as ``dturbo run --resume``; ``unverified``:
+  as ``--resume-unverified``;
 * ``round-timeout`` (seconds, default 3600; 0 = wait for every reply): a client that has not answered by
   then counts as dropped for the round;
 * ``connect-timeout`` (seconds, default 120): how long the first round waits for a SuperNode of every
@@ -192,7 +193,8 @@ def server_settings(run_config: UserConfig) -> dict[str, Any]:
     out = {
         "config": Path(str(run_config["config"])).expanduser().resolve(),
         "out": Path(str(run_config["out"])).expanduser().resolve(),
-        "resume": settings["resume"] in (True, "true", "True", 1),
+        "resume": ("unverified" if settings["resume"] == "unverified"
+                   else settings["resume"] in (True, "true", "True", 1)),
     }
     for key in ("round-timeout", "connect-timeout"):
         try:

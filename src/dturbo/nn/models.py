@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..config import ConfigError
 from .bayes import BayesConv2d, BayesianLayer, BayesLinear, SigmaMode, bayesian_layers, softplus_inverse
 
 MODEL_NAMES = ("alexnet-small", "lenet5", "mlp", "mobilenet-v1")
@@ -79,6 +81,49 @@ def _flat_size(features: nn.Module, input_shape: Sequence[int], model_name: str)
 
 class ModelOutputError(ValueError):
     """The model's output does not fit the data: not one logit per class."""
+
+
+class ModelSizeError(ConfigError):
+    """The configured model cannot fit in this machine's memory."""
+
+
+# What a run holds per parameter of its model, at most, over the methods: the server's state in float64 (mu, sigma,
+# the support's log-odds, the precision's two factors, the field) and the clients' float32 model, gradients and
+# optimizer moments.
+BYTES_PER_PARAMETER = 80
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(factory: Callable[[], nn.Module], model_name: str, available: int | None = None) -> None:
+    """A ModelSizeError when the model ``factory`` builds cannot fit in memory: its parameters are counted on
+    PyTorch's meta device (nothing is allocated) and a run needs about :data:`BYTES_PER_PARAMETER` bytes each.
+    ``available``: the bytes there are (default :func:`available_memory`; unknown: no check). A model that cannot
+    be built on the meta device is not checked here."""
+    available = available_memory() if available is None else available
+    if available is None:
+        return
+    try:
+        with torch.device("meta"):
+            probe = factory()
+    except Exception:  # noqa: BLE001 -- a model of one's own may not build without real tensors; checked later
+        return
+    n = sum(p.numel() for p in probe.parameters())
+    need = n * BYTES_PER_PARAMETER
+    if need > available:
+        raise ModelSizeError(
+            f"model {model_name!r} has {n:,} parameters: a run needs about {need / 2**30:.1f} GiB "
+            f"({BYTES_PER_PARAMETER} bytes a parameter), and {available / 2**30:.1f} GiB of memory is available; "
+            f"make the model smaller (model.hidden, model.width)")
 
 
 def check_input_shape(model: nn.Module, input_shape: Sequence[int], model_name: str,
@@ -188,7 +233,7 @@ def mobilenet_v1(
 
 def mlp(input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode, hidden: Sequence[int]) -> nn.Sequential:
     """Multi-layer perceptron on the flattened input, leaky ReLU(0.1) between layers."""
-    sizes = [int(torch.tensor(input_shape).prod()), *map(int, hidden), num_classes]
+    sizes = [math.prod(int(d) for d in input_shape), *map(int, hidden), num_classes]
     layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
     for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True), start=1):
         layers[f"dense{i}"] = BayesLinear(fan_in, fan_out, sigma_mode=sigma_mode)
@@ -238,6 +283,8 @@ def init_sigmas(model: nn.Module, sigma_mode: str, sigma_init_ratio: float) -> N
     (:func:`layer_scale`). ``sigma_mode = "client"``: the paper's single sigma, one Parameter tied across the layers,
     started at ``sigma_init_ratio`` times the mean of their s_l (docs/algorithm.md §3)."""
     layers = [layer for _, layer in bayesian_layers(model)]
+    if any(layer.weight_mu.is_meta for layer in layers):
+        return  # built on the meta device to count its parameters (check_memory): no values to scale
     with torch.no_grad():
         for layer in layers:
             layer.sigma_param.fill_(softplus_inverse(sigma_init_ratio * layer_scale(layer)))
