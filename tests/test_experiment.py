@@ -197,3 +197,22 @@ def test_export_of_an_arrays_run(tmp_path, tiny_config):
                       out=tmp_path / "cnn", progress=False, figures=False).run()
     with pytest.raises(ExportError, match="'arrays'"):
         export_run(tmp_path / "cnn", tmp_path / "model_cnn")
+
+
+def test_progress_is_one_line_a_round_with_the_time_left_in_python_and_in_a_pipe(tmp_path, tiny_config, toy_npz,
+                                                                               capsys):
+    """Experiment's progress and ``dturbo run`` piped to a file both print one line per round, each ending with the
+    time left; a piped line is never cut at 80 columns (the first names a run directory longer than that)."""
+    cfg = tiny_config(rounds=3, data={"name": "npz", "path": str(toy_npz)})
+    out = tmp_path / ("a-run-directory-whose-name-is-long-enough-to-pass-eighty-columns" * 2)
+    dturbo.Experiment(cfg, out=out, figures=False).run()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("round ")]
+    assert [x.split()[1] for x in lines] == ["1/3", "2/3", "3/3"]
+    assert all(x.endswith(" left)") for x in lines), lines
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(dturbo.load_config(cfg).to_toml())
+    res = CliRunner().invoke(app, ["run", str(cfg_path), "--out", str(out) + "-cli", "--no-figures"])
+    assert res.exit_code == 0, res.output
+    lines = [x for x in res.output.splitlines() if x.startswith("round ")]
+    assert len(lines) == 3 and all(x.endswith(" left)") for x in lines), lines
+    assert any(x.endswith(f"-> {out}-cli") for x in res.output.splitlines()), res.output

@@ -72,7 +72,7 @@ def run(
 ) -> None:
     """Run a federated experiment (in one process) into OUT, from a CONFIG file or a --preset."""
     from .data import DataError
-    from .sim import PoisonedStateError, Simulator, TooFewClientsError, format_bits, round_summary
+    from .sim import PoisonedStateError, ProgressLine, Simulator, TooFewClientsError, format_bits, round_summary
 
     cfg = _load(config, preset, set_)
     if out is None:
@@ -95,17 +95,13 @@ def run(
             console=console, disable=not tty,
         )
 
-        seconds: list[float] = []
+        line = ProgressLine(cfg.experiment.rounds)
 
         def on_round(row: dict[str, Any]) -> None:
-            info = round_summary(row)
-            progress.update(task, completed=int(row["round"]), info=info)
+            progress.update(task, completed=int(row["round"]), info=round_summary(row))
             done[0] = int(row["round"])
             if not tty:  # logs: one line per round, with the time left at the mean pace so far
-                seconds.append(float(row["seconds"]))
-                left = (cfg.experiment.rounds - int(row["round"])) * sum(seconds) / len(seconds)
-                console.print(f"round {row['round']}/{cfg.experiment.rounds}  {info}  ({row['seconds']} s, about "
-                              f"{_duration(left)} left)")
+                console.print(line(row), highlight=False)
 
         # Warnings (a schedule that ends after the run, labels with gaps, an unverifiable checkpoint) go to the
         # console as they happen, not as Python's file:line lines.
@@ -231,15 +227,6 @@ def config_show(
     file to start one's own from."""
     cfg = _load(config, preset, set_)
     print(cfg.to_toml(), end="")
-
-
-def _duration(seconds: float) -> str:
-    """A duration in words: "40 s", "12 min", "2.5 h"."""
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def main() -> None:  # pragma: no cover

@@ -34,7 +34,7 @@ from .nn.convert import ModelSource, user_model_factory
 from .nn.models import check_input_shape
 from .rundir import RunDir
 from .settings import load_config
-from .sim import ModelFactory, Simulator, round_summary
+from .sim import ModelFactory, ProgressLine, Simulator
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike[str]
 # (x_train, y_train, x_test, y_test) as numpy arrays or torch tensors, or a mapping with those keys (and
@@ -222,10 +222,10 @@ class Experiment:
             return self.progress
         if not self.progress:
             return None
-        rounds = self.config.experiment.rounds
+        line = ProgressLine(self.config.experiment.rounds)
 
         def show(row: dict[str, Any]) -> None:
-            print(f"round {row['round']}/{rounds}  {round_summary(row)}  ({row['seconds']} s)", file=sys.stderr)
+            print(line(row), file=sys.stderr)
 
         return show
 

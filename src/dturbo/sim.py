@@ -81,6 +81,30 @@ def round_summary(row: dict[str, Any]) -> str:
             f"bits {format_bits(float(row['cum_bits']))}")
 
 
+def duration(seconds: float) -> str:
+    """A duration in words: "40 s", "12 min", "2.5 h"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class ProgressLine:
+    """A run's progress in a log, one line a round: the round, :func:`round_summary`, its seconds and the time left
+    at the mean pace of the rounds seen so far."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.seconds: list[float] = []
+
+    def __call__(self, row: dict[str, Any]) -> str:
+        self.seconds.append(float(row["seconds"]))
+        left = (self.rounds - int(row["round"])) * sum(self.seconds) / len(self.seconds)
+        return (f"round {row['round']}/{self.rounds}  {round_summary(row)}  ({row['seconds']} s, about "
+                f"{duration(left)} left)")
+
+
 class Simulator:
     """Runs an experiment into a run directory (docs/rundir.md)."""
 

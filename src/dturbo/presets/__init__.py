@@ -47,8 +47,13 @@ def read(name: str) -> dict[str, Any]:
 
 
 def describe(name: str) -> str:
-    """The preset's one-line description: its file's first comment line."""
+    """The preset's description: its file's first comment, every line of it up to the first that is not a comment,
+    joined into one."""
+    lines = []
     for line in text(name).splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
+        if not line.startswith("#"):
+            if lines:
+                break
+            continue
+        lines.append(line.lstrip("#").strip())
+    return " ".join(x for x in lines if x)
