@@ -14,7 +14,9 @@ from dturbo.algorithms.base import ClientData
 from dturbo.algorithms.dturbo import layer_infos
 from dturbo.algorithms.dturbo.layers import followed_by_batchnorm
 from dturbo.algorithms.statistics import Statistics, _kind
-from dturbo.codec import decode_message, encode_dense, encode_message
+from dturbo.algorithms.robust import RobustAggregation
+from dturbo.codec import decode_dense, decode_message, encode_dense, encode_message
+from dturbo.config import RobustConfig
 from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 from dturbo.transport import InProcessClients
@@ -181,3 +183,75 @@ def test_the_layers_batchnorm_follows_are_found():
     assert targets["0"] == 1.0  # one input channel: kept dense
     assert not np.isnan(targets["2"]) and not np.isnan(targets["12"])
     assert np.isnan(targets["6"]) and np.isnan(targets["9"]) and np.isnan(targets["14"])
+
+
+# ---------------------------------------------------------------------- every value a client sends, one gate
+class PoisonedStatistics(InProcessClients):
+    """Client 0 answers every calibration with variances of 1e6 (finite, beyond what float16 carries pooled); an
+    extra reply comes from a client that was not asked."""
+
+    def __call__(self, downlinks, round_idx):
+        replies = super().__call__(downlinks, round_idx)
+        if 0 in downlinks and _kind(downlinks[0]) == "calibrate":
+            fields = [(name, encode_dense(np.full(8, 1e6), dtype="float32") if name.endswith(".var") else payload)
+                      for name, payload in decode_message(replies[0])[1]]
+            replies[0] = encode_message("statistics", fields)
+            replies[7] = replies[1]
+        return replies
+
+
+def test_statistics_beyond_the_bound_or_from_a_client_not_asked_are_refused_and_the_run_goes_on(tmp_path):
+    exp = dturbo.Experiment(config("dturbo", 3), data=images(), model=ResNetTiny, out=tmp_path / "run",
+                            progress=False, figures=False)
+    sim = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
+    sim.carrier = PoisonedStatistics(sim.client, sim.fed.clients)
+    sim.run()
+    log = sim.run_dir.events_path.read_text()
+    assert log.count("magnitude 1e+06, beyond the bound 10000") == 3 and log.count("client 7: BatchNorm statistics refused") == 3
+    state = server_state(tmp_path / "run")
+    assert float(state["stem.1.running_var.plain"].max()) < 100
+
+
+def test_a_robust_rule_pools_the_statistics_so_that_a_few_clients_cannot_move_them():
+    """3 of 10 clients report variances of 9000 (inside the bound): the weighted pool follows them, the median
+    stays with the honest clients' spread."""
+    from dturbo.algorithms.robust import Median
+
+    stats = Statistics(_net())
+    rng = np.random.default_rng(0)
+    honest = [{n.name: (rng.normal(0, 0.1, n.channels), 1 + rng.random(n.channels)) for n in stats.norms}
+              for _ in range(7)]
+    hostile = [{n.name: (np.zeros(n.channels), np.full(n.channels, 9000.0)) for n in stats.norms} for _ in range(3)]
+    weights = [1.0] * 10
+    plain = stats.pool({}, weights, honest + hostile)
+    robust = stats.pool({}, weights, honest + hostile, Median())
+    key = stats.norms[0].fields[1]
+    assert plain[key].min() > 2000 and robust[key].max() < 2.5
+
+
+def _poison_plain(upload: bytes, key: str, value: float) -> bytes:
+    kind, fields = decode_message(upload)
+    out = [(n, encode_dense(np.full_like(decode_dense(p), value), dtype="float16") if n == f"{key}.plain" else p)
+           for n, p in fields]
+    return encode_message(kind, out)
+
+
+@pytest.mark.parametrize("algorithm", ["dturbo", "fedavg"])
+def test_the_plain_state_passes_the_bound_and_the_robust_rule(algorithm):
+    """BatchNorm's state outside the Bayesian layers: a running variance of 6e4 (inside float16) is refused by the
+    bound; 3 of 10 uploads at 9000 (inside it) move the weighted mean, not the median."""
+    cfg = config(algorithm, 1, federation={"clients": 10}, robust={"rule": "median"})
+    exp = dturbo.Experiment(cfg, data=images(), model=ResNetTiny, out="unused", progress=False, figures=False)
+    sim = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
+    server, client = sim.server, sim.client
+    state = server.init()
+    down = server.downlinks(state, 0, list(range(10)))
+    ups = [client.fit(down[c], sim.fed.clients[c], c) for c in range(10)]
+    key = "stem.1.running_var"
+    result = server.aggregate(state, [_poison_plain(ups[0], key, 6e4)] + ups[1:], 0, list(range(10)))
+    assert [r.uplink for r in result.rejected] == [0] and "beyond the bound" in result.rejected[0].reason
+    poisoned = [_poison_plain(u, key, 9000.0) for u in ups[:3]] + ups[3:]
+    robust = server.aggregate(state, poisoned, 0, list(range(10))).state[f"{key}.plain"]
+    server.robust = RobustAggregation(RobustConfig())
+    plain = server.aggregate(state, poisoned, 0, list(range(10))).state[f"{key}.plain"]
+    assert plain.min() > 2000 and robust.max() < 100

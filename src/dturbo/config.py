@@ -131,8 +131,9 @@ class RobustConfig(_Section):
     trim: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: the fraction of uploads dropped at each end "
                                                          "of every coordinate")
     byzantine: int = Field(1, ge=0, description=(
-        "krum, bulyan: the hostile uploads a round is assumed to hold (fewer when too few uploads came: krum needs "
-        "n >= 2 byzantine + 3, bulyan n >= 4 byzantine + 3)"))
+        "krum, bulyan, trimmed_mean: the hostile uploads a round is assumed to hold, less those refused already "
+        "(fewer when too few uploads came: krum needs n >= 2 byzantine + 3, bulyan n >= 4 byzantine + 3); "
+        "trimmed_mean trims at least this many at each end"))
     clip_norm: float | None = Field(None, gt=0, description=(
         "each upload's update (its vector minus the global model's) scaled to at most this L2 norm before the "
         "rule; None: no clipping"))

@@ -63,9 +63,11 @@ class Traffic:
         for data in uplinks:
             self.up_bits += self._book("up", _received(data, self.layouts, self.max_uplink_bytes))
 
-    def add_calibration(self, requests: list[tuple[bytes, bytes]], replies: list[bytes]) -> None:
+    def add_calibration(self, requests: list[tuple[bytes, bytes]], replies: list[bytes], bound: int | None = None
+                        ) -> None:
         """A BatchNorm calibration (:mod:`dturbo.algorithms.statistics`): each request as (the ``calibrate``
-        message, the downlink it frames), booked as that downlink plus its frame in headers; each reply by part."""
+        message, the downlink it frames), booked as that downlink plus its frame in headers; each reply by part,
+        one longer than ``bound`` bytes as the bound's bytes."""
         split: dict[int, dict[str, int]] = {}
         for wrapped, inner in requests:
             if id(wrapped) not in split:
@@ -75,7 +77,7 @@ class Traffic:
             self.down_bits += bits
             self.calibration_bits += bits
         for data in replies:
-            bits = self._book("up", _received(data, STATISTICS_LAYOUT))
+            bits = self._book("up", _received(data, STATISTICS_LAYOUT, bound))
             self.up_bits += bits
             self.calibration_bits += bits
 

@@ -132,6 +132,16 @@ class PlainState:
         return {t.field: sum(pt * d[t.field] for pt, d in zip(p, decoded, strict=True)).astype(np.float32)
                 for t in self.tensors}
 
+    def flatten(self, values: dict[str, np.ndarray]) -> np.ndarray:
+        """This state's values (by field) as one float64 vector, in tensor order."""
+        return np.concatenate([np.asarray(values[t.field], np.float64).reshape(-1) for t in self.tensors])
+
+    def unflatten(self, vector: np.ndarray) -> State:
+        """Server state entries (float32) from a vector of :meth:`flatten`."""
+        ends = np.cumsum([0] + [t.size for t in self.tensors])
+        return {t.field: np.asarray(vector[a:b], np.float32).reshape(t.shape)
+                for t, a, b in zip(self.tensors, ends[:-1], ends[1:], strict=True)}
+
     def load_state(self, model: nn.Module, state: State) -> None:
         """Put the server's values into ``model`` (the global model)."""
         self._load(model, {t.field: state[t.field] for t in self.tensors})

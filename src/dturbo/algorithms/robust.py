@@ -48,14 +48,16 @@ class Median(Rule):
 @dataclass
 class TrimmedMean(Rule):
     """Per coordinate, the mean after dropping floor(trim * K) values at each end (unweighted, as Flower's
-    FedTrimmedAvg)."""
+    FedTrimmedAvg), and at least ``byzantine`` less the uploads already refused this round: with fewer than 1 / trim
+    uploads, floor(trim * K) is 0 and would trim nothing."""
 
     trim: float
+    byzantine: int = 0
     name = "trimmed_mean"
 
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         k = x.shape[0]
-        cut = min(int(np.floor(self.trim * k)), (k - 1) // 2)
+        cut = min(max(int(np.floor(self.trim * k)), self.byzantine - refused), (k - 1) // 2)
         if cut == 0:
             return x.mean(axis=0)
         return np.sort(x, axis=0)[cut:k - cut].mean(axis=0)
@@ -122,7 +124,7 @@ def make_rule(cfg: RobustConfig) -> Rule:
     if cfg.rule == "median":
         return Median()
     if cfg.rule == "trimmed_mean":
-        return TrimmedMean(cfg.trim)
+        return TrimmedMean(cfg.trim, cfg.byzantine)
     if cfg.rule == "krum":
         return Krum(cfg.byzantine)
     if cfg.rule == "bulyan":

@@ -20,7 +20,7 @@ from ..codec import CodecError
 from ..config import Config
 from ..protocol import ServerAlgorithm
 from .base import NO_CLIENT, MessageError, Rejection, State, client_weights, sample_uniform
-from .bounds import UploadBounds
+from .bounds import VALUE_CAP, Limit, UploadBounds
 from .plain import PlainState
 from .robust import RobustAggregation
 
@@ -103,6 +103,9 @@ class ServerBase(ServerAlgorithm, Generic[U]):
         if senders is not None and len(senders) != len(uplinks):
             raise ValueError(f"{len(senders)} senders for {len(uplinks)} uploads")
         bounds = self.bounds(state, round_idx)
+        # the state outside the Bayesian layers passes the same gate: finite, and within the cap that keeps every
+        # aggregate far inside float16 (its running statistics may legitimately grow far beyond the global ones)
+        bounds.limits |= {t.field: Limit(VALUE_CAP) for t in self.plain.tensors}
         valid: list[U] = []
         rejected: list[Rejection] = []
         answered: set[int] = set()
@@ -113,7 +116,7 @@ class ServerBase(ServerAlgorithm, Generic[U]):
             except (MessageError, CodecError) as err:
                 rejected.append(Rejection(i, str(err)))
                 continue
-            why = bounds.refusal(up.vectors(), up.losses(), up.n_t, up.client_id, sender)
+            why = bounds.refusal(up.vectors() | up.plain, up.losses(), up.n_t, up.client_id, sender)
             if why is None and sender is not None and sender in answered:
                 why = f"client {sender} already sent an upload this round"
             if why is not None:
@@ -138,5 +141,11 @@ class ServerBase(ServerAlgorithm, Generic[U]):
         return {}
 
     def aggregate_plain(self, state: State, got: Received[U]) -> State:
-        """``state`` with the n_t-weighted mean of the uploads' plain state (whatever ``weighting`` is)."""
-        return dict(state) | self.plain.aggregate([u.n_t for u in got.uploads], [u.plain for u in got.uploads])
+        """``state`` with the uploads' plain state combined: their n_t-weighted mean (whatever ``weighting`` is), or
+        with a robust ``[robust] rule`` that rule on the whole vector (no clipping: its norm is the weights')."""
+        decoded = [u.plain for u in got.uploads]
+        if self.robust.plain or not self.plain:
+            return dict(state) | self.plain.aggregate([u.n_t for u in got.uploads], decoded)
+        rows = np.stack([self.plain.flatten(d) for d in decoded])
+        p = np.asarray([u.n_t for u in got.uploads], dtype=np.float64)
+        return dict(state) | self.plain.unflatten(self.robust.rule.combine(rows, p / p.sum(), len(got.rejected)))

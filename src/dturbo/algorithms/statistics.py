@@ -25,7 +25,9 @@ from torch import nn
 
 from ..codec import MAGIC, CodecError, decode_dense, decode_message, encode_dense, encode_message
 from ..protocol import ClientAlgorithm, ClientData, MessageError, ServerAlgorithm, State
+from .bounds import VALUE_CAP
 from .plain import SUFFIX
+from .robust import Mean, Rule
 
 if TYPE_CHECKING:
     from ..ledger import Traffic
@@ -114,24 +116,29 @@ class Statistics:
                                    f"{norm.channels} channels")
             if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(var))) or np.any(var < 0):
                 raise MessageError(f"{norm.name}: statistics not finite or a negative variance")
+            top = max(float(np.abs(mean).max(initial=0.0)), float(var.max(initial=0.0)))
+            if top > VALUE_CAP:  # what the float16 downlink must carry, pooled: inside the cap, far inside float16
+                raise MessageError(f"{norm.name}: a statistic of magnitude {top:.4g}, beyond the bound {VALUE_CAP:g}")
             out[norm.name] = (mean.astype(np.float64), var.astype(np.float64))
         return out
 
     def max_reply_bytes(self) -> int:
         return sum(2 * (4 * n.channels + len(n.name) + 32) for n in self.norms) + 64
 
-    def pool(self, state: State, weights: list[float], decoded: list[dict[str, tuple[np.ndarray, np.ndarray]]]
-             ) -> State:
+    def pool(self, state: State, weights: list[float], decoded: list[dict[str, tuple[np.ndarray, np.ndarray]]],
+             rule: Rule | None = None) -> State:
         """``state`` with every BatchNorm's running statistics those of the pooled data: with p_c the clients'
-        weights normalised, mean = sum p_c m_c and var = sum p_c (v_c + (m_c - mean)^2)."""
+        weights normalised, mean = sum p_c m_c and var = sum p_c (v_c + (m_c - mean)^2); a robust ``rule``
+        (``[robust]``) takes the place of each weighted sum, so that a few clients cannot move them far."""
         p = np.asarray(weights, dtype=np.float64)
         p = p / p.sum()
+        combine = (rule or Mean()).combine
         new = dict(state)
         for norm in self.norms:
             means = np.stack([d[norm.name][0] for d in decoded])
             vars_ = np.stack([d[norm.name][1] for d in decoded])
-            mean = p @ means
-            var = p @ (vars_ + (means - mean) ** 2)
+            mean = combine(means, p)
+            var = combine(vars_ + (means - mean) ** 2, p)
             key_mean, key_var = norm.fields
             new[key_mean], new[key_var] = mean.astype(np.float32), var.astype(np.float32)
         return new
@@ -146,7 +153,12 @@ def calibrate(statistics: Statistics, server: ServerAlgorithm, state: State, nex
     downlinks = server.downlinks(state, next_round, server.select_clients(next_round))
     framed: dict[int, bytes] = {}
     requests = {cid: framed.setdefault(id(down), request(down)) for cid, down in downlinks.items()}
-    replies = send(requests)
+    replies = {}
+    for cid, reply in send(requests).items():
+        if cid in requests:
+            replies[cid] = reply
+        else:  # only the clients asked answer: another's reply is neither read nor booked
+            events.append(f"client {cid}: BatchNorm statistics refused: it was not asked this round")
     good, weights = [], []
     for cid, reply in replies.items():
         if not isinstance(reply, bytes):
@@ -159,11 +171,12 @@ def calibrate(statistics: Statistics, server: ServerAlgorithm, state: State, nex
             continue
         weights.append(server.partitions[cid] if server.partitions else 1)
     traffic.add_calibration([(requests[c], downlinks[c]) for c in replies],
-                            [r for r in replies.values() if isinstance(r, bytes)])
+                            [r for r in replies.values() if isinstance(r, bytes)], statistics.max_reply_bytes())
     if not good:
         events.append("BatchNorm calibration: no valid statistics, the averaged ones are kept")
         return state
-    return statistics.pool(state, weights, good)
+    robust = getattr(server, "robust", None)
+    return statistics.pool(state, weights, good, None if robust is None or robust.plain else robust.rule)
 
 
 def request(downlink: bytes) -> bytes:
