@@ -22,7 +22,7 @@ from dturbo.algorithms.plain import PlainState
 from dturbo.checkpoint import CheckpointError
 from dturbo.nn import BayesConv2d, BayesianizeError, BayesLinear, UnsupportedLayerError, bayesian_layers
 from dturbo.nn.convert import user_model_factory
-from dturbo.nn.models import ModelOutputError
+from dturbo.nn.models import ModelInputError, ModelOutputError
 from dturbo.nn.shapes import grid_shape
 from dturbo.settings import load_config
 from dturbo.testing import Residual
@@ -496,3 +496,67 @@ def copy_of(net: nn.Module) -> nn.Module:
     import copy
 
     return copy.deepcopy(net)
+
+
+# ------------------------------------------------------------------- the first layer names the inputs it takes
+class Series(nn.Module):
+    """A Conv1d on (N, 1, 24) series."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, 3)
+        self.fc = nn.Linear(4 * 22, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(torch.relu(self.conv(x)), 1))
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 4)
+        self.fc = nn.Linear(48, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.emb(x), 1))
+
+
+class Tabular(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _split(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
+    return x[:240], y[:240], x[240:], y[240:]
+
+
+def test_a_conv1d_model_takes_its_series_as_n_c_l_and_learns(tmp_path):
+    """(N, 1, 24) arrays read "auto" would be 1x1x24 images; a model whose first layer is a Conv1d takes them as
+    N, C, L series (recorded in the run's config), and learns them."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 1, 24)).astype(np.float32)
+    y = (x[:, 0, :12].sum(1) > 0).astype(np.int64)
+    exp = dturbo.Experiment(config("fedavg", 4, federation={"clients": 2}, train={"local_steps": 20}),
+                            data=_split(x, y), model=Series,
+                            out=tmp_path / "run", progress=False, figures=False)
+    assert exp.config.data.layout == "channels_first" and exp.dataset.input_shape == (1, 24)
+    res = exp.run()
+    assert res.metrics[-1]["accuracy"] > 0.7  # 2 classes: chance is 0.5
+
+
+@pytest.mark.parametrize(("model", "ints", "match"), [
+    (Tokens, False, "first layer 'emb' is an Embedding, which takes integer ids, and the inputs are torch.float32"),
+    (Tabular, True, r"the inputs are integers, read as ids \(torch.int64\), and its first layer 'fc' \(BayesLinear\) "
+                    "takes floats: store the features as float32"),
+])
+def test_an_input_of_the_wrong_kind_is_named_as_such(tmp_path, model, ints, match):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(300, 12))
+    x = x.astype(np.int64) if ints else x.astype(np.float32)
+    with pytest.raises(ModelInputError, match=match):
+        dturbo.Experiment(config("fedavg", 1), data=_split(x, rng.integers(0, 2, 300)), model=model,
+                          out=tmp_path / "run", progress=False, figures=False)

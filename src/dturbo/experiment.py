@@ -30,8 +30,9 @@ from .config import Config, ConfigError
 from .data import DataError, Dataset, dataset_from_arrays
 from .data.readers import NPZ_KEYS
 from .device import resolve_device
+from .nn.bayes import BayesConv1d
 from .nn.convert import ModelSource, user_model_factory
-from .nn.models import check_input_shape
+from .nn.models import check_input_shape, first_layer
 from .rundir import RunDir
 from .settings import load_config
 from .sim import ModelFactory, ProgressLine, Simulator
@@ -147,6 +148,9 @@ class Experiment:
             cfg = load_config(cfg, {"model.name": "custom"})
         elif cfg.model.name == "custom":
             raise ConfigError("config key 'model.name': 'custom' needs the model: Experiment(..., model=...)")
+        if model is not None and cfg.data.layout == "auto" and _takes_series(model):
+            # a Conv1d first: N, C, L series, whatever auto would make of a 3-d array (N, H, W images)
+            cfg = load_config(cfg, {"data.layout": "channels_first"})
         self.dataset: Dataset | None = None
         if data is not None:
             cfg = load_config(cfg, {"data.name": "arrays", "data.path": None})
@@ -228,6 +232,18 @@ class Experiment:
             print(line(row), file=sys.stderr)
 
         return show
+
+
+def _takes_series(model: ModelSource) -> bool:
+    """Whether ``model`` (a module, or a class built without arguments) meets its inputs with a Conv1d."""
+    if not isinstance(model, nn.Module):
+        try:
+            with torch.random.fork_rng(devices=[]):
+                model = model()  # type: ignore[operator]
+        except Exception:  # noqa: BLE001 -- a model that needs arguments: no inference, the error says what to set
+            return False
+    first = first_layer(model) if isinstance(model, nn.Module) else None
+    return first is not None and isinstance(first[1], nn.Conv1d | BayesConv1d)
 
 
 def _unpack(data: DataSource) -> tuple[tuple[Any, Any, Any, Any], Any]:

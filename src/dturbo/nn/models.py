@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .bayes import BayesConv2d, BayesianLayer, BayesLinear, SigmaMode, bayesian_layers, softplus_inverse
+from .bayes import BayesConv1d, BayesConv2d, BayesianLayer, BayesLinear, SigmaMode, bayesian_layers, softplus_inverse
 
 MODEL_NAMES = ("alexnet-small", "lenet5", "mlp", "mobilenet-v1")
 
@@ -67,8 +67,10 @@ def _input_error(model_name: str, net: nn.Module, input_shape: Sequence[int]) ->
         msg += f"; layer {layer!r} fails ({why})"
     if smallest is not None:
         msg += f". The smallest {input_shape[0]}-channel square input it takes is {smallest}x{smallest}"
-    return ModelInputError(msg + "; use larger images or a model for small inputs (model.name = 'mlp', "
-                                 "or 'mobilenet-v1')")
+    if model_name in MODEL_NAMES:
+        return ModelInputError(msg + "; use larger images or a model for small inputs (model.name = 'mlp', "
+                                     "or 'mobilenet-v1')")
+    return ModelInputError(msg + "; use larger inputs, or a model whose layers fit them")
 
 
 def _flat_size(features: nn.Module, input_shape: Sequence[int], model_name: str) -> int:
@@ -126,6 +128,37 @@ def check_memory(factory: Callable[[], nn.Module], model_name: str, available: i
             f"make the model smaller (model.hidden, model.width)")
 
 
+_FIRST = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.RNNBase, BayesianLayer)
+
+
+def first_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of the first layer with weights that ``model`` registers (the layer its inputs meet first in
+    a model written in order), or None."""
+    return next(((n, m) for n, m in model.named_modules() if isinstance(m, _FIRST)), None)
+
+
+def input_cause(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype) -> str | None:
+    """What makes a model's first layer refuse the data, and the fix, when it is not their size: integer ids for a
+    layer that takes floats or the reverse, or N, C, H, W images for a Conv1d; None otherwise."""
+    first = first_layer(model)
+    if first is None:
+        return None
+    name, layer = first
+    kind = type(layer).__name__
+    ids = not dtype.is_floating_point
+    if isinstance(layer, nn.Embedding | nn.EmbeddingBag) and not ids:
+        return (f"its first layer {name!r} is an {kind}, which takes integer ids, and the inputs are {dtype} values: "
+                f"give the ids as integers (int64)")
+    if ids and not isinstance(layer, nn.Embedding | nn.EmbeddingBag):
+        return (f"the inputs are integers, read as ids ({dtype}), and its first layer {name!r} ({kind}) takes "
+                f"floats: store the features as float32 (uint8 arrays are read as pixels)")
+    if isinstance(layer, nn.Conv1d | BayesConv1d) and len(input_shape) == 3:
+        size = "x".join(map(str, input_shape))
+        return (f"its first layer {name!r} is a Conv1d, which takes N, C, L series, and the data were read as "
+                f"N, C, H, W images of {size}: set data.layout = 'channels_first' to take the arrays as given")
+    return None
+
+
 def check_input_shape(model: nn.Module, input_shape: Sequence[int], model_name: str,
                       num_classes: int | None = None, dtype: torch.dtype = torch.float32) -> None:
     """A dry forward pass of one zero sample (of ``dtype``: int64 for ids) through ``model`` (in eval mode, no RNG
@@ -136,7 +169,12 @@ def check_input_shape(model: nn.Module, input_shape: Sequence[int], model_name: 
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model.eval()
             out = model(torch.zeros(1, *input_shape, dtype=dtype))
-    except RuntimeError:
+    except (RuntimeError, IndexError, TypeError) as err:
+        cause = input_cause(model, input_shape, dtype)
+        if cause is not None:
+            raise ModelInputError(f"model {model_name!r} cannot take the dataset's inputs: {cause}") from None
+        if not isinstance(err, RuntimeError):
+            raise
         raise _input_error(model_name, model, input_shape) from None
     finally:
         model.train(training)
