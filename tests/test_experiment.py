@@ -79,7 +79,11 @@ def test_result_model_is_the_saved_global_model(tmp_path, tiny_config, toy_npz):
     assert acc == res.accuracy and loss == pytest.approx(res.metrics[-1]["loss"])
     kept = sum(int(layer.masked_weight().count_nonzero()) for _, layer in bayesian_layers(model))
     total = sum(layer.weight_mu.numel() for _, layer in bayesian_layers(model))
-    assert kept / total == pytest.approx(res.density, abs=1e-6) and res.density < 1  # pruned to the support
+    assert kept / total == pytest.approx(res.support_density, abs=1e-6) and res.support_density < 1
+    # density: every value of the model, as a user counts them (the biases too: they are not pruned)
+    values = [t for _, layer in bayesian_layers(model) for t in (layer.masked_weight(), layer.bias)]
+    assert res.density == pytest.approx(sum(int(t.count_nonzero()) for t in values) / sum(t.numel() for t in values))
+    assert res.support_density < res.density < 1
     from safetensors.torch import load_file
 
     saved = load_file(str(tmp_path / "run" / "model.safetensors"))

@@ -30,7 +30,7 @@ from .config import Config, ConfigError
 from .data import DataError, Dataset, dataset_from_arrays
 from .data.readers import NPZ_KEYS
 from .device import resolve_device
-from .nn.bayes import BayesConv1d
+from .nn.bayes import BayesConv1d, bayesian_layers
 from .nn.convert import ModelSource, user_model_factory
 from .nn.models import check_input_shape, first_layer
 from .rundir import RunDir
@@ -65,7 +65,22 @@ class ExperimentResult:
 
     @property
     def density(self) -> float:
-        """Fraction of nonzero weights of the final global model (the last round's row)."""
+        """Fraction of nonzero values of the whole final model, as a user counts them: the Bayesian layers' weights
+        (their means, pruned to the support) and biases, and every floating-point tensor outside those layers
+        (BatchNorm's, an embedding, ...), which travels dense."""
+        from .algorithms.plain import PlainState
+
+        tensors = [t for _, layer in bayesian_layers(self.model)
+                   for t in (layer.masked_weight(), layer.bias) if t is not None]
+        state = self.model.state_dict()
+        tensors += [state[t.key] for t in PlainState(self.model).tensors]
+        total = sum(t.numel() for t in tensors)
+        return sum(int(t.count_nonzero()) for t in tensors) / total if total else 1.0
+
+    @property
+    def support_density(self) -> float:
+        """Fraction of the Bayesian layers' weights on the final support (the last round's ``density`` in
+        metrics.csv): what the method prunes, without the biases and the state that travels dense."""
         return float(self.metrics[-1]["density"])
 
     def export(self, out_dir: str | os.PathLike[str], *, example_input: torch.Tensor | None = None,
