@@ -560,3 +560,17 @@ def test_an_input_of_the_wrong_kind_is_named_as_such(tmp_path, model, ints, matc
     with pytest.raises(ModelInputError, match=match):
         dturbo.Experiment(config("fedavg", 1), data=_split(x, rng.integers(0, 2, 300)), model=model,
                           out=tmp_path / "run", progress=False, figures=False)
+
+
+def test_exporting_an_embedding_model_names_the_op_export_does_not_know(tmp_path):
+    """The default example input of a model whose first layer is an embedding is ids (not floats cast from
+    noise), so the export reaches the embedding and refuses it by name."""
+    from dturbo.export import ExportError
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(300, 12)).astype(np.int64)
+    res = dturbo.Experiment(config("fedavg", 1), data=_split(x, rng.integers(0, 2, 300)), model=Tokens,
+                            out=tmp_path / "run", progress=False, figures=False).run()
+    with pytest.raises(ExportError, match="node 'emb' calls module 'emb' of type torch.nn.modules.sparse.Embedding"):
+        res.export(tmp_path / "exported")
+    assert not (tmp_path / "exported" / "model.json").exists()

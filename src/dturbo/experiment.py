@@ -90,7 +90,8 @@ class ExperimentResult:
         inputs="raw")`` takes the data as stored); returns the :class:`dturbo.export.graph.ExportedGraph`.
 
         ``example_input``: a batch of normalised inputs to capture and check the graph on; default 2 seeded random
-        samples of the model's ``input_shape``. Raises :class:`dturbo.export.ExportError` (e.g. a model torch.fx
+        samples of the model's ``input_shape`` (integer ids below its size for a model whose first layer is an
+        embedding). Raises :class:`dturbo.export.ExportError` (e.g. a model torch.fx
         cannot trace, or an op outside export's vocabulary, named)."""
         from .export import ExportError, check_input_norm, export_model
 
@@ -98,7 +99,12 @@ class ExperimentResult:
             shape = getattr(self.model, "input_shape", None)
             if not shape:
                 raise ExportError("the model records no input_shape: pass example_input (a batch of inputs)")
-            example_input = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
+            seeded = torch.Generator().manual_seed(0)
+            first = first_layer(self.model)
+            if first is not None and isinstance(first[1], nn.Embedding | nn.EmbeddingBag):
+                example_input = torch.randint(0, first[1].num_embeddings, (2, *shape), generator=seeded)
+            else:
+                example_input = torch.randn(2, *shape, generator=seeded)
         norm = None
         _, meta = RunDir(self.out).read_model()
         if "input_norm" in meta:

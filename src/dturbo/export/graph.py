@@ -363,7 +363,9 @@ def export_model(
         raise ExportError(f"export_model takes a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 2:
         raise ExportError("example_input must be a batch tensor (N, *sample_shape)")
-    x = example_input.detach().to("cpu", torch.float32)
+    x = example_input.detach().to("cpu")
+    if x.is_floating_point():  # ids (an embedding's input) stay integers
+        x = x.float()
     training = model.training
     model.eval()
     try:
@@ -376,7 +378,11 @@ def export_model(
             gm = fx.GraphModule(model, graph)
             from torch.fx.passes.shape_prop import ShapeProp
 
-            ShapeProp(gm).propagate(x)
+            try:
+                ShapeProp(gm).propagate(x)
+            except RuntimeError as err:
+                raise ExportError(f"{type(model).__name__} cannot run on example_input of shape {tuple(x.shape)} "
+                                  f"and dtype {x.dtype}: {str(err).splitlines()[0]}") from None
             expected = model(x)
             capture = _Capture(gm)
             capture.run()
