@@ -334,3 +334,20 @@ def test_inference_column_names_the_samples_really_timed(make_toy, tmp_path):
     assert rows[1][-1].endswith(" [200]") and rows[2][-1] == "12.3 [3000]"
     other.inference_ms = other.inference_samples = None
     assert comparison_table([other], [0.5])[1].splitlines()[0].endswith(",inference (ms)")
+
+
+def test_a_run_that_missed_its_target_density_is_labelled_with_what_it_reached(runs, tmp_path):
+    import shutil
+
+    s = summarize(runs[1], inference=False)
+    assert "40% target" in s.label and "reached" not in s.label  # it reached it
+    missed = tmp_path / "missed"
+    shutil.copytree(runs[1], missed)
+    path = missed / "metrics.csv"
+    rows = list(csv.DictReader(path.open()))
+    rows[-1]["density"] = "0.426"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert summarize(missed, inference=False).label.endswith("), 43% reached")

@@ -289,8 +289,12 @@ def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, rep
     if not m or "accuracy" not in m:
         raise ValueError(f"{run_dir}/metrics.csv holds no rounds")
     acc = m["accuracy"]
+    label = method_label(cfg)
+    scheduled = m.get("scheduled_density")
+    if scheduled is not None and abs(float(scheduled[-1]) - float(m["density"][-1])) > 0.02:
+        label += f", {float(m['density'][-1]):.0%} reached"  # a target the run did not reach is not its label
     summary = RunSummary(
-        run_dir=run_dir, label=method_label(cfg), algorithm=cfg.experiment.algorithm, rounds=int(m["round"][-1]),
+        run_dir=run_dir, label=label, algorithm=cfg.experiment.algorithm, rounds=int(m["round"][-1]),
         final_accuracy=float(acc[-1]), best_accuracy=float(np.nanmax(acc)), density=float(m["density"][-1]),
         up_bits=float(m["up_bits"].sum()), down_bits=float(m["down_bits"].sum()), metrics=m,
     )
