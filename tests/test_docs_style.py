@@ -175,3 +175,21 @@ def test_readme_results_table_is_what_the_results_files_say():
     from run_helpers import load_benchmark
 
     assert load_benchmark("docs_tables").main(["--check"]) == 0, "run .venv/bin/python benchmarks/docs_tables.py"
+
+
+def test_every_dturbo_import_in_a_docs_code_block_imports():
+    """Each ``from dturbo... import ...`` / ``import dturbo...`` line of a Python block in README or docs/ runs: a
+    module that moved leaves no stale path in the docs."""
+    import re
+    import subprocess
+    import sys
+
+    lines = set()
+    for path in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S):
+            lines |= {ln.split("#")[0].strip() for ln in block.splitlines()
+                      if re.match(r"\s*(from dturbo[\w.]* import |import dturbo)", ln)}
+    assert len(lines) > 5
+    code = "\n".join(sorted(lines))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
