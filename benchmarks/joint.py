@@ -466,13 +466,16 @@ def main(argv: list[str] | None = None) -> int:
             print("failed: " + ", ".join(j.name for j in failed))
             return 1
     elif args.command == "verify":
-        # Every run reused from another campaign, its first rounds trained again with this code: the cache holds
-        # what this code computes.
+        # Every run reused from another campaign, and seed 0 of every method's chosen setting, its first rounds
+        # trained again with this code: the cache holds what this code computes.
         bad = 0
         checked = {}
+        chosen = {f"{label}_s{camp.seeds[0]}" for label in choose(camp, h.load_runs(camp, s)).chosen.values()}
         for job in select_jobs(camp, s, index) + seed_jobs(camp, s, index):
             path = job.source or job.committed / f"{job.name}.csv"
-            if job.status not in ("reuse", "done") or not h.trained_elsewhere(path, camp.tag):
+            if job.status not in ("reuse", "done") or not (h.trained_elsewhere(path, camp.tag) or job.name in chosen):
+                continue
+            if args.only is not None and job.cand.method not in args.only:
                 continue
             diffs = h.verify(job, path, args.rounds)
             bad += bool(diffs)
@@ -480,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{job.name} ({h.run_name(path)}): first {args.rounds} rounds "
                   f"{'identical' if not diffs else 'DIFFER: ' + '; '.join(diffs)}", flush=True)
         (s.results / "joint_verify.json").write_text(json.dumps(
-            {"what": "runs trained by an earlier campaign with the same resolved config, their first rounds trained "
-                     "again with this code and compared column by column", "runs": checked}, indent=1) + "\n")
+            {"what": "runs trained by an earlier campaign with the same resolved config, and seed 0 of each method's "
+                     "chosen setting, their first rounds trained again with this code and compared column by column",
+             "runs": checked}, indent=1) + "\n")
         return 1 if bad else 0
     elif args.command == "time":
         time_chosen(camp, s, args.sessions)
