@@ -425,7 +425,7 @@ def test_settings_presets_and_initial_arrays() -> None:
     assert cfg.train.lr == 0.003 and cfg.train.batch_size == 64
     assert protocol.parse_settings(protocol.settings_text(cfg)) == cfg
     assert len(protocol.settings_text(cfg)) < 400
-    assert dflower.STC(TinyNet, preset="stc").config_for(3, 3).stc.p_up == 0.04
+    assert dflower.STC(TinyNet, preset="stc").config_for(3, 3).stc.p_up == 0.1
     with pytest.raises(ConfigError, match="target_densty"):
         dflower.DTurboVBI(TinyNet, sparsity={"target_densty": 0.1})
     with pytest.raises(ConfigError, match="'stc'"):
