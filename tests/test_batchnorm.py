@@ -121,13 +121,18 @@ class HostileStatistics(InProcessClients):
         return replies
 
 
-def test_hostile_statistics_are_refused_and_the_others_pooled(tmp_path):
-    exp = dturbo.Experiment(config("dturbo", 2), data=images(), model=ResNetTiny, out=tmp_path / "run",
-                            progress=False, figures=False)
+def _run_with(carrier: type[InProcessClients], out, rounds: int) -> tuple[Simulator, str]:
+    """A D-Turbo-VBI run of ResNetTiny whose clients are reached through ``carrier``: the simulator and events.log."""
+    exp = dturbo.Experiment(config("dturbo", rounds), data=images(), model=ResNetTiny, out=out, progress=False,
+                            figures=False)
     sim = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
-    sim.carrier = HostileStatistics(sim.client, sim.fed.clients)
+    sim.carrier = carrier(sim.client, sim.fed.clients)
     sim.run()
-    log = sim.run_dir.events_path.read_text()
+    return sim, sim.run_dir.events_path.read_text()
+
+
+def test_hostile_statistics_are_refused_and_the_others_pooled(tmp_path):
+    sim, log = _run_with(HostileStatistics, tmp_path / "run", 2)
     assert log.count("BatchNorm statistics rejected") == 4  # 2 clients, 2 rounds
     state = server_state(tmp_path / "run")
     assert np.all(np.isfinite(state["stem.1.running_mean.plain"])) and np.all(state["stem.1.running_var.plain"] > 0)
@@ -201,12 +206,7 @@ class PoisonedStatistics(InProcessClients):
 
 
 def test_statistics_beyond_the_bound_or_from_a_client_not_asked_are_refused_and_the_run_goes_on(tmp_path):
-    exp = dturbo.Experiment(config("dturbo", 3), data=images(), model=ResNetTiny, out=tmp_path / "run",
-                            progress=False, figures=False)
-    sim = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
-    sim.carrier = PoisonedStatistics(sim.client, sim.fed.clients)
-    sim.run()
-    log = sim.run_dir.events_path.read_text()
+    _, log = _run_with(PoisonedStatistics, tmp_path / "run", 3)
     assert log.count("magnitude 1e+06, beyond the bound 10000") == 3
     assert log.count("client 7: BatchNorm statistics refused") == 3
     state = server_state(tmp_path / "run")

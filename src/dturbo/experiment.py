@@ -30,9 +30,9 @@ from .config import Config, ConfigError
 from .data import DataError, Dataset, dataset_from_arrays
 from .data.readers import NPZ_KEYS
 from .device import resolve_device
-from .nn.bayes import BayesConv1d, bayesian_layers
+from .nn.bayes import bayesian_layers
 from .nn.convert import ModelSource, user_model_factory
-from .nn.models import check_input_shape, first_layer
+from .nn.models import ID_LAYERS, SERIES_LAYERS, check_input_shape, first_layer
 from .rundir import RunDir
 from .settings import load_config
 from .sim import ModelFactory, ProgressLine, Simulator
@@ -101,7 +101,7 @@ class ExperimentResult:
                 raise ExportError("the model records no input_shape: pass example_input (a batch of inputs)")
             seeded = torch.Generator().manual_seed(0)
             first = first_layer(self.model)
-            if first is not None and isinstance(first[1], nn.Embedding | nn.EmbeddingBag):
+            if first is not None and isinstance(first[1], ID_LAYERS):
                 example_input = torch.randint(0, first[1].num_embeddings, (2, *shape), generator=seeded)
             else:
                 example_input = torch.randn(2, *shape, generator=seeded)
@@ -264,7 +264,7 @@ def _takes_series(model: ModelSource) -> bool:
         except Exception:  # noqa: BLE001 -- a model that needs arguments: no inference, the error says what to set
             return False
     first = first_layer(model) if isinstance(model, nn.Module) else None
-    return first is not None and isinstance(first[1], nn.Conv1d | BayesConv1d)
+    return first is not None and isinstance(first[1], SERIES_LAYERS)
 
 
 def _unpack(data: DataSource) -> tuple[tuple[Any, Any, Any, Any], Any]:

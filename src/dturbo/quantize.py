@@ -69,14 +69,23 @@ def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator, c
 def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False) -> np.ndarray:
     """Inverse of :func:`encode_stochastic` (up to the rounding): exactly ``count`` values on 2**bits levels with
     a finite, non-negative scale, or CodecError. ``coded`` must be what the sender used."""
-    symbols, levels, params = (decode_symbols if coded else decode_quantized)(payload, max_elements=count)
-    if levels != _levels(bits):
-        raise CodecError(f"quantised payload has {levels} levels, expected {_levels(bits)} ({bits} bits)")
+    symbols, scale = _read(payload, _levels(bits), bits, count, coded, ("quantised", "levels", "scale"))
+    return dequantize(symbols, bits, scale)
+
+
+def _read(payload: bytes, levels: int, bits: int, count: int, coded: bool, words: tuple[str, str, str]
+          ) -> tuple[np.ndarray, float]:
+    """(symbols, scale) of a payload of ``count`` symbols on ``levels`` levels and one finite, non-negative float
+    parameter, or CodecError; ``words``: what the payload, its levels and its parameter are called."""
+    what, unit, param = words
+    symbols, got, params = (decode_symbols if coded else decode_quantized)(payload, max_elements=count)
+    if got != levels:
+        raise CodecError(f"{what} payload has {got} {unit}, expected {levels} ({bits} bits)")
     if params.shape != (1,) or not np.isfinite(params[0]) or params[0] < 0:
-        raise CodecError("quantised payload needs one finite, non-negative scale")
+        raise CodecError(f"{what} payload needs one finite, non-negative {param}")
     if symbols.shape != (count,):
-        raise CodecError(f"quantised payload has {symbols.size} values, expected {count}")
-    return dequantize(symbols, bits, float(params[0]))
+        raise CodecError(f"{what} payload has {symbols.size} values, expected {count}")
+    return symbols, float(params[0])
 
 
 def qsgd_encode(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, float]:
@@ -117,11 +126,5 @@ def encode_norm(values: np.ndarray, bits: int, rng: np.random.Generator, coded: 
 def decode_norm(payload: bytes, bits: int, count: int, coded: bool = True) -> np.ndarray:
     """Inverse of :func:`encode_norm` (up to the rounding): exactly ``count`` values, or CodecError."""
     s = norm_levels(bits)
-    symbols, levels, params = (decode_symbols if coded else decode_quantized)(payload, max_elements=count)
-    if levels != 2 * s + 1:
-        raise CodecError(f"norm-scaled payload has {levels} symbols, expected {2 * s + 1} ({bits} bits)")
-    if params.shape != (1,) or not np.isfinite(params[0]) or params[0] < 0:
-        raise CodecError("norm-scaled payload needs one finite, non-negative norm")
-    if symbols.shape != (count,):
-        raise CodecError(f"norm-scaled payload has {symbols.size} values, expected {count}")
-    return qsgd_decode(symbols, s, float(params[0]))
+    symbols, norm = _read(payload, 2 * s + 1, bits, count, coded, ("norm-scaled", "symbols", "norm"))
+    return qsgd_decode(symbols, s, norm)

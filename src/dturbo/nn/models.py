@@ -129,6 +129,8 @@ def check_memory(factory: Callable[[], nn.Module], model_name: str, available: i
 
 
 _FIRST = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.RNNBase, BayesianLayer)
+ID_LAYERS = (nn.Embedding, nn.EmbeddingBag)  # a first layer of these takes integer ids
+SERIES_LAYERS = (nn.Conv1d, BayesConv1d)  # a first layer of these takes N, C, L series
 
 
 def first_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -146,13 +148,13 @@ def input_cause(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype
     name, layer = first
     kind = type(layer).__name__
     ids = not dtype.is_floating_point
-    if isinstance(layer, nn.Embedding | nn.EmbeddingBag) and not ids:
+    if isinstance(layer, ID_LAYERS) and not ids:
         return (f"its first layer {name!r} is an {kind}, which takes integer ids, and the inputs are {dtype} values: "
                 f"give the ids as integers (int64)")
-    if ids and not isinstance(layer, nn.Embedding | nn.EmbeddingBag):
+    if ids and not isinstance(layer, ID_LAYERS):
         return (f"the inputs are integers, read as ids ({dtype}), and its first layer {name!r} ({kind}) takes "
                 f"floats: store the features as float32 (uint8 arrays are read as pixels)")
-    if isinstance(layer, nn.Conv1d | BayesConv1d) and len(input_shape) == 3:
+    if isinstance(layer, SERIES_LAYERS) and len(input_shape) == 3:
         size = "x".join(map(str, input_shape))
         return (f"its first layer {name!r} is a Conv1d, which takes N, C, L series, and the data were read as "
                 f"N, C, H, W images of {size}: set data.layout = 'channels_first' to take the arrays as given")
