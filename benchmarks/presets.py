@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -53,7 +54,6 @@ def configs() -> dict[str, Any]:
 
 def run(name: str, cfg: Any, out: Path) -> Path:
     """Train into ``out`` (a subprocess per run: one torch thread each), reusing a finished run."""
-    import os
     import subprocess
 
     if (out / "model.safetensors").exists():
@@ -75,7 +75,7 @@ def summary(name: str, out: Path) -> dict[str, Any]:
     return {"name": name, "final_accuracy": float(m["accuracy"][-1]), "final_density": float(m["density"][-1]),
             "total_bits": float(m["cum_bits"][-1]), "up_bits": float(m["up_bits"].sum()),
             "down_bits": float(m["down_bits"].sum()), "rounds": int(m["round"][-1]),
-            "seconds_per_round": float(np.median(m["seconds"])),
+            "seconds_per_round_side_by_side": float(np.median(m["seconds"])),
             "accuracy_by_round": [round(float(a), 4) for a in m["accuracy"]],
             "cum_bits_by_round": [float(b) for b in m["cum_bits"]]}
 
@@ -95,6 +95,12 @@ def markdown(res: dict[str, Any]) -> str:
                 f"(goal: within {GOAL['points']:g} point, at most {GOAL['bits_ratio']:g}x): "
                 f"**{'met' if g['met'] else 'missed'}**.", "",
             f"{res['protocol']}; seed 0; one torch thread a run."]
+    a = res.get("main_job_alone")
+    if a:
+        out += ["", f"The main job alone (`dturbo run --preset quick`, {a['threads']} cores, nothing else running): "
+                    f"{a['seconds_rounds']:.0f} s of rounds ({a['seconds_per_round']:.1f} s a round, median), "
+                    f"{a['seconds_wall']:.0f} s in all with its start and figures; its first line estimated "
+                    f"\"about {a['first_line_estimate']}\"."]
     return "\n".join(out) + "\n"
 
 
@@ -125,11 +131,45 @@ def figure(runs: dict[str, Any], path: Path) -> None:
     _save(fig, path)
 
 
+def alone(out: Path) -> dict[str, Any]:
+    """The main job as a user runs it (`dturbo run --preset quick`, both cores, its figures), timed with nothing
+    else running: the wall time, each round's seconds, and the estimate its first line gives."""
+    import re
+    import subprocess
+    import time
+
+    if out.exists():
+        shutil.rmtree(out)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    say(f"the main job alone into {out}")
+    t0 = time.perf_counter()
+    log = subprocess.run([sys.executable, "-m", "dturbo", "run", "--preset", "quick", "--out", str(out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True).stdout
+    wall = time.perf_counter() - t0
+    m = read_csv(out / "metrics.csv")
+    estimate = re.search(r"\(about (.+) from a timed training step\)", log)
+    return {"seconds_per_round": float(np.median(m["seconds"])), "seconds_rounds": float(np.sum(m["seconds"])),
+            "seconds_wall": wall, "rounds": int(m["round"][-1]), "threads": os.cpu_count(),
+            "first_line_estimate": estimate.group(1) if estimate else None,
+            "final_accuracy": float(m["accuracy"][-1]), "cpu": platform.processor() or platform.machine()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=HERE.parent / "runs" / "presets")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--stage", choices=("all", "runs", "alone"), default="all", help=(
+        "runs: the presets side by side; alone: the main job timed with nothing else running (run it on an idle "
+        "machine)"))
     args = ap.parse_args(argv)
+    if args.stage == "alone":
+        res = json.loads((RESULTS / "presets.json").read_text())
+        res["main_job_alone"] = alone(args.runs / "alone")
+        res["seconds_per_round"] = res["main_job_alone"]["seconds_per_round"]
+        (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / "presets.md").write_text(markdown(res))
+        print(markdown(res))
+        return 0
     cfgs = configs()
     with ThreadPoolExecutor(args.jobs) as pool:
         outs = dict(zip(cfgs, pool.map(lambda kv: run(kv[0], kv[1], args.runs / kv[0]), cfgs.items()), strict=True))
@@ -137,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     q, qp, rec = runs["quick"], runs["quick_paper"], runs["recommended"]
     below = 100 * (q["final_accuracy"] - rec["final_accuracy"])
     ratio = rec["total_bits"] / qp["total_bits"]
+    old = json.loads((RESULTS / "presets.json").read_text()) if (RESULTS / "presets.json").exists() else {}
     res = {"protocol": "Fashion-MNIST, alexnet-small, 10 clients, Dirichlet(0.5), 12 rounds of one local epoch",
            "runs": runs, "configs": {n: c.to_dict() for n, c in cfgs.items()},
            "goal": {"points_below_quick": below, "bits_ratio_vs_quick_paper": ratio,
                     "met": below <= GOAL["points"] and ratio <= GOAL["bits_ratio"]},
            "machine": {"platform": platform.platform(), "python": platform.python_version()},
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round") if k in old}  # measured apart (--stage alone)
     (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
     (RESULTS / "presets.md").write_text(markdown(res))
     figure(runs, HERE.parent / "docs" / "results" / "presets.png")

@@ -111,7 +111,8 @@ def test_resume_continues_as_an_uninterrupted_run(tmp_path, tiny_config):
 
 def test_progress_prints_a_line_per_round(tmp_path, tiny_config, capsys):
     dturbo.Experiment(tiny_config(), data=toy_arrays(), out=tmp_path / "run", figures=False).run()
-    lines = capsys.readouterr().err.splitlines()
+    first, *lines = capsys.readouterr().err.splitlines()
+    assert first.startswith("dturbo ") and " from a timed training step)" in first
     assert [ln.split()[:2] for ln in lines] == [["round", "1/2"], ["round", "2/2"]]
     assert "acc " in lines[0] and "density " in lines[0] and "bits " in lines[0]
 
@@ -219,4 +220,21 @@ def test_progress_is_one_line_a_round_with_the_time_left_in_python_and_in_a_pipe
     assert res.exit_code == 0, res.output
     lines = [x for x in res.output.splitlines() if x.startswith("round ")]
     assert len(lines) == 3 and all(x.endswith(" left)") for x in lines), lines
-    assert any(x.endswith(f"-> {out}-cli") for x in res.output.splitlines()), res.output
+    first = res.output.splitlines()[0]
+    assert f"-> {out}-cli  (about " in first and first.endswith(" from a timed training step)"), first
+
+
+def test_the_round_estimate_times_a_step_and_leaves_the_run_unchanged(tmp_path, tiny_config, toy_npz, capsys):
+    """The first line's estimate draws nothing from the RNG the run trains with: a run after it equals one
+    without it, metric for metric."""
+    from dturbo.sim import Simulator
+
+    cfg = dturbo.load_config(tiny_config(rounds=2, data={"name": "npz", "path": str(toy_npz)}))
+    sim = Simulator(cfg, tmp_path / "a")
+    state = torch.get_rng_state()
+    assert sim.estimate_round_seconds() > 0
+    assert torch.equal(state, torch.get_rng_state())
+    with_estimate = sim.run()
+    without = Simulator(cfg, tmp_path / "b").run()
+    assert [r["accuracy"] for r in with_estimate] == [r["accuracy"] for r in without]
+    assert [r["cum_bits"] for r in with_estimate] == [r["cum_bits"] for r in without]

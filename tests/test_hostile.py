@@ -27,6 +27,7 @@ from dturbo.sim import Simulator
 from dturbo.transport import ClientLost, InProcessClients
 
 METHODS = ("dturbo", "fedavg", "fedpaq", "dssm", "stc", "fedpm", "feddst")
+INSIDE = ("sign_flip", "scaled_sign_flip", "alie", "ipm", "plain_state", "calibration")
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,7 @@ def test_a_run_with_attackers_finishes_and_counts_every_refusal(tmp_path, toy, a
     hostile = hostile_clients(cfg)
     refused = [ln for ln in ((tmp_path / "run" / "events.log").read_text().splitlines()
                              if (tmp_path / "run" / "events.log").exists() else []) if "upload rejected" in ln]
-    if attack == "sign_flip":  # inside the bounds: accepted (the robust rules are for it)
+    if attack in INSIDE:  # inside the bounds: accepted (the robust rules are for it)
         assert not refused
     else:
         assert sum(int(r["clients_rejected"]) for r in rows) == len(refused) == 2 * 3
@@ -312,3 +313,101 @@ def test_krum_counts_the_uploads_already_refused_among_the_hostile():
     p = np.full(9, 1 / 9)
     np.testing.assert_allclose(Krum(3).combine(x, p, refused=3), x.mean(axis=0))  # the 3 assumed are gone
     np.testing.assert_allclose(Krum(3).combine(x, p, refused=1), Krum(2).combine(x, p))
+
+
+# ------------------------------------------------------------------------------------------ inside the bounds
+@pytest.mark.parametrize("layout", ["values", "dense", "sparse", "quantized", "coded", "ternary"])
+def test_a_value_payload_reads_and_writes_back_in_its_own_layout(layout):
+    from dturbo.attacks import read_values, write_values
+    from dturbo.codec import encode_dense, encode_sparse
+    from dturbo.coding.values import encode_symbols
+
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=40)
+    v[::3] = 0.0
+    payload = {"values": lambda: encode_values(v, "float32"), "dense": lambda: encode_dense(v.reshape(5, 8), "float32"),
+               "sparse": lambda: encode_sparse(v, "float32"),
+               "quantized": lambda: encode_quantized(rng.integers(0, 16, 40), 16, [2.0]),
+               "coded": lambda: encode_symbols(rng.integers(0, 16, 40), 16, [2.0]),
+               "ternary": lambda: encode_ternary(np.flatnonzero(v), v[v != 0] < 0, 0.5, 40, "float32")}[layout]()
+    own = read_values(payload, layout)
+    assert own.shape == (40,)
+    if layout in ("quantized", "coded"):  # the levels of 16: +-2 at the ends, symmetric about 0
+        assert np.abs(own).max() <= 2.0 and np.allclose(np.sort(np.unique(np.abs(own)))[:2], [2 / 15, 6 / 15])
+    np.testing.assert_allclose(read_values(write_values(own, payload, layout), layout), own, rtol=1e-6, atol=1e-6)
+    flipped = read_values(write_values(-3 * own, payload, layout), layout)
+    np.testing.assert_allclose(flipped, -3 * own, rtol=1e-3, atol=1e-6)  # a ternary's mu is the kept mean
+
+
+def test_alie_ipm_and_the_scaled_sign_flip_follow_their_formulas():
+    from dturbo.attacks import ALIE, IPM, ScaledSignFlip
+
+    rng = np.random.default_rng(1)
+    honest, own, ref = rng.normal(size=(7, 30)), rng.normal(size=30), 0.1 * rng.normal(size=30)
+    ctx = RoundView(None, None, 0, 0, b"", {}, attackers=3)
+    # n = 10 uploads, f = 3: s = 3, z = Phi^-1(0.7) = 0.5244 (a normal table)
+    np.testing.assert_allclose(ALIE().target(own, honest, ref, ctx), honest.mean(0) - 0.52440 * honest.std(0),
+                               atol=1e-4)
+    one = RoundView(None, None, 0, 0, b"", {}, attackers=1)  # f = 1 of 10: z = 0, the honest mean
+    np.testing.assert_allclose(ALIE().target(own, honest[:9], ref, one), honest[:9].mean(0))
+    np.testing.assert_allclose(IPM().target(own, honest, ref, ctx) - ref, -0.1 * (honest.mean(0) - ref))
+    flip = ScaledSignFlip().target(own, honest, ref, ctx)
+    assert np.abs(flip).max() <= 0.9 * GROWTH * 1.0 + 1e-9  # inside the bound of a layer of magnitude < 1
+    assert np.abs(flip).max() > 0.8 * GROWTH
+    step = flip - ref
+    np.testing.assert_allclose(step / np.linalg.norm(step), -(own - ref) / np.linalg.norm(own - ref))
+
+
+@pytest.mark.parametrize("algorithm", METHODS)
+@pytest.mark.parametrize("attack", ["scaled_sign_flip", "alie", "ipm"])
+def test_the_attacks_inside_the_bounds_pass_every_methods_gate(toy, algorithm, attack):
+    """What they write decodes and is accepted by the round's bounds (the robust rule is what stops them), and it
+    is not the honest upload."""
+    cfg, _, server, _, state, ups = setup(toy, algorithm)
+    downs = server.downlinks(state, 0, [0, 1, 2])
+    ctx = RoundView(server, cfg, 0, 1, downs[1], {0: ups[0], 2: ups[2]}, attackers=1)
+    bad = ATTACKS[attack]().rewrite(ups[1], ctx)
+    got = server.receive(state, [ups[0], bad, ups[2]], 0, senders=[0, 1, 2])
+    assert not got.rejected, got.rejected
+    if not (attack == "alie" and algorithm != "fedpm"):  # ALIE with one attacker of three: the honest mean
+        assert bad != ups[1]
+
+
+def test_a_median_clip_bounds_every_update_by_the_rounds_median_norm():
+    rows = [np.array([1.0, 0.0]), np.array([0.0, 2.0]), np.array([3.0, 0.0]), np.array([0.0, -400.0])]
+    agg = RobustAggregation(RobustConfig(rule="mean", clip_median=1.0))
+    assert not agg.plain
+    got = agg.combine(rows, np.full(4, 0.25))
+    # the median norm is 2.5: [1, 0], [0, 2] stay, [3, 0] -> [2.5, 0], [0, -400] -> [0, -2.5]
+    np.testing.assert_allclose(got, [(1 + 2.5) / 4, (2 - 2.5) / 4])
+    ref = np.array([10.0, 10.0])  # about the global values the rows move from
+    np.testing.assert_allclose(agg.combine([r + ref for r in rows], np.full(4, 0.25), reference=ref), got + ref)
+
+
+def test_a_hostile_calibration_reply_reaches_the_server_at_the_bound_and_the_rule_holds(tmp_path, toy):
+    """BatchNorm calibration goes through the faults: a hostile client answers with statistics at 0.9 of the
+    bound, which pass the gate, and a trimmed mean that trims the attackers keeps the global statistics those of
+    the honest clients."""
+    import dturbo
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.bn, self.fc2 = torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.bn(self.fc1(x.flatten(1)))))
+
+    runs = {}
+    hostile = {"faults": {"attackers": 2, "attack": "calibration"}}
+    for name, extra in {"clean": {}, "hostile": hostile, "mean": hostile | {"robust": {"rule": "mean"}}}.items():
+        cfg = config(toy, 2, experiment={"algorithm": "fedavg"},
+                     **({"robust": {"rule": "trimmed_mean", "byzantine": 2}} | extra))
+        res = dturbo.Experiment(cfg, model=Net, out=tmp_path / name, progress=False, figures=False).run()
+        runs[name] = res
+    events = (tmp_path / "hostile" / "events.log")
+    assert not events.exists() or "BatchNorm statistics rejected" not in events.read_text()
+    var = {k: dict(r.model.named_buffers())["bn.running_var"] for k, r in runs.items()}
+    # they reach the pool: under the plain mean its variance would leave the bound, so the averaged statistics stay
+    assert "beyond the bound" in (tmp_path / "mean" / "events.log").read_text()
+    assert float(var["hostile"].max()) < 100, var  # the trimmed mean leaves the attackers' 9000 out

@@ -4,7 +4,13 @@ server meets uploads that frame and decode. Which clients attack is seeded once 
 function of the round and the client, so a run with attackers is reproducible and resumes identically.
 
 The attacks, one small class each: ``values`` (every value +-65504, float16's largest), ``overflow`` (every value
-+-3e38 in float32), ``sign_flip`` (values times -4, sigma times 4: inside the bounds), ``samples`` (n_t = every
++-3e38 in float32), ``sign_flip`` (values times -4, sigma times 4: inside the bounds), and three that stay inside
+the bounds on purpose and read the round's honest uploads as a colluding attacker would: ``scaled_sign_flip`` (the
+update reversed and stretched to 0.9 of the value bound), ``alie`` ("a little is enough", Baruch et al. 2019: the
+honest mean less z standard deviations per coordinate) and ``ipm`` (inner-product manipulation, Xie et al. 2020:
+-epsilon times the honest mean update); and two against a model with BatchNorm: ``plain_state`` (its running
+statistics and affine weights reversed and stretched to their bound) and ``calibration`` (calibration replies of
+means and variances at the bound); ``samples`` (n_t = every
 sample of the federation), ``loss`` (a NaN, Inf or -1e300 training loss), ``copy`` (another client's upload of the
 round sent as its own), ``spoof`` (its own upload under another client's id). A value attack on a field only its
 method reads (FedPM's mask) sends it negated (:meth:`dturbo.protocol.ServerAlgorithm.negated_payload`: FedPM's mask
@@ -14,11 +20,14 @@ inverted).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
 from .algorithms.base import pack_scalars, unpack_scalars
+from .algorithms.bounds import GROWTH, VALUE_CAP
+from .algorithms.plain import SUFFIX as PLAIN
 from .codec import (
     decode_dense,
     decode_message,
@@ -55,19 +64,49 @@ class RoundView:
     and layers), the round, its client id, its downlink and the other clients' uploads."""
 
     def __init__(self, server: Any, cfg: Config, round_idx: int, client: int, downlink: bytes,
-                 others: Mapping[int, bytes]) -> None:
+                 others: Mapping[int, bytes], attackers: int = 1) -> None:
         self.server, self.cfg, self.round_idx, self.client = server, cfg, round_idx, client
-        self.downlink, self.others = downlink, others
+        self.downlink, self.others, self.attackers = downlink, others, attackers
 
     def layout(self, kind: str, name: str) -> str | None:
         return self.server.layouts.get(kind, {}).get(name.rsplit(".", 1)[-1])
 
+    def honest(self, kind: str, name: str, size: int) -> np.ndarray:
+        """The other (honest) clients' values of field ``name`` (one row each; those of another length left out)."""
+        rows = []
+        for upload in self.others.values():
+            k, fields = decode_message(upload)
+            payload = dict(fields).get(name)
+            layout = self.layout(k, name)
+            if k == kind and payload is not None and layout in VALUE_LAYOUTS:
+                v = read_values(payload, layout)
+                if v.size == size:
+                    rows.append(v)
+        return np.stack(rows) if rows else np.zeros((0, size))
+
+    def reference(self, name: str, size: int) -> np.ndarray | None:
+        """The global values an upload field of weights moves from, read from the downlink: its field of the same
+        name, or (a baseline's ``theta``: weight and bias of a layer) its ``w`` and ``bias`` one after the other;
+        None where the downlink holds no such values."""
+        kind, fields = decode_message(self.downlink)
+        down = dict(fields)
+        base = name.rsplit(".", 1)[0]
+        parts = [name] if name in down else [f"{base}.w", f"{base}.bias"]
+        if not all(p in down and self.layout(kind, p) in VALUE_LAYOUTS for p in parts):
+            return None
+        v = np.concatenate([read_values(down[p], self.layout(kind, p)) for p in parts])
+        return v if v.size == size else None
+
 
 class Attack:
-    """One way to rewrite an honest upload."""
+    """One way to rewrite an honest upload (and, :meth:`statistics`, a BatchNorm calibration reply)."""
 
     def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
         raise NotImplementedError
+
+    def statistics(self, reply: bytes) -> bytes:
+        """A calibration reply (:mod:`dturbo.algorithms.statistics`) as this attacker sends it: honest."""
+        return reply
 
 
 def _replace(upload: bytes, name: str, payload: bytes) -> bytes:
@@ -199,5 +238,167 @@ class Spoof(Attack):
         return _replace(upload, "meta", pack_scalars([round_idx, victim, n_t]))
 
 
+VALUE_LAYOUTS = ("values", "dense", "sparse", "quantized", "coded", "ternary")
+UPDATE_LAYOUTS = ("quantized", "coded", "ternary")  # the quantised and ternary uploads carry updates, not weights
+
+
+def read_values(payload: bytes, layout: str) -> np.ndarray:
+    """A value payload as one float64 vector (quantised symbols at their levels, a ternary vector whole)."""
+    if layout == "values":
+        return decode_values(payload).astype(np.float64)
+    if layout == "dense":
+        return decode_dense(payload).astype(np.float64).reshape(-1)
+    if layout == "sparse":
+        return decode_sparse(payload).astype(np.float64).reshape(-1)
+    if layout in ("quantized", "coded"):
+        sym, levels, params = (decode_quantized if layout == "quantized" else decode_symbols)(payload)
+        # every quantiser of dturbo puts symbol k at p * (2k - (L - 1)) / (L - 1): max-scaled and QSGD levels alike
+        return float(params[0]) * (2.0 * sym - (levels - 1)) / (levels - 1)
+    idx, negative, mu, n = decode_ternary(payload)
+    out = np.zeros(n)
+    out[idx] = np.where(negative, -mu, mu)
+    return out
+
+
+def write_values(target: np.ndarray, payload: bytes, layout: str) -> bytes:
+    """``target`` written in the layout and dtype of ``payload``, keeping its structure: a sparse or ternary one's
+    positions, a quantised one's level count (the scale stretched to reach ``target``)."""
+    t = np.clip(np.nan_to_num(target), -VALUE_CAP, VALUE_CAP)
+    if layout == "values":
+        return encode_values(t, _DTYPE_NAMES[payload[0]])
+    if layout == "dense":
+        return encode_dense(t.reshape(decode_dense(payload).shape), _DTYPE_NAMES[payload[0]])
+    if layout == "sparse":
+        own = decode_sparse(payload)
+        return encode_sparse(np.where(own != 0, t.reshape(own.shape), 0.0), _DTYPE_NAMES[payload[0] & 3])
+    if layout in ("quantized", "coded"):
+        _, levels, _ = (decode_quantized if layout == "quantized" else decode_symbols)(payload)
+        scale = float(np.float32(np.abs(t).max())) if t.size else 0.0
+        sym = np.zeros(t.size, np.int64) + (levels - 1) // 2
+        if scale > 0:
+            sym = np.clip(np.rint((t / scale + 1.0) * (levels - 1) / 2.0), 0, levels - 1).astype(np.int64)
+        return (encode_quantized if layout == "quantized" else encode_symbols)(sym, levels, [scale])
+    idx, _, _, n = decode_ternary(payload)
+    kept = t[idx]
+    return encode_ternary(idx, kept < 0, float(np.abs(kept).mean()) if kept.size else 0.0, n,
+                          _DTYPE_NAMES[payload[0] & 3])
+
+
+class CoordinatedAttack(Attack):
+    """An attack inside the bounds that sets each value field (sigma and the prior's scales excepted: they stay
+    honest) to :meth:`target` of its own values, the honest clients' values of the same field this round and the
+    global values the field moves from (0 for an update; None where the downlink does not show them). A field only
+    its method reads (FedPM's mask) is sent negated."""
+
+    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
+               ) -> np.ndarray:
+        raise NotImplementedError
+
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
+        kind, fields = decode_message(upload)
+        out = []
+        for name, payload in fields:
+            layout = ctx.layout(kind, name)
+            if layout == "mask":
+                payload = ctx.server.negated_payload(name, payload, ctx.downlink) or payload
+            elif layout in VALUE_LAYOUTS and name.rsplit(".", 1)[-1] not in POSITIVE:
+                own = read_values(payload, layout)
+                ref = np.zeros(own.size) if layout in UPDATE_LAYOUTS else ctx.reference(name, own.size)
+                payload = write_values(self.target(own, ctx.honest(kind, name, own.size), ref, ctx), payload, layout)
+            out.append((name, payload))
+        return encode_message(kind, out)
+
+
+class ScaledSignFlip(CoordinatedAttack):
+    """The client's update reversed and stretched until its largest value reaches 0.9 of the bound the server
+    checks (``GROWTH`` times the global layer's largest magnitude, at least 1): the strongest sign flip an upload
+    bound lets through. A field of weights whose global values the downlink does not show is reversed about 0."""
+
+    share = 0.9
+
+    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
+               ) -> np.ndarray:
+        ref = np.zeros(own.size) if reference is None else reference
+        step = own - ref
+        top = float(np.abs(step).max()) if step.size else 0.0
+        if top == 0.0:
+            return own
+        room = self.share * GROWTH * max(1.0, float(np.abs(ref).max())) - float(np.abs(ref).max())
+        return ref - step * max(room, 0.0) / top
+
+
+class ALIE(CoordinatedAttack):
+    """"A little is enough" (Baruch et al. 2019): per coordinate the honest mean less z honest standard deviations,
+    z = Phi^-1((n - s) / n) with s = floor(n / 2 + 1) - f for n uploads of which f hostile (the paper's z_max: 0 for
+    one attacker of ten, 0.52 for three)."""
+
+    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
+               ) -> np.ndarray:
+        if honest.shape[0] < 2:
+            return own
+        n, f = honest.shape[0] + ctx.attackers, ctx.attackers
+        s = n // 2 + 1 - f
+        z = NormalDist().inv_cdf(min(max((n - s) / n, 0.5), 0.999))
+        return honest.mean(axis=0) - z * honest.std(axis=0)
+
+
+class IPM(CoordinatedAttack):
+    """Inner-product manipulation (Xie et al. 2020): the update -epsilon times the honest clients' mean update
+    (epsilon = 0.1, the setting of Karimireddy et al. 2021), sent as the weights it makes; a field of weights whose
+    global values the downlink does not show stays honest."""
+
+    epsilon = 0.1
+
+    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
+               ) -> np.ndarray:
+        if reference is None or not honest.shape[0]:
+            return own
+        return reference - self.epsilon * (honest.mean(axis=0) - reference)
+
+
+class PlainStatePoison(ScaledSignFlip):
+    """Only the state outside the Bayesian layers (BatchNorm's affine weights and running statistics: the
+    ``.plain`` fields) reversed about the global state and stretched to 0.9 of its bound (``VALUE_CAP``); the
+    Bayesian layers' fields honest."""
+
+    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
+               ) -> np.ndarray:
+        ref = np.zeros(own.size) if reference is None else reference
+        step = own - ref
+        top = float(np.abs(step).max()) if step.size else 0.0
+        return own if top == 0.0 else ref - step * (self.share * VALUE_CAP - float(np.abs(ref).max())) / top
+
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
+        kind, fields = decode_message(upload)
+        out = []
+        for name, payload in fields:
+            if name.endswith(f".{PLAIN}") and ctx.layout(kind, name) == "dense":
+                own = read_values(payload, "dense")
+                ref = ctx.reference(name, own.size)
+                payload = write_values(self.target(own, np.zeros((0, own.size)), ref, ctx), payload, "dense")
+            out.append((name, payload))
+        return encode_message(kind, out)
+
+
+class CalibrationPoison(Attack):
+    """Trains and uploads honestly; answers BatchNorm calibration with every mean at 0.9 of the bound the server
+    checks (``VALUE_CAP``), its sign kept, and every variance at 0.9 of it."""
+
+    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
+        return upload
+
+    def statistics(self, reply: bytes) -> bytes:
+        kind, fields = decode_message(reply)
+        out = []
+        for name, payload in fields:
+            v = decode_dense(payload).astype(np.float64)
+            top = 0.9 * VALUE_CAP
+            v = np.full(v.shape, top) if name.endswith(".var") else np.where(v < 0, -top, top)
+            out.append((name, encode_dense(v, "float32")))
+        return encode_message(kind, out)
+
+
 ATTACKS: dict[str, type[Attack]] = {"values": ExtremeValues, "overflow": Overflow, "sign_flip": SignFlip,
-                                    "samples": Samples, "loss": Loss, "copy": Copy, "spoof": Spoof}
+                                    "samples": Samples, "loss": Loss, "copy": Copy, "spoof": Spoof,
+                                    "scaled_sign_flip": ScaledSignFlip, "alie": ALIE, "ipm": IPM,
+                                    "plain_state": PlainStatePoison, "calibration": CalibrationPoison}

@@ -72,7 +72,15 @@ def run(
 ) -> None:
     """Run a federated experiment (in one process) into OUT, from a CONFIG file or a --preset."""
     from .data import DataError
-    from .sim import PoisonedStateError, ProgressLine, Simulator, TooFewClientsError, format_bits, round_summary
+    from .sim import (
+        PoisonedStateError,
+        ProgressLine,
+        Simulator,
+        TooFewClientsError,
+        format_bits,
+        round_summary,
+        run_header,
+    )
 
     cfg = _load(config, preset, set_)
     if out is None:
@@ -83,8 +91,6 @@ def run(
     resume = resume or resume_unverified
     if resume and not RunDir(out).config_path.exists():
         _fail(f"--resume: {out} holds no run (no config.toml)")
-    console.print(f"[bold]dturbo[/] {cfg.experiment.name}: {cfg.experiment.algorithm} on {cfg.data.name}, "
-                  f"{cfg.model.name}, {cfg.federation.clients} clients, {cfg.experiment.rounds} rounds -> {out}")
     done = [0]  # the last round recorded (checkpointed)
     try:
         t0 = time.perf_counter()
@@ -108,7 +114,11 @@ def run(
         with progress, warnings.catch_warnings():
             warnings.simplefilter("default")
             warnings.showwarning = _show_warning
-            sim = Simulator(cfg, out, resume="unverified" if resume_unverified else resume, on_round=on_round)
+            with warnings.catch_warnings(record=True) as said:  # said after the first line
+                sim = Simulator(cfg, out, resume="unverified" if resume_unverified else resume, on_round=on_round)
+            console.print(run_header(cfg, out, None if resume else sim.estimate_round_seconds()), highlight=False)
+            for w in said:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
             task = progress.add_task("rounds", total=cfg.experiment.rounds, info="", completed=0)
             rows = sim.run()
     except KeyboardInterrupt:

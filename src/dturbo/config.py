@@ -108,12 +108,16 @@ class FaultsConfig(_Section):
     deadline: float | None = Field(None, gt=0, description="max slowdown factor; None: wait for everyone")
     attackers: int = Field(0, ge=0, description=(
         "hostile clients (chosen seeded once per run): each trains honestly, then rewrites its upload (attack)"))
-    attack: Literal["values", "overflow", "sign_flip", "samples", "loss", "copy", "spoof"] = Field(
+    attack: Literal["values", "overflow", "sign_flip", "samples", "loss", "copy", "spoof", "scaled_sign_flip",
+                    "alie", "ipm", "plain_state", "calibration"] = Field(
         "values", description=(
             "what an attacker does to its upload: values (every value +-65504), overflow (every value +-3e38 in "
             "float32), sign_flip (values times -4, sigma times 4: inside the bounds), samples (n_t = every sample "
             "of the federation), loss (a NaN, Inf or -1e300 training loss), copy (another client's upload of the "
-            "round), spoof (its own upload under another client's id); docs/robustness.md"))
+            "round), spoof (its own upload under another client's id); inside the bounds, from the round's honest "
+            "uploads: scaled_sign_flip (the update reversed, stretched to 0.9 of the bound), alie (honest mean "
+            "less z standard deviations), ipm (-0.1 times the honest mean update); with BatchNorm: plain_state "
+            "(its state reversed to its bound), calibration (statistics at the bound); docs/robustness.md"))
 
 
 MAX_HIDDEN = 65536  # the widest hidden layer of the mlp
@@ -137,6 +141,9 @@ class RobustConfig(_Section):
     clip_norm: float | None = Field(None, gt=0, description=(
         "each upload's update (its vector minus the global model's) scaled to at most this L2 norm before the "
         "rule; None: no clipping"))
+    clip_median: float | None = Field(None, gt=0, description=(
+        "each upload's update scaled to at most this times the median L2 norm of the round's updates before the "
+        "rule (after clip_norm); None: no clipping"))
 
 
 class ModelConfig(_Section):

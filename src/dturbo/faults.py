@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .algorithms.statistics import is_request
 from .attacks import ATTACKS, RoundView, hostile_clients
 from .codec import decode_message, encode_message
 from .config import Config
@@ -86,6 +87,8 @@ class FaultyTransport:
         self._attempts: dict[int, int] = {}  # round -> attempts so far: a call for the same round is a retry
 
     def __call__(self, downlinks: Downlinks, round_idx: int) -> dict[int, Reply]:
+        if downlinks and all(is_request(down) for down in downlinks.values()):
+            return self._calibration(downlinks, round_idx)
         attempt = self._attempts[round_idx] = self._attempts.get(round_idx, -1) + 1
         faults = draw_faults(self.cfg, round_idx, attempt, list(downlinks))
         replies: dict[int, Reply] = {cid: ClientLost("injected drop") for cid in downlinks if faults.get(cid) == "drop"}
@@ -98,11 +101,21 @@ class FaultyTransport:
                 reply = Corrupted(corrupt(reply, fault.split(":", 1)[1], round_idx, cid))
             replies[cid] = reply
         honest = {c: r for c, r in replies.items() if isinstance(r, bytes) and c not in self.hostile}
+        hostile = [c for c in sorted(self.hostile & set(replies))
+                   if isinstance(replies[c], bytes) and not isinstance(replies[c], Corrupted)]
+        for cid in hostile:
+            ctx = RoundView(self.server, self.cfg, round_idx, cid, downlinks[cid], honest, len(hostile))
+            replies[cid] = self.attack.rewrite(replies[cid], ctx)
+        return replies
+
+    def _calibration(self, requests: Downlinks, round_idx: int) -> dict[int, Reply]:
+        """BatchNorm calibration (:mod:`dturbo.algorithms.statistics`): no drop, corruption or delay is injected
+        (the round's faults are the training messages'), and a hostile client answers as its attack does."""
+        replies = dict(self.inner(requests, round_idx))
         for cid in self.hostile & set(replies):
             reply = replies[cid]
-            if isinstance(reply, bytes) and not isinstance(reply, Corrupted):
-                ctx = RoundView(self.server, self.cfg, round_idx, cid, downlinks[cid], honest)
-                replies[cid] = self.attack.rewrite(reply, ctx)
+            if isinstance(reply, bytes):
+                replies[cid] = self.attack.statistics(reply)
         return replies
 
 

@@ -90,6 +90,16 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def run_header(cfg: Config, out: Path, round_seconds: float | None = None) -> str:
+    """A run's first line: what runs, where it writes, and (``round_seconds``: an estimate of a round,
+    :meth:`Simulator.estimate_round_seconds`) about how long its rounds will take."""
+    head = (f"dturbo {cfg.experiment.name}: {cfg.experiment.algorithm} on {cfg.data.name}, {cfg.model.name}, "
+            f"{cfg.federation.clients} clients, {cfg.experiment.rounds} rounds -> {out}")
+    if round_seconds is None:
+        return head
+    return f"{head}  (about {duration(round_seconds * cfg.experiment.rounds)} from a timed training step)"
+
+
 class ProgressLine:
     """A run's progress in a log, one line a round: the round, :func:`round_summary`, its seconds and the time left
     at the mean pace of the rounds seen so far."""
@@ -133,13 +143,40 @@ class Simulator:
             warnings.warn(warning, stacklevel=2)
         factory = model(self.fed.dataset) if model is not None else None
         self.server, self.client = build_algorithm(cfg, self.fed, factory)
-        # the clients as reached without injected faults: BatchNorm calibration goes to them (statistics module)
+        # the clients as reached without injected faults; calibration goes through the faults, which leave it as it
+        # is but for a hostile client's reply (FaultyTransport._calibration)
         self.carrier = transport or InProcessClients(self.client, self.fed.clients)
         self.transport = with_faults(self.carrier, cfg, self.server)
         self._statistics: Statistics | None = None
         self.fingerprint = config_fingerprint(cfg.to_dict())
         self.data_fingerprint = data_fingerprint(self.fed.dataset)
         self.final_model: nn.Module | None = None  # the global model saved at the end of run(), in eval mode
+
+    def estimate_round_seconds(self, steps: int = 5) -> float:
+        """A rough time of one round, before the first: ``steps`` forward and backward passes of a copy of the
+        client's model on one minibatch, timed after a first untimed one, times the local steps of a round (every
+        client's, scaled to ``clients_per_round``), the evaluation's forward passes on top. Server work is not
+        counted. The global RNG is left as it was, so the run itself is unchanged."""
+        import copy
+
+        from .algorithms.local import num_local_steps
+
+        cfg = self.cfg
+        data = self.fed.clients[0]
+        bs = min(cfg.train.batch_size, len(data))
+        model = copy.deepcopy(self.client.model).to(self.device).train()
+        x, y = data.x[:bs].to(self.device), data.y[:bs].to(self.device)
+        with torch.random.fork_rng(devices=[]):
+            times = []
+            for _ in range(steps + 1):
+                t0 = time.perf_counter()
+                F.cross_entropy(model(x), y).backward()
+                times.append(time.perf_counter() - t0)
+        step = float(np.median(times[1:]))
+        local = sum(num_local_steps(cfg.train, len(c)) for c in self.fed.clients)
+        local *= (cfg.federation.clients_per_round or cfg.federation.clients) / cfg.federation.clients
+        evals = len(self.fed.y_test) + (len(self.fed.y_val) if self.fed.y_val is not None else 0)
+        return step * (local + evals / bs / 3 / cfg.experiment.eval_every)  # a forward pass: about a third
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> list[dict[str, Any]]:
@@ -234,7 +271,7 @@ class Simulator:
         if not self._statistics or not self.client.can_receive():
             return state
         return calibrate(self._statistics, self.server, state, next_round,
-                         lambda requests: self.carrier(requests, next_round), traffic, events)
+                         lambda requests: self.transport(requests, next_round), traffic, events)
 
     # ---------------------------------------------------------------- the run directory
     def _open(self) -> tuple[dict[str, Any], int, float, list[dict[str, Any]]]:

@@ -60,7 +60,7 @@ _TAG_SCORES, _TAG_GATES, _TAG_UPLOAD, _TAG_EVAL = 0x5C0, 0x6A7, 0x0B1, 0xE7A
 _LOGIT_CLAMP = 1e-6
 # With a robust rule, a mask that costs more bits per parameter under theta_G than the round's median mask by more
 # than this is refused: a mask sampled near theta_G costs about its entropy (measured: within 0.13 bits), an inverted
-# one 0.5 to 4 bits more (benchmarks/attacks.py).
+# one 0.5 to 4 bits more (benchmarks/hostile.py).
 MASK_SCREEN_BITS = 0.25
 
 

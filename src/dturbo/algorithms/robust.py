@@ -141,16 +141,18 @@ def clip(x: np.ndarray, reference: np.ndarray, norm: float) -> np.ndarray:
 
 
 class RobustAggregation:
-    """``[robust]``: clipping (when ``clip_norm`` is set) then the rule, on a round's matrix of client vectors."""
+    """``[robust]``: clipping (to ``clip_norm``, then to ``clip_median`` times the round's median update norm) then
+    the rule, on a round's matrix of client vectors."""
 
     def __init__(self, cfg: RobustConfig) -> None:
         self.rule = make_rule(cfg)
         self.clip_norm = cfg.clip_norm
+        self.clip_median = cfg.clip_median
 
     @property
     def plain(self) -> bool:
         """Whether this is the plain weighted mean: the algorithms then keep their own sums, bit for bit."""
-        return isinstance(self.rule, Mean) and self.clip_norm is None
+        return isinstance(self.rule, Mean) and self.clip_norm is None and self.clip_median is None
 
     def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None,
                 refused: int = 0) -> np.ndarray:
@@ -159,7 +161,12 @@ class RobustAggregation:
         round's uploads refused already."""
         x = np.stack([np.asarray(r, dtype=np.float64).reshape(-1) for r in rows])
         w = np.asarray(p, dtype=np.float64)
+        ref = np.zeros(x.shape[1]) if reference is None else np.asarray(reference, np.float64).reshape(-1)
         if self.clip_norm is not None:
-            ref = np.zeros(x.shape[1]) if reference is None else np.asarray(reference, np.float64).reshape(-1)
             x = clip(x, ref, self.clip_norm)
+        if self.clip_median is not None:
+            step = x - ref
+            median = float(np.median(np.sqrt(np.einsum("ij,ij->i", step, step))))
+            if median > 0:  # a round of equal rows (all zero updates) stays as it is
+                x = clip(x, ref, self.clip_median * median)
         return self.rule.combine(x, w / w.sum(), refused)

@@ -176,7 +176,15 @@ def calibrate(statistics: Statistics, server: ServerAlgorithm, state: State, nex
         events.append("BatchNorm calibration: no valid statistics, the averaged ones are kept")
         return state
     robust = getattr(server, "robust", None)
-    return statistics.pool(state, weights, good, None if robust is None or robust.plain else robust.rule)
+    pooled = statistics.pool(state, weights, good, None if robust is None or robust.plain else robust.rule)
+    # each reply is inside the bound, but their spread enters the pooled variance: a pool beyond it would be a
+    # state the float16 downlink cannot carry, so it is never stored
+    top = max(float(np.abs(pooled[k]).max(initial=0.0)) for n in statistics.norms for k in n.fields)
+    if not np.isfinite(top) or top > VALUE_CAP:
+        events.append(f"BatchNorm calibration: pooled statistics of magnitude {top:.4g}, beyond the bound "
+                      f"{VALUE_CAP:g}; the averaged ones are kept")
+        return state
+    return pooled
 
 
 def request(downlink: bytes) -> bytes:

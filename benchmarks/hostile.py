@@ -1,7 +1,7 @@
 """Hostile clients and hostile files against every method: runs that must not stop, accuracy that must hold, memory that
 must stay bounded.
 
-    python benchmarks/attacks.py [--rounds 8] [--work runs/attacks] [--stage all|clean|runs|memory|report]
+    python benchmarks/hostile.py [--rounds 8] [--work runs/attacks] [--stage all|clean|runs|memory|report]
 
 Fashion-MNIST (3000 training images, 1000 test), the mlp (200, 100), 10 clients (Dirichlet 0.5), 2 local epochs, one
 torch thread; every method with its preset's settings (D-Turbo-VBI: the main job's ``quick``, warm-up 1 round, ramp
@@ -19,7 +19,7 @@ rewrite their upload.
 Goals: no attack stops a run or its resume; with the robust option every attack the uploads' bounds are for (values,
 samples, copy, loss) ends within 2 points of the clean run and every refused upload is counted with a reason; no
 upload or model directory makes the peak memory exceed 2x the honest one's. Writes
-benchmarks/results/attacks.{json,md}.
+benchmarks/results/hostile.{json,md}.
 """
 
 from __future__ import annotations
@@ -512,7 +512,7 @@ def report(runs: dict[str, Any], memory: dict[str, Any], main_job: dict[str, Any
 def markdown(res: dict[str, Any]) -> str:
     methods = list(METHODS)
     lines = [f"# Hostile clients and files ({res['rounds']} rounds, 10 clients, Fashion-MNIST 3000 images, mlp)",
-             "", f"Written by `benchmarks/attacks.py` on {res['date']} in {res['seconds']} s.", "",
+             "", f"Written by `benchmarks/hostile.py` on {res['date']} in {res['seconds']} s.", "",
              "## Goals", "", "| goal | met | detail |", "|---|---|---|"]
     g = res["goals"]
     lines += [f"| no attack stops a run or its resume | {g['no_stop']['met']} | {g['no_stop']['runs_that_stopped']} |",
@@ -624,10 +624,10 @@ def main() -> None:
     seconds += memory.get("seconds", 0.0)
     res = report(runs, memory, main_job, args, seconds)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "attacks.json").write_text(json.dumps(res, indent=1) + "\n")
-    (RESULTS / "attacks.md").write_text(markdown(res))
-    (RESULTS / "attacks_cost.md").write_text(cost_table(res))
-    fill_block(ROOT / "docs" / "robustness.md", "benchmarks/results/attacks_cost.md", cost_table(res))
+    (RESULTS / "hostile.json").write_text(json.dumps(res, indent=1) + "\n")
+    (RESULTS / "hostile.md").write_text(markdown(res))
+    (RESULTS / "hostile_cost.md").write_text(cost_table(res))
+    fill_block(ROOT / "docs" / "robustness.md", "benchmarks/results/hostile_cost.md", cost_table(res))
     print(markdown(res))
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
 

@@ -1,0 +1,436 @@
+"""Attacks that stay inside the bounds, against every method's recommended robust rule, in the simulator and through
+the Flower Strategy: runs that must not stop, resumes that must work, accuracy that must hold, memory that must stay
+bounded.
+
+    python benchmarks/attacks_inside.py [--rounds 12] [--jobs 2] [--work runs/attacks_inside] [--stage runs|report]
+
+Fashion-MNIST (3000 training images, 1000 test), 10 clients (Dirichlet 0.5), 2 local epochs, seed 0, one torch
+thread a run, every method with its preset's settings and its recommended rule (``RECOMMENDED``, fixed before the
+runs). Two models: ``mlp`` (the built-in 200-100 mlp) and ``bn`` (the same with BatchNorm after each hidden layer, a
+model of one's own, its statistics calibrated). Two runners: ``simulator`` (``dturbo.sim.Simulator``: the run is
+stopped after half its rounds, as a crash after a checkpoint, and resumed) and ``strategy`` (``dturbo.flower``'s
+Strategy on an in-process Flower grid, the attackers' replies rewritten on their way to the server; a Strategy keeps
+no checkpoint, so it has no resume to try).
+
+Attacks (``dturbo.attacks``): on ``mlp`` the scaled sign flip, ALIE and IPM; on ``bn`` the poisoned state outside
+the Bayesian layers and poisoned calibration statistics; each with 1 and with 3 attackers; and on ``mlp`` one reply
+of 200 MB (refused: its peak memory against the honest run's). Every run is one fresh process (its peak RSS is its
+own).
+
+Goals (issue 50): no run stops; every resume works; final accuracy within 2 points of the clean run with 1 attacker
+and 4 with 3; peak memory at most 2x the clean run's. Writes benchmarks/results/attacks.{json,md}: ``runs`` holds
+one row per runner x model x method x attack x attackers with exactly the keys of ``ROW``; ``details`` the same rows'
+other figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import resource
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from datetime import UTC, datetime
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from harness import dataset_path  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+PRESETS = {"dturbo": "quick", "fedavg": "fedavg", "fedpaq": "fedpaq", "dssm": "dssm", "stc": "stc", "fedpm": "fedpm",
+           "feddst": "feddst"}
+# Each method's recommended rule, fixed before the runs: the updates clipped to the round's median norm, then a
+# trimmed mean that trims at least 3 at each end; Krum keeping 7 of 10 for the quantised or very sparse updates of
+# FedPAQ and STC, whose coordinates are mostly 0 (a coordinate-wise rule then stops learning).
+TRIMMED = {"robust.rule": "trimmed_mean", "robust.trim": 0.1, "robust.byzantine": 3, "robust.clip_median": 1.0}
+KRUM = {"robust.rule": "krum", "robust.byzantine": 3, "robust.clip_median": 1.0}
+RECOMMENDED = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM, "dssm": TRIMMED, "stc": KRUM, "fedpm": TRIMMED,
+               "feddst": TRIMMED}
+ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
+OVERSIZE = "upload_200MB"
+ATTACKERS = (1, 3)
+RUNNERS = ("simulator", "strategy")
+GOAL = {"points": {1: 2.0, 3: 4.0}, "memory_ratio": 2.0}
+ROW = ("runner", "model", "method", "attack", "attackers", "robust", "rule", "stopped", "resume_ok", "accuracy",
+       "clean_accuracy", "peak_rss_mb", "clean_peak_rss_mb")
+
+
+def rule_name(method: str) -> str:
+    r = RECOMMENDED[method]
+    head = f"{r['robust.rule']} byzantine {r['robust.byzantine']}"
+    return head + (f", trim {r['robust.trim']}" if "robust.trim" in r else "") + (
+        f", clip_median {r['robust.clip_median']}" if "robust.clip_median" in r else "")
+
+
+def jobs(rounds: int) -> list[dict[str, Any]]:
+    """Every run of the matrix: the clean ones first (each attack's row compares against its clean run)."""
+    from dturbo.flower.protocol import algorithms
+
+    out = []
+    for runner in RUNNERS:
+        methods = [m for m in PRESETS if runner == "simulator" or m in algorithms()]
+        for model, attacks in ATTACKS.items():
+            for method in methods:
+                out.append({"runner": runner, "model": model, "method": method, "attack": "none", "attackers": 0})
+                if model == "mlp":
+                    out.append({"runner": runner, "model": model, "method": method, "attack": OVERSIZE,
+                                "attackers": 1})
+                out += [{"runner": runner, "model": model, "method": method, "attack": a, "attackers": k}
+                        for a in attacks for k in ATTACKERS]
+    for j in out:
+        j["rounds"] = rounds
+    return out
+
+
+def key(job: dict[str, Any]) -> str:
+    return f"{job['runner']}/{job['model']}/{job['method']}/{job['attack']}/{job['attackers']}"
+
+
+# ------------------------------------------------------------------------------------------------ one run
+class MlpBn:
+    """The built-in mlp's shape (200, 100) with BatchNorm after each hidden layer: a model of one's own."""
+
+    def __new__(cls) -> Any:
+        from torch import nn
+
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.BatchNorm1d(200), nn.ReLU(), nn.Linear(200, 100),
+                             nn.BatchNorm1d(100), nn.ReLU(), nn.Linear(100, 10))
+
+
+def config(job: dict[str, Any]) -> Any:
+    from dturbo.settings import load_config
+
+    over: dict[str, Any] = {
+        "experiment.rounds": job["rounds"], "experiment.threads": 1, "data.path": dataset_path(),
+        "data.limit_train": 3000, "data.limit_test": 1000, "train.local_epochs": 2.0,
+        "model.name": "mlp" if job["model"] == "mlp" else "custom", **RECOMMENDED[job["method"]]}
+    if job["method"] == "dturbo":
+        over |= {"dturbo.sparsity.warmup_rounds": 1, "dturbo.sparsity.ramp_rounds": max(1, job["rounds"] - 4)}
+    if job["attackers"] and job["attack"] != OVERSIZE:
+        over |= {"faults.attackers": job["attackers"], "faults.attack": job["attack"]}
+    return load_config(preset=PRESETS[job["method"]], overrides=over)
+
+
+class Stop(Exception):
+    """Raised after a round is recorded: the run stops there, as a crash after its checkpoint."""
+
+
+def oversize(upload: bytes) -> bytes:
+    return upload + bytes(200 << 20)
+
+
+def run_simulator(job: dict[str, Any], cfg: Any, dataset: Any, out: Path) -> dict[str, Any]:
+    import shutil
+
+    from dturbo.attacks import hostile_clients
+    from dturbo.nn.convert import user_model_factory
+    from dturbo.sim import Simulator
+
+    shutil.rmtree(out, ignore_errors=True)
+    factory = None
+    if job["model"] == "bn":
+        d = cfg.dturbo
+        f = user_model_factory(MlpBn, sigma_mode=d.sigma_mode, sigma_init_ratio=d.sigma_init_ratio,
+                               seed=cfg.experiment.seed, input_shape=dataset.input_shape)
+        factory = lambda _ds: f  # noqa: E731
+
+    def build(**kw: Any) -> Simulator:
+        sim = Simulator(cfg, out, dataset=dataset, model=factory, **kw)
+        if job["attack"] == OVERSIZE:
+            inner, victim = sim.transport, min(range(cfg.federation.clients))
+
+            def hostile(downlinks: Any, round_idx: int) -> Any:
+                replies = inner(downlinks, round_idx)
+                if victim in replies and isinstance(replies[victim], bytes) and round_idx == 0:
+                    replies[victim] = oversize(replies[victim])
+                return replies
+
+            sim.transport = hostile
+        return sim
+
+    half = job["rounds"] // 2
+    res: dict[str, Any] = {"stopped": False, "resume_ok": None, "error": None}
+
+    def stop(row: dict[str, Any]) -> None:
+        if int(row["round"]) == half:
+            raise Stop
+
+    try:
+        build(on_round=stop).run()
+        res["resume_ok"] = None  # not stopped: a run shorter than 2 rounds
+    except Stop:
+        try:
+            rows = build(resume=True).run()
+            res["resume_ok"] = len(rows) == job["rounds"]
+        except Exception as err:  # noqa: BLE001 (the benchmark records every failure)
+            res["resume_ok"], res["error"] = False, f"{type(err).__name__}: {err}"
+    except Exception as err:  # noqa: BLE001
+        res["stopped"], res["error"] = True, f"{type(err).__name__}: {err}"
+    rows = _rows(out)
+    res["accuracy"] = float(rows[-1]["accuracy"]) if rows else None
+    res["rounds_done"] = len(rows)
+    res["clients_rejected"] = int(sum(float(r.get("clients_rejected") or 0) for r in rows))
+    res["up_bits"] = float(sum(float(r["up_bits"]) for r in rows))
+    res["hostile"] = hostile_clients(cfg)
+    return res
+
+
+def run_strategy(job: dict[str, Any], cfg: Any, dataset: Any, out: Path) -> dict[str, Any]:
+    from flwr.app import ArrayRecord, Message
+    from flwr.clientapp import ClientApp
+
+    import dturbo
+    import dturbo.flower as dflower
+    from dturbo.algorithms.registry import model_factory
+    from dturbo.algorithms.statistics import is_request
+    from dturbo.attacks import ATTACKS as KINDS
+    from dturbo.attacks import RoundView, hostile_clients
+    from dturbo.federation import build_federation
+    from dturbo.flower import protocol, wire
+    from dturbo.flower.inprocess import InProcessGrid
+    from dturbo.sim import evaluate
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower's per-round summaries: the row says it
+    fed = build_federation(cfg, dataset)
+    if job["model"] == "bn":
+        def net() -> Any:
+            return dturbo.bayesianize(MlpBn(), sigma_mode=cfg.dturbo.sigma_mode,
+                                      sigma_init_ratio=cfg.dturbo.sigma_init_ratio)
+        server_model: Any = MlpBn
+    else:
+        build = model_factory(cfg, dataset.input_shape, dataset.num_classes)
+        net = server_model = build
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Any) -> Message:
+        return dflower.fit(msg, context, net(), fed.clients[int(context.node_config["partition-id"])])
+
+    @app.query("dturbo")
+    def count(msg: Message, context: Any) -> Message:
+        return dflower.count_samples(msg, context, fed.clients[int(context.node_config["partition-id"])])
+
+    hostile = set(hostile_clients(cfg)) if job["attack"] != OVERSIZE else {0}
+    attack = KINDS[job["attack"]]() if job["attack"] in KINDS else None
+    plain = cfg.model_copy(update={"faults": type(cfg.faults)()})  # what the strategy runs: no injected faults
+
+    class HostileGrid(InProcessGrid):
+        """The nodes of ``hostile`` answer as their attack does, after the round's honest replies are in."""
+
+        def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+            messages = list(messages)
+            replies = list(super().send_and_receive(messages, timeout=timeout))
+            if not hostile:
+                return replies
+            sent = {m.metadata.message_id: m for m in messages}
+            train = []  # (client id, round, downlink, reply)
+            for reply in replies:
+                msg = sent.get(reply.metadata.reply_to_message_id)
+                if msg is None or msg.metadata.message_type != wire.TRAIN or reply.has_error():
+                    continue
+                if wire.UP not in reply.content.array_records:
+                    continue
+                task = protocol.read_task(msg.content)
+                train.append((task.client, task.round_idx, wire.record_bytes(msg.content, wire.DOWN), reply))
+            honest = {c: wire.record_bytes(r.content, wire.UP) for c, _, _, r in train if c not in hostile}
+            bad = [t for t in train if t[0] in hostile]
+            for cid, rnd, down, reply in bad:
+                up = wire.record_bytes(reply.content, wire.UP)
+                if job["attack"] == OVERSIZE:
+                    new = oversize(up) if rnd == 0 and not is_request(down) else up
+                elif is_request(down):
+                    new = attack.statistics(up)
+                else:
+                    view = RoundView(strategy.session.server, cfg, rnd, cid, down, honest, len(bad))
+                    new = attack.rewrite(up, view)
+                reply.content[wire.UP] = wire.bytes_record(new)
+            return replies
+
+    strategy = dflower.DturboStrategy(server_model, algorithm=job["method"], config=plain,
+                                      total_samples=fed.total_samples, fraction_evaluate=0.0)
+    grid = HostileGrid(app, cfg.federation.clients)
+    res: dict[str, Any] = {"stopped": False, "resume_ok": None, "error": None}
+    try:
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=job["rounds"])
+        metrics = result.train_metrics_clientapp
+        res["rounds_done"] = len(metrics)
+        res["clients_rejected"] = int(sum(m.get("clients_rejected", 0) for m in metrics.values()))
+        res["up_bits"] = float(sum(m.get("up_bits", 0) for m in metrics.values()))
+    except Exception as err:  # noqa: BLE001
+        res["stopped"], res["error"] = True, f"{type(err).__name__}: {err}"
+    res["accuracy"] = (float(evaluate(strategy.global_model(), fed.x_test, fed.y_test)[0])
+                       if strategy.session is not None else None)
+    res["hostile"] = sorted(hostile)
+    (out).mkdir(parents=True, exist_ok=True)
+    return res
+
+
+def run_job(job: dict[str, Any], work: str) -> dict[str, Any]:
+    """One run in this (fresh) process; its result is cached under ``work``."""
+    import warnings
+
+    import torch
+
+    from dturbo.data import load_dataset
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    out = Path(work) / "runs" / key(job).replace("/", "_")
+    cache = Path(work) / "rows" / (key(job).replace("/", "_") + ".json")
+    if cache.exists():
+        return json.loads(cache.read_text())
+    cfg = config(job)
+    dataset = load_dataset("fashion-mnist", dataset_path(), limit_train=3000, limit_test=1000,
+                           seed=cfg.experiment.seed)
+    t0 = time.perf_counter()
+    res = (run_simulator if job["runner"] == "simulator" else run_strategy)(job, cfg, dataset, out)
+    res |= {**job, "seconds": round(time.perf_counter() - t0, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(res))
+    print(f"[{datetime.now():%H:%M:%S}] {key(job)}: acc {res['accuracy']}, stopped {res['stopped']}, resume "
+          f"{res['resume_ok']}, rejected {res.get('clients_rejected')}, {res['seconds']} s, "
+          f"{res['peak_rss_mb']} MB {res['error'] or ''}", flush=True)
+    return res
+
+
+def _rows(out: Path) -> list[dict[str, str]]:
+    import csv
+
+    path = out / "metrics.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------------------------------------ report
+def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    clean = {(r["runner"], r["model"], r["method"]): r for r in results if r["attack"] == "none"}
+    rows, details = [], []
+    for r in results:
+        if r["attack"] == "none":
+            continue
+        c = clean.get((r["runner"], r["model"], r["method"]), {})
+        rows.append({"runner": r["runner"], "model": r["model"], "method": r["method"], "attack": r["attack"],
+                     "attackers": r["attackers"], "robust": True, "rule": rule_name(r["method"]),
+                     "stopped": bool(r["stopped"]), "resume_ok": r["resume_ok"], "accuracy": r["accuracy"],
+                     "clean_accuracy": c.get("accuracy"), "peak_rss_mb": r["peak_rss_mb"],
+                     "clean_peak_rss_mb": c.get("peak_rss_mb")})
+        details.append({k: r.get(k) for k in ("runner", "model", "method", "attack", "attackers", "error",
+                                              "rounds_done", "clients_rejected", "up_bits", "hostile", "seconds")})
+    assert all(tuple(row) == ROW for row in rows)
+    misses, memory = [], []
+    for row in rows:
+        if row["stopped"] or row["resume_ok"] is False:
+            misses.append((key(row), "stopped" if row["stopped"] else "resume failed"))
+            continue
+        if row["accuracy"] is None or row["clean_accuracy"] is None:
+            continue
+        drop = 100 * (row["clean_accuracy"] - row["accuracy"])
+        if row["attack"] != OVERSIZE and drop > GOAL["points"][row["attackers"]]:
+            misses.append((key(row), f"{drop:.1f} points"))
+        if row["clean_peak_rss_mb"] and row["peak_rss_mb"] > GOAL["memory_ratio"] * row["clean_peak_rss_mb"]:
+            memory.append((key(row), round(row["peak_rss_mb"] / row["clean_peak_rss_mb"], 2)))
+    return {"runs": rows, "details": details, "clean": [
+        {k: c.get(k) for k in ("runner", "model", "method", "accuracy", "peak_rss_mb", "seconds", "error")}
+        for c in clean.values()],
+        "recommended": RECOMMENDED, "rounds": rounds, "goal": GOAL,
+        "missed": {"accuracy_or_stop": misses, "memory": memory},
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
+        "python": platform.python_version()}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [f"# Attacks inside the bounds ({res['rounds']} rounds, 10 clients, Fashion-MNIST 3000 images)", "",
+             f"Written by `benchmarks/attacks_inside.py` on {res['date']}. Each method with its recommended rule; "
+             "accuracy of the run against its clean run (same runner, model, method and rule); goal: within "
+             "2 points with 1 attacker, 4 with 3, no stop, resume working (simulator), peak memory at most 2x.", "",
+             "| runner | model | method | rule | attack | attackers | accuracy | clean | points | stopped | resume | "
+             "peak MB (clean) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        pts = ("" if r["accuracy"] is None or r["clean_accuracy"] is None
+               else f"{100 * (r['clean_accuracy'] - r['accuracy']):+.1f}")
+        acc = "" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
+        cl = "" if r["clean_accuracy"] is None else f"{100 * r['clean_accuracy']:.1f}%"
+        resume = {True: "ok", False: "failed", None: "n/a"}[r["resume_ok"]]
+        lines.append(f"| {r['runner']} | {r['model']} | {r['method']} | {r['rule']} | {r['attack']} | "
+                     f"{r['attackers']} | {acc} | {cl} | {pts} | {r['stopped']} | {resume} | "
+                     f"{r['peak_rss_mb']:.0f} ({r['clean_peak_rss_mb'] or 0:.0f}) |")
+    m = res["missed"]
+    lines += ["", f"Rows that miss the accuracy goal or stop: {len(m['accuracy_or_stop'])} of {len(res['runs'])}"
+              + ("" if not m["accuracy_or_stop"] else ": " + "; ".join(f"{k} ({why})" for k, why in
+                                                                      m["accuracy_or_stop"])) + ".",
+              f"Rows over 2x the clean run's peak memory: {len(m['memory'])}"
+              + ("" if not m["memory"] else ": " + "; ".join(f"{k} ({x}x)" for k, x in m["memory"])) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def summary(res: dict[str, Any]) -> str:
+    """docs/robustness.md's table: per method and runner, the points each attack costs with 1 / 3 attackers, and
+    the 200 MB reply's peak memory against the clean run's."""
+    cells: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for r in res["runs"]:
+        row = cells.setdefault((r["method"], r["runner"]), {})
+        if r["stopped"] or r["resume_ok"] is False:
+            text = "stopped" if r["stopped"] else "resume failed"
+        elif r["attack"] == OVERSIZE:
+            text = f"{r['peak_rss_mb'] / r['clean_peak_rss_mb']:.2f}x"
+        else:
+            text = f"{100 * (r['clean_accuracy'] - r['accuracy']):+.1f}"
+        row.setdefault(r["attack"], []).append(text)
+    attacks = [*ATTACKS["mlp"], *ATTACKS["bn"]]
+    lines = ["| method | runner | " + " | ".join(attacks) + " | 200 MB reply: memory |",
+             "|---|---|" + "---|" * (len(attacks) + 1)]
+    for (method, runner), row in cells.items():
+        lines.append(f"| {method} | {runner} | " + " | ".join(" / ".join(row.get(a, ["n/a"])) for a in attacks)
+                     + f" | {' '.join(row.get(OVERSIZE, ['n/a']))} |")
+    m = res["missed"]["accuracy_or_stop"]
+    lines += ["", f"mlp: scaled_sign_flip, alie, ipm; bn (the mlp with BatchNorm): plain_state, calibration; "
+                  f"{res['rounds']} rounds. Goal: within 2 points with 1 attacker, 4 with 3: "
+                  f"{len(res['runs']) - len(m)} of {len(res['runs'])} rows."]
+    return "\n".join(lines) + "\n"
+
+
+def fill_block(doc: Path, name: str, text: str) -> None:
+    """Put ``text`` between ``<!-- generated: name -->`` and ``<!-- end generated -->`` in ``doc``."""
+    old = doc.read_text()
+    begin, end = f"<!-- generated: {name} -->\n", "<!-- end generated -->"
+    i = old.index(begin) + len(begin)
+    doc.write_text(old[:i] + text + old[old.index(end, i):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "attacks_inside")
+    ap.add_argument("--stage", choices=("runs", "report", "all"), default="all")
+    ap.add_argument("--only", default="", help="run the jobs whose key starts with this (runner/model/method/...)")
+    args = ap.parse_args()
+    todo = [j for j in jobs(args.rounds) if key(j).startswith(args.only)]
+    if args.stage in ("runs", "all"):
+        # one fresh process a run (max_tasks_per_child): its peak RSS is its own
+        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+            results = list(pool.map(run_job, todo, [str(args.work)] * len(todo)))
+    if args.stage in ("report", "all"):
+        cached = [args.work / "rows" / (key(j).replace("/", "_") + ".json") for j in jobs(args.rounds)]
+        results = [json.loads(p.read_text()) for p in cached if p.exists()]
+        res = report(results, args.rounds)
+        (RESULTS / "attacks.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / "attacks.md").write_text(markdown(res))
+        (RESULTS / "attacks_summary.md").write_text(summary(res))
+        fill_block(ROOT / "docs" / "robustness.md", "benchmarks/results/attacks_summary.md", summary(res))
+        print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
