@@ -59,6 +59,8 @@ OVERSIZE = "upload_200MB"
 ATTACKERS = (1, 3)
 RUNNERS = ("simulator", "strategy")
 GOAL = {"points": {1: 2.0, 3: 4.0}, "memory_ratio": 2.0}
+# where a row was run (a row may name another machine: the benchmark's runs are portable, one process each)
+HERE_MACHINE = f"{platform.platform()}, Python {platform.python_version()}"
 ROW = ("runner", "model", "method", "attack", "attackers", "robust", "rule", "stopped", "resume_ok", "accuracy",
        "clean_accuracy", "peak_rss_mb", "clean_peak_rss_mb")
 
@@ -72,11 +74,9 @@ def rule_name(method: str) -> str:
 
 def jobs(rounds: int) -> list[dict[str, Any]]:
     """Every run of the matrix: the clean ones first (each attack's row compares against its clean run)."""
-    from dturbo.flower.protocol import algorithms
-
     out = []
     for runner in RUNNERS:
-        methods = [m for m in PRESETS if runner == "simulator" or m in algorithms()]
+        methods = list(PRESETS) if runner == "simulator" else strategy_methods()
         for model, attacks in ATTACKS.items():
             for method in methods:
                 out.append({"runner": runner, "model": model, "method": method, "attack": "none", "attackers": 0})
@@ -88,6 +88,15 @@ def jobs(rounds: int) -> list[dict[str, Any]]:
     for j in out:
         j["rounds"] = rounds
     return out
+
+
+def strategy_methods() -> list[str]:
+    """The methods the Flower Strategy runs (none where Flower is not installed)."""
+    try:
+        from dturbo.flower.protocol import algorithms
+    except ModuleNotFoundError:
+        return []
+    return [m for m in PRESETS if m in algorithms()]
 
 
 def key(job: dict[str, Any]) -> str:
@@ -326,7 +335,8 @@ def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
                      "clean_accuracy": c.get("accuracy"), "peak_rss_mb": r["peak_rss_mb"],
                      "clean_peak_rss_mb": c.get("peak_rss_mb")})
         details.append({k: r.get(k) for k in ("runner", "model", "method", "attack", "attackers", "error",
-                                              "rounds_done", "clients_rejected", "up_bits", "hostile", "seconds")})
+                                              "rounds_done", "clients_rejected", "up_bits", "hostile", "seconds")}
+                       | {"machine": r.get("machine", HERE_MACHINE)})
     assert all(tuple(row) == ROW for row in rows)
     misses, memory = [], []
     for row in rows:

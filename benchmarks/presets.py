@@ -33,7 +33,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from harness import read_csv, say  # noqa: E402
+from harness import dataset_path, read_csv, say  # noqa: E402
 
 from dturbo.settings import load_config  # noqa: E402
 
@@ -95,6 +95,14 @@ def markdown(res: dict[str, Any]) -> str:
                 f"(goal: within {GOAL['points']:g} point, at most {GOAL['bits_ratio']:g}x): "
                 f"**{'met' if g['met'] else 'missed'}**.", "",
             f"{res['protocol']}; seed 0; one torch thread a run."]
+    if res.get("models"):
+        out += ["", f"`recommended` against the library's defaults on three models (the main job's protocol; goal: "
+                    f"within {GOAL['points']:g} point, no more bits; trained on {res['models'][0]['device']}, torch "
+                    f"{res['models'][0]['torch']}):", "", models_markdown(res["models"]).rstrip()]
+        missing = [m for m in MODELS if {(m, q) for q in MODEL_PRESETS} - {(r["model"], r["preset"])
+                                                                            for r in res["models"]}]
+        if missing:
+            out += ["", f"Not measured yet: {', '.join(missing)}."]
     a = res.get("main_job_alone")
     if a:
         out += ["", f"The main job alone (`dturbo run --preset quick`, {a['threads']} cores, nothing else running): "
@@ -154,14 +162,100 @@ def alone(out: Path) -> dict[str, Any]:
             "final_accuracy": float(m["accuracy"][-1]), "cpu": platform.processor() or platform.machine()}
 
 
+# --------------------------------------------------------------------------- presets on other models
+MODELS = ("alexnet-small", "resnet8", "mobilenet")  # the built-in one; benchmarks/batchnorm.py's two with BatchNorm
+MODEL_PRESETS = ("defaults", "recommended")
+
+
+def model_config(preset: str, device: str) -> Any:
+    """The main job's protocol (data, clients, rounds, local training) with the library's defaults (``defaults``)
+    or a preset."""
+    protocol = {"experiment.rounds": 12, "experiment.threads": 1, "experiment.device": device,
+                "data.path": dataset_path(), "train.local_epochs": 1.0, "train.batch_size": 64,
+                "train.optimizer": "adam"}
+    if preset == "defaults":
+        return load_config({"experiment": {"name": "defaults"}}, overrides=protocol)
+    return load_config(preset=preset, overrides=protocol)
+
+
+def run_model(model: str, preset: str, device: str, work: str) -> dict[str, Any]:
+    """One preset on one model into ``work`` (a fresh process; cached)."""
+    import warnings
+
+    import torch
+
+    import dturbo
+
+    out = Path(work) / f"{model}_{preset}"
+    cache = out.parent / f"{model}_{preset}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    cfg = model_config(preset, device)
+    if out.exists():
+        shutil.rmtree(out)
+    if model == "alexnet-small":
+        exp = dturbo.Experiment(cfg, out=out, progress=False, figures=False)
+    else:
+        from batchnorm import build
+
+        exp = dturbo.Experiment(cfg, model=lambda: build(model), out=out, progress=False, figures=False)
+    res = exp.run()
+    m = res.metrics
+    row = {"model": model, "preset": preset, "final_accuracy": float(res.accuracy), "density": float(res.density),
+           "support_density": float(res.support_density), "total_bits": float(m[-1]["cum_bits"]),
+           "accuracy_by_round": [round(float(r["accuracy"]), 4) for r in m], "device": device,
+           "seconds": float(sum(float(r["seconds"]) for r in m)), "torch": torch.__version__}
+    cache.write_text(json.dumps(row))
+    say(f"{model} {preset}: {row['final_accuracy']:.4f}, density {row['density']:.3f}, "
+        f"{row['total_bits'] / 1e6:.1f} Mbit")
+    return row
+
+
+def model_rows(work: Path, jobs: int, device: str) -> list[dict[str, Any]]:
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    todo = [(m, p) for m in MODELS for p in MODEL_PRESETS]
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+        return list(pool.map(run_model, *zip(*todo, strict=True), [device] * len(todo), [str(work)] * len(todo)))
+
+
+def models_markdown(rows: list[dict[str, Any]]) -> str:
+    by = {(r["model"], r["preset"]): r for r in rows}
+    out = ["| model | defaults | recommended | points | bits ratio | goal met |", "|---|---|---|---|---|---|"]
+    for model in MODELS:
+        d, r = by.get((model, "defaults")), by.get((model, "recommended"))
+        if not d or not r:
+            continue
+        pts = 100 * (r["final_accuracy"] - d["final_accuracy"])
+        ratio = r["total_bits"] / d["total_bits"]
+        cell = "{:.2f}%, {:.1%} nonzero, {:.1f} Mbit"
+        out.append(f"| {model} | {cell.format(100 * d['final_accuracy'], d['density'], d['total_bits'] / 1e6)} | "
+                   f"{cell.format(100 * r['final_accuracy'], r['density'], r['total_bits'] / 1e6)} | {pts:+.2f} | "
+                   f"{ratio:.2f}x | {pts >= -GOAL['points'] and ratio <= 1.0} |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=HERE.parent / "runs" / "presets")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--stage", choices=("all", "runs", "alone"), default="all", help=(
+    ap.add_argument("--stage", choices=("all", "runs", "alone", "models"), default="all", help=(
         "runs: the presets side by side; alone: the main job timed with nothing else running (run it on an idle "
-        "machine)"))
+        "machine); models: `recommended` against the library's defaults on alexnet-small, ResNet-8 and "
+        "MobileNetV1 (both with BatchNorm)"))
+    ap.add_argument("--device", default="cpu", help="models: where they train (cpu, cuda)")
     args = ap.parse_args(argv)
+    if args.stage == "models":
+        rows = model_rows(args.runs / "models", args.jobs, args.device)
+        res = json.loads((RESULTS / "presets.json").read_text())
+        res["models"] = rows
+        (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / "presets.md").write_text(markdown(res))
+        print(markdown(res))
+        return 0
     if args.stage == "alone":
         res = json.loads((RESULTS / "presets.json").read_text())
         res["main_job_alone"] = alone(args.runs / "alone")
@@ -184,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                     "met": below <= GOAL["points"] and ratio <= GOAL["bits_ratio"]},
            "machine": {"platform": platform.platform(), "python": platform.python_version()},
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
-    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round") if k in old}  # measured apart (--stage alone)
+    # measured apart (--stage alone, --stage models)
+    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round", "models") if k in old}
     (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
     (RESULTS / "presets.md").write_text(markdown(res))
     figure(runs, HERE.parent / "docs" / "results" / "presets.png")

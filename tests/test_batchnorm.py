@@ -126,7 +126,7 @@ def _run_with(carrier: type[InProcessClients], out, rounds: int) -> tuple[Simula
     exp = dturbo.Experiment(config("dturbo", rounds), data=images(), model=ResNetTiny, out=out, progress=False,
                             figures=False)
     sim = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
-    sim.carrier = carrier(sim.client, sim.fed.clients)
+    sim.transport = carrier(sim.client, sim.fed.clients)
     sim.run()
     return sim, sim.run_dir.events_path.read_text()
 

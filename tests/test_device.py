@@ -105,3 +105,22 @@ def test_a_short_run_on_cuda(tmp_path, tiny_config, make_toy, algorithm):
                                    experiment={"device": "cuda", "algorithm": algorithm}))
     rows = Simulator(cfg, tmp_path / "run").run()
     assert 0 <= float(rows[-1]["accuracy"]) <= 1
+
+
+@has_cuda
+def test_a_batchnorm_run_on_cuda_calibrates_and_trains_on(tmp_path, tiny_config, make_toy):
+    """Calibration measures on the GPU and leaves the client's model on the CPU, where its next downlink loads
+    (it stayed on the GPU, and the next round's load failed on mixed devices)."""
+    import dturbo
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.bn, self.fc2 = torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+    cfg = tiny_config(rounds=3, data={"name": "npz", "path": str(make_toy(300))}, experiment={"device": "cuda"})
+    result = dturbo.Experiment(cfg, model=Net, out=tmp_path / "run", progress=False, figures=False).run()
+    assert len(result.metrics) == 3 and "calibration_bits" in result.metrics[-1]

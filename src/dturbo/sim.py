@@ -143,10 +143,9 @@ class Simulator:
             warnings.warn(warning, stacklevel=2)
         factory = model(self.fed.dataset) if model is not None else None
         self.server, self.client = build_algorithm(cfg, self.fed, factory)
-        # the clients as reached without injected faults; calibration goes through the faults, which leave it as it
-        # is but for a hostile client's reply (FaultyTransport._calibration)
-        self.carrier = transport or InProcessClients(self.client, self.fed.clients)
-        self.transport = with_faults(self.carrier, cfg, self.server)
+        # calibration goes through the faults too, which leave it as it is but for a hostile client's reply
+        # (FaultyTransport._calibration)
+        self.transport = with_faults(transport or InProcessClients(self.client, self.fed.clients), cfg, self.server)
         self._statistics: Statistics | None = None
         self.fingerprint = config_fingerprint(cfg.to_dict())
         self.data_fingerprint = data_fingerprint(self.fed.dataset)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..codec import MAGIC, CodecError, decode_dense, decode_message, encode_dense, encode_message
+from ..device import CPU
 from ..protocol import ClientAlgorithm, ClientData, MessageError, ServerAlgorithm, State
 from .bounds import VALUE_CAP
 from .plain import SUFFIX
@@ -67,7 +68,8 @@ class Statistics:
     def measure(self, model: nn.Module, data: ClientData, batch_size: int, device: torch.device) -> bytes:
         """The reply to a calibration: every BatchNorm layer's per-channel mean and (biased) variance of its input
         over all of ``data``, the model in training mode (each batch normalised by its own statistics, as in local
-        training) with dropout and the like off; float32 fields ``<name>.mean`` / ``<name>.var``."""
+        training) with dropout and the like off; float32 fields ``<name>.mean`` / ``<name>.var``. The model is measured
+        on ``device`` and is back on the CPU when this returns."""
         model.to(device).eval()
         # per layer: the sum and the sum of squares of each channel, and the count of values
         sums = {n.name: [torch.zeros(n.channels, dtype=torch.float64), torch.zeros(n.channels, dtype=torch.float64),
@@ -90,7 +92,7 @@ class Statistics:
         finally:
             for h in hooks:
                 h.remove()
-            model.eval()
+            model.eval().to(CPU)  # back where the client loads its next downlink, as after local training
         fields = []
         for norm in self.norms:
             s, s2, count = sums[norm.name]
