@@ -17,7 +17,7 @@ the Bayesian layers and poisoned calibration statistics; each with 1 and with 3 
 of 200 MB (refused: its peak memory against the honest run's). Every run is one fresh process (its peak RSS is its
 own).
 
-Goals (issue 50): no run stops; every resume works; final accuracy within 2 points of the clean run with 1 attacker
+Goals: no run stops; every resume works; final accuracy within 2 points of the clean run with 1 attacker
 and 4 with 3; peak memory at most 2x the clean run's. Writes benchmarks/results/attacks.{json,md}: ``runs`` holds
 one row per runner x model x method x attack x attackers with exactly the keys of ``ROW``; ``details`` the same rows'
 other figures.

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from dturbo.testing import Residual  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-GOAL_S = 1.0
+GOAL_S = 1.0  # a later load; the first (it times the kernels, the native one built at setup) at most FIRST_GOAL_S
+FIRST_GOAL_S = 5.0
 
 CHILD = """
 import json, sys, time
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                          "median_import_s": statistics.median(r["import_s"] for r in runs),
                          "kernels": runs[-1]["kernels"], "channels_last": runs[-1]["channels_last"]})
     res = {"what": "dturbo.export.load(model_dir) with its defaults, each in a fresh process", "goal_s": GOAL_S,
+           "first_goal_s": FIRST_GOAL_S,
            "threads": args.threads, "repeats": args.repeats, "cpu": platform.processor() or platform.machine(),
            "cores": os.cpu_count(), "torch": torch.__version__, "date": datetime.now(UTC).date().isoformat(),
            "models": rows}
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.results / "load_time.json").write_text(json.dumps(res, indent=1) + "\n")
     lines = ["# Loading an exported model", "", f"`dturbo.export.load(model_dir)` with its defaults, each load in a "
              f"fresh Python process, {args.threads} torch threads, {args.repeats} loads per model, on "
-             f"{res['cores']} cores (`benchmarks/load_time.py`). Goal: at most {GOAL_S:g} s.", "",
+             f"{res['cores']} cores (`benchmarks/load_time.py`), after `scripts/setup.sh` built the native kernel. "
+             f"Goal: the first load at most {FIRST_GOAL_S:g} s, a later one at most {GOAL_S:g} s.", "",
              "| model | first load() (times kernels) | later loads: median, slowest | import of dturbo.export | "
              "load average |", "|---|---|---|---|---|"]
     for r in rows:

@@ -35,7 +35,7 @@ fi
 echo "[setup] installing dturbo and its test extras (with flwr and ray)"
 pip_install -e ".[test,flower,simulation]"
 .venv/bin/python -c "import dturbo, torch; print(f'[setup] dturbo {dturbo.__version__}, torch {torch.__version__}')"
-# The native conv kernel (dturbo.native) is compiled here, once per machine, so that no later import or export load
+# The native conv kernel (dturbo.native) is compiled here, once per installed copy, so that no later import or export load
 # waits for the compiler; where it cannot be built, dturbo runs PyTorch's kernels and says why.
 echo "[setup] building the native conv kernel"
 .venv/bin/python -c "from dturbo import native; r = native.unavailable_reason(); print('[setup] native kernel: ' + (r or 'built'))"

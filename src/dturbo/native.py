@@ -11,6 +11,7 @@ the reason in :func:`unavailable_reason`, and every caller runs PyTorch's kernel
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import shutil
@@ -84,13 +85,16 @@ def _build() -> str | None:
         target, arch = _arch()
     except ValueError as err:
         return str(err)
-    name = f"dturbo_kernels_{target}_torch{torch.__version__.split('+')[0]}".replace(".", "_")
+    # the source's content and place name the build: another checkout of dturbo on this machine builds its own
+    # instead of rebuilding this one's (the builder rebuilds whenever the source path of a name changes)
+    tag = hashlib.sha256(SOURCE.read_bytes() + str(SOURCE.resolve()).encode()).hexdigest()[:10]
+    name = f"dturbo_kernels_{target}_torch{torch.__version__.split('+')[0]}_{tag}".replace(".", "_")
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
         if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-            print("dturbo: building the native conv kernel (once per machine, about 20 s)", file=sys.stderr,
-                  flush=True)
+            print("dturbo: building the native conv kernel (once per installed copy of dturbo, about 20 s)",
+                  file=sys.stderr, flush=True)
     except Exception:  # noqa: BLE001 (a private helper: only the message depends on it)
         pass
     # OpenMP: ATen's parallel_for splits the images across the intra-op threads only when the kernel is built
