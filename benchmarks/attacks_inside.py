@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness import dataset_path  # noqa: E402
+from harness import dataset_path, fill_block, metrics_rows  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PRESETS = {"dturbo": "quick", "fedavg": "fedavg", "fedpaq": "fedpaq", "dssm": "dssm", "stc": "stc", "fedpm": "fedpm",
@@ -183,7 +183,7 @@ def run_simulator(job: dict[str, Any], cfg: Any, dataset: Any, out: Path) -> dic
             res["resume_ok"], res["error"] = False, f"{type(err).__name__}: {err}"
     except Exception as err:  # noqa: BLE001
         res["stopped"], res["error"] = True, f"{type(err).__name__}: {err}"
-    rows = _rows(out)
+    rows = metrics_rows(out)
     res["accuracy"] = float(rows[-1]["accuracy"]) if rows else None
     res["rounds_done"] = len(rows)
     res["clients_rejected"] = int(sum(float(r.get("clients_rejected") or 0) for r in rows))
@@ -311,15 +311,6 @@ def run_job(job: dict[str, Any], work: str) -> dict[str, Any]:
     return res
 
 
-def _rows(out: Path) -> list[dict[str, str]]:
-    import csv
-
-    path = out / "metrics.csv"
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
 
 # ------------------------------------------------------------------------------------------------ report
 def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
@@ -409,13 +400,6 @@ def summary(res: dict[str, Any]) -> str:
                   f"{len(res['runs']) - len(m)} of {len(res['runs'])} rows."]
     return "\n".join(lines) + "\n"
 
-
-def fill_block(doc: Path, name: str, text: str) -> None:
-    """Put ``text`` between ``<!-- generated: name -->`` and ``<!-- end generated -->`` in ``doc``."""
-    old = doc.read_text()
-    begin, end = f"<!-- generated: {name} -->\n", "<!-- end generated -->"
-    i = old.index(begin) + len(begin)
-    doc.write_text(old[:i] + text + old[old.index(end, i):])
 
 
 def main() -> None:

@@ -345,6 +345,23 @@ def print_plan(title: str, jobs: list[Job]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- reading runs
+def metrics_rows(out: Path) -> list[dict[str, str]]:
+    """A run directory's metrics.csv as its rows of text (none when it holds none yet)."""
+    path = out / "metrics.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def fill_block(doc: Path, name: str, text: str) -> None:
+    """Put ``text`` between ``<!-- generated: name -->`` and ``<!-- end generated -->`` in ``doc``."""
+    old = doc.read_text()
+    begin, end = f"<!-- generated: {name} -->\n", "<!-- end generated -->"
+    i = old.index(begin) + len(begin)
+    doc.write_text(old[:i] + text + old[old.index(end, i):])
+
+
 def read_csv(path: Path) -> dict[str, np.ndarray]:
     """A metrics.csv as float columns (empty cells NaN)."""
     with open(path, newline="") as f:

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness import dataset_path  # noqa: E402
+from harness import dataset_path, fill_block, metrics_rows  # noqa: E402
 
 DATA = dataset_path()
 
@@ -106,7 +106,7 @@ def run(cfg: Any, out: Path, dataset: Any, stop_after: int | None) -> dict[str, 
     except Exception as err:  # noqa: BLE001
         outcome["stopped"] = f"{type(err).__name__}: {err}"
     outcome["seconds"] = round(time.perf_counter() - t0, 1)
-    rows = _rows(out)
+    rows = metrics_rows(out)
     if rows:
         outcome |= {"final_accuracy": float(rows[-1]["accuracy"]), "rounds": int(rows[-1]["round"]),
                     "clients_rejected": int(sum(float(r.get("clients_rejected") or 0) for r in rows)),
@@ -116,15 +116,6 @@ def run(cfg: Any, out: Path, dataset: Any, stop_after: int | None) -> dict[str, 
                              (events.read_text().splitlines() if events.exists() else []) if "upload rejected" in ln]
     return outcome
 
-
-def _rows(out: Path) -> list[dict[str, str]]:
-    import csv
-
-    path = out / "metrics.csv"
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def stage_runs(args: argparse.Namespace, attacks: bool = True) -> dict[str, Any]:
@@ -208,8 +199,8 @@ def _selected(cfg: Any, hostile: list[int]) -> int:
 
 def _same_rows(a: Path, b: Path) -> bool:
     timing = {"seconds", "server_seconds"}
-    ra = [{k: v for k, v in r.items() if k not in timing} for r in _rows(a)]
-    rb = [{k: v for k, v in r.items() if k not in timing} for r in _rows(b)]
+    ra = [{k: v for k, v in r.items() if k not in timing} for r in metrics_rows(a)]
+    rb = [{k: v for k, v in r.items() if k not in timing} for r in metrics_rows(b)]
     return bool(ra) and ra == rb
 
 
@@ -576,13 +567,6 @@ def cost_table(res: dict[str, Any]) -> str:
                  f"the plain mean." if main.get("reference") else "")]
     return "\n".join(lines) + "\n"
 
-
-def fill_block(doc: Path, name: str, text: str) -> None:
-    """Put ``text`` between ``<!-- generated: name -->`` and ``<!-- end generated -->`` in ``doc``."""
-    old = doc.read_text()
-    begin, end = f"<!-- generated: {name} -->\n", "<!-- end generated -->"
-    i = old.index(begin) + len(begin)
-    doc.write_text(old[:i] + text + old[old.index(end, i):])
 
 
 def _main_detail(m: dict[str, Any]) -> str:
