@@ -252,6 +252,9 @@ def test_run_config_is_checked(tmp_path):
 def test_node_config_and_bytes_on_the_wire():
     data = bytes(range(256)) * 3
     assert wire.record_bytes(RecordDict({"up": wire.bytes_record(data)}), "up") == data
+    # over a bound: its first bound + 1 bytes (what the server books and refuses), read from the .npy in place
+    assert wire.record_bytes(RecordDict({"up": wire.bytes_record(data)}), "up", max_bytes=100) == data[:101]
+    assert wire.record_bytes(RecordDict({"up": wire.bytes_record(data)}), "up", max_bytes=len(data)) == data
     with pytest.raises(wire.WireError, match="no ArrayRecord"):
         wire.record_bytes(RecordDict(), "up")
     ctx = Context(run_id=1, node_id=5, node_config={}, state=None, run_config={})

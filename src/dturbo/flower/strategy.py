@@ -372,10 +372,11 @@ class DturboStrategy(Strategy):
             out[cid] = reply
         return dict(sorted(out.items()))
 
-    @staticmethod
-    def _replies(rnd: int, matched: Mapping[int, Message]) -> dict[int, Reply]:
-        """Each client's matched reply (:meth:`_matched`) as the runner's reply: its upload, or why none."""
-        return {cid: wire.reply_upload(reply, cid, rnd) for cid, reply in matched.items()}
+    def _replies(self, rnd: int, matched: Mapping[int, Message]) -> dict[int, Reply]:
+        """Each client's matched reply (:meth:`_matched`) as the runner's reply: its upload (one over the server's
+        size bound cut to the bound and a byte: it is refused, and booked at the bound), or why none."""
+        bound = self._need_session().server.max_uplink_bytes
+        return {cid: wire.reply_upload(reply, cid, rnd, bound) for cid, reply in matched.items()}
 
     def _train_message(self, rnd: int, cid: int, down: bytes, config: ConfigRecord) -> Message:
         """The train message to client ``cid`` of round ``rnd`` (0-based) carrying ``down``."""

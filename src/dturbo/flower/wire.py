@@ -49,14 +49,23 @@ def bytes_record(data: bytes) -> ArrayRecord:
     return ArrayRecord({BYTES: Array(np.frombuffer(data, dtype=np.uint8))})
 
 
-def record_bytes(content: RecordDict, name: str) -> bytes:
-    """The bytes that :func:`bytes_record` packed into ``content[name]``."""
+def record_bytes(content: RecordDict, name: str, max_bytes: int | None = None) -> bytes:
+    """The bytes that :func:`bytes_record` packed into ``content[name]``; of more than ``max_bytes`` (an upload over
+    the server's size bound: refused, and booked at the bound) only the first ``max_bytes + 1``, read from the Array
+    without a copy of the whole."""
     if name not in content.array_records:
         raise WireError(f"message has no ArrayRecord {name!r} (has {sorted(content.keys())})")
     record = content.array_records[name]
     if BYTES not in record:
         raise WireError(f"ArrayRecord {name!r} has no Array {BYTES!r}")
-    arr = record[BYTES].numpy()
+    array = record[BYTES]
+    if (max_bytes is not None and array.dtype == "uint8" and len(array.shape) == 1 and array.shape[0] > max_bytes
+            and array.data[:6] == b"\x93NUMPY"):
+        # .npy: magic, version, header length (2 bytes in version 1, else 4), header, then the values
+        start = 10 + int.from_bytes(array.data[8:10], "little") if array.data[6] == 1 else (
+            12 + int.from_bytes(array.data[8:12], "little"))
+        return bytes(memoryview(array.data)[start:start + max_bytes + 1])
+    arr = array.numpy()
     if arr.dtype != np.uint8 or arr.ndim != 1:
         raise WireError(f"{name}.{BYTES} must be a 1-D uint8 array, got {arr.dtype} {arr.shape}")
     return arr.tobytes()
@@ -84,9 +93,10 @@ def partition_of(context: Context) -> tuple[int, int | None]:
     return pid, num
 
 
-def reply_upload(reply: Message, cid: int, rnd: int) -> Reply:
-    """A train reply of client ``cid`` in round ``rnd`` (0-based) as a runner's reply: its upload bytes, or why
-    there are none (:class:`~dturbo.transport.ClientLost` when the node never answered, else a
+def reply_upload(reply: Message, cid: int, rnd: int, max_bytes: int | None = None) -> Reply:
+    """A train reply of client ``cid`` in round ``rnd`` (0-based) as a runner's reply: its upload bytes (over
+    ``max_bytes``, the first ``max_bytes + 1``: :func:`record_bytes`), or why there are none
+    (:class:`~dturbo.transport.ClientLost` when the node never answered, else a
     :class:`~dturbo.algorithms.base.ClientError` with the reason)."""
     if reply.has_error():
         err = reply.error
@@ -100,6 +110,6 @@ def reply_upload(reply: Message, cid: int, rnd: int) -> Reply:
         task = task_record(content)
         if int(task["client"]) != cid or int(task["round"]) != rnd:
             raise WireError(f"reply is for client {task['client']}, round {task['round']}")
-        return record_bytes(content, UP)
+        return record_bytes(content, UP, max_bytes)
     except (WireError, KeyError, TypeError, ValueError) as err:
         return ClientError(f"malformed reply: {err}")
