@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import resource
 import sys
@@ -372,6 +373,12 @@ def markdown(res: dict[str, Any]) -> str:
                                                                       m["accuracy_or_stop"])) + ".",
               f"Rows over 2x the clean run's peak memory: {len(m['memory'])}"
               + ("" if not m["memory"] else ": " + "; ".join(f"{k} ({x}x)" for k, x in m["memory"])) + "."]
+    j = res.get("main_job")
+    if j:
+        lines += ["", f"Without attackers, on the main job (`--preset quick`, one torch thread): D-Turbo-VBI with "
+                      f"{j['rule']} ends at {100 * j['accuracy']:.2f}%, the plain mean at "
+                      f"{100 * j['main_job_accuracy']:.2f}% ({j['cost_points']:+.2f} points; goal: at most "
+                      f"{j['goal_points']:g})."]
     return "\n".join(lines) + "\n"
 
 
@@ -402,12 +409,33 @@ def summary(res: dict[str, Any]) -> str:
 
 
 
+def main_job(work: Path) -> dict[str, Any]:
+    """The main job (`dturbo run --preset quick`, one torch thread as benchmarks/presets.py runs it) with
+    D-Turbo-VBI's recommended rule, against the main job of benchmarks/results/presets.json."""
+    import subprocess
+
+    out = work / "main_job"
+    if not (out / "model.safetensors").exists():
+        cmd = [sys.executable, "-m", "dturbo", "run", "--preset", "quick", "--out", str(out), "--no-figures",
+               "--set", "experiment.threads=1", *(x for k, v in RECOMMENDED["dturbo"].items()
+                                                  for x in ("--set", f"{k}={json.dumps(v)}"))]
+        if out.exists():
+            cmd.append("--resume")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+        subprocess.run(cmd, env=env, check=True)
+    rows = metrics_rows(out)
+    reference = json.loads((RESULTS / "presets.json").read_text())["runs"]["quick"]["final_accuracy"]
+    acc = float(rows[-1]["accuracy"])
+    return {"rule": rule_name("dturbo"), "accuracy": acc, "main_job_accuracy": reference,
+            "cost_points": round(100 * (reference - acc), 2), "goal_points": 1.0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "attacks_inside")
-    ap.add_argument("--stage", choices=("runs", "report", "all"), default="all")
+    ap.add_argument("--stage", choices=("runs", "main", "report", "all"), default="all")
     ap.add_argument("--only", default="", help="run the jobs whose key starts with this (runner/model/method/...)")
     args = ap.parse_args()
     todo = [j for j in jobs(args.rounds) if key(j).startswith(args.only)]
@@ -415,10 +443,14 @@ def main() -> None:
         # one fresh process a run (max_tasks_per_child): its peak RSS is its own
         with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
             results = list(pool.map(run_job, todo, [str(args.work)] * len(todo)))
+    if args.stage in ("main", "all"):
+        (args.work / "main_job.json").write_text(json.dumps(main_job(args.work)))
     if args.stage in ("report", "all"):
         cached = [args.work / "rows" / (key(j).replace("/", "_") + ".json") for j in jobs(args.rounds)]
         results = [json.loads(p.read_text()) for p in cached if p.exists()]
         res = report(results, args.rounds)
+        main_path = args.work / "main_job.json"
+        res["main_job"] = json.loads(main_path.read_text()) if main_path.exists() else None
         (RESULTS / "attacks.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / "attacks.md").write_text(markdown(res))
         (RESULTS / "attacks_summary.md").write_text(summary(res))

@@ -411,3 +411,19 @@ def test_a_hostile_calibration_reply_reaches_the_server_at_the_bound_and_the_rul
     # they reach the pool: under the plain mean its variance would leave the bound, so the averaged statistics stay
     assert "beyond the bound" in (tmp_path / "mean" / "events.log").read_text()
     assert float(var["hostile"].max()) < 100, var  # the trimmed mean leaves the attackers' 9000 out
+
+
+def test_the_attacks_results_file_keeps_its_schema():
+    """benchmarks/results/attacks.json: ``runs`` is a list of rows with exactly these keys, every runner, model and
+    attacker count of the benchmark in it, every row at least 12 rounds."""
+    import json
+
+    res = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/attacks.json").read_text())
+    keys = {"runner", "model", "method", "attack", "attackers", "robust", "rule", "stopped", "resume_ok", "accuracy",
+            "clean_accuracy", "peak_rss_mb", "clean_peak_rss_mb"}
+    assert isinstance(res["runs"], list) and res["runs"]
+    assert all(set(row) == keys for row in res["runs"])
+    assert {r["runner"] for r in res["runs"]} == {"simulator", "strategy"}
+    assert {r["model"] for r in res["runs"]} == {"mlp", "bn"}
+    assert {r["attackers"] for r in res["runs"]} == {1, 3}
+    assert res["rounds"] >= 12
