@@ -62,6 +62,7 @@ RUNNERS = ("simulator", "strategy")
 GOAL = {"points": {1: 2.0, 3: 4.0}, "memory_ratio": 2.0}
 # where a row was run (a row may name another machine: the benchmark's runs are portable, one process each)
 HERE_MACHINE = f"{platform.platform()}, Python {platform.python_version()}"
+SCHEMA_RUNNER = {"simulator": "sim", "strategy": "strategy"}  # the runner's name in attacks.json's rows
 ROW = ("runner", "model", "method", "attack", "attackers", "robust", "rule", "stopped", "resume_ok", "accuracy",
        "clean_accuracy", "peak_rss_mb", "clean_peak_rss_mb")
 
@@ -321,8 +322,8 @@ def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         if r["attack"] == "none":
             continue
         c = clean.get((r["runner"], r["model"], r["method"]), {})
-        rows.append({"runner": r["runner"], "model": r["model"], "method": r["method"], "attack": r["attack"],
-                     "attackers": r["attackers"], "robust": True, "rule": rule_name(r["method"]),
+        rows.append({"runner": SCHEMA_RUNNER[r["runner"]], "model": r["model"], "method": r["method"],
+                     "attack": r["attack"], "attackers": r["attackers"], "robust": True, "rule": rule_name(r["method"]),
                      "stopped": bool(r["stopped"]), "resume_ok": r["resume_ok"], "accuracy": r["accuracy"],
                      "clean_accuracy": c.get("accuracy"), "peak_rss_mb": r["peak_rss_mb"],
                      "clean_peak_rss_mb": c.get("peak_rss_mb")})

@@ -199,9 +199,10 @@ def test_a_run_with_attackers_finishes_and_counts_every_refusal(tmp_path, toy, a
         assert {int(ln.split("client ")[1].split(":")[0]) for ln in refused} == set(hostile)
 
 
-def test_attackers_are_reproducible_and_resume_identically(tmp_path, toy):
-    cfg = config(toy, 4, experiment={"algorithm": "fedavg"}, faults={"attackers": 2, "attack": "sign_flip"},
-                 robust={"rule": "trimmed_mean", "trim": 0.2})
+@pytest.mark.parametrize("attack", ["sign_flip", "scaled_sign_flip", "alie", "ipm"])
+def test_attackers_are_reproducible_and_resume_identically(tmp_path, toy, attack):
+    cfg = config(toy, 4, experiment={"algorithm": "fedavg"}, faults={"attackers": 2, "attack": attack},
+                 robust={"rule": "trimmed_mean", "trim": 0.2, "clip_median": 1.0})
     cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", 2)
     assert rows_of(tmp_path / "whole") == rows_of(tmp_path / "part")
     assert hostile_clients(parse_config(cfg)) == hostile_clients(parse_config(cfg)) != []
@@ -423,7 +424,7 @@ def test_the_attacks_results_file_keeps_its_schema():
             "clean_accuracy", "peak_rss_mb", "clean_peak_rss_mb"}
     assert isinstance(res["runs"], list) and res["runs"]
     assert all(set(row) == keys for row in res["runs"])
-    assert {r["runner"] for r in res["runs"]} == {"simulator", "strategy"}
+    assert {r["runner"] for r in res["runs"]} == {"sim", "strategy"}
     assert {r["model"] for r in res["runs"]} == {"mlp", "bn"}
     assert {r["attackers"] for r in res["runs"]} == {1, 3}
     assert res["rounds"] >= 12
