@@ -53,6 +53,13 @@ PRESETS = {"dturbo": "quick", "fedavg": "fedavg", "fedpaq": "fedpaq", "dssm": "d
 # FedPAQ and STC, whose coordinates are mostly 0 (a coordinate-wise rule then stops learning).
 TRIMMED = {"robust.rule": "trimmed_mean", "robust.trim": 0.1, "robust.byzantine": 3, "robust.clip_median": 1.0}
 KRUM = {"robust.rule": "krum", "robust.byzantine": 3, "robust.clip_median": 1.0}
+# Candidates for the rule against 3 attackers of 10, fixed before their runs and chosen on the validation split
+# (--stage candidates: the dense methods, clean and under the three attacks inside the bounds, 3 attackers): the
+# highest mean validation accuracy wins.
+CANDIDATES = {"trim3_clip1": TRIMMED, "trim3_clip05": TRIMMED | {"robust.clip_median": 0.5},
+              "krum3_clip1": KRUM}
+CANDIDATE_METHODS = ("dturbo", "fedavg", "feddst")
+CANDIDATE_RUNS = (("none", 0), ("scaled_sign_flip", 3), ("ipm", 3), ("alie", 3))
 RECOMMENDED = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM, "dssm": TRIMMED, "stc": KRUM, "fedpm": TRIMMED,
                "feddst": TRIMMED}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
@@ -102,7 +109,8 @@ def strategy_methods() -> list[str]:
 
 
 def key(job: dict[str, Any]) -> str:
-    return f"{job['runner']}/{job['model']}/{job['method']}/{job['attack']}/{job['attackers']}"
+    return (f"{job['runner']}/{job['model']}/{job['method']}/{job['attack']}/{job['attackers']}"
+            + (f"/{job['rule']}" if "rule" in job else ""))
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -122,7 +130,10 @@ def config(job: dict[str, Any]) -> Any:
     over: dict[str, Any] = {
         "experiment.rounds": job["rounds"], "experiment.threads": 1, "data.path": dataset_path(),
         "data.limit_train": 3000, "data.limit_test": 1000, "train.local_epochs": 2.0,
-        "model.name": "mlp" if job["model"] == "mlp" else "custom", **RECOMMENDED[job["method"]]}
+        "model.name": "mlp" if job["model"] == "mlp" else "custom",
+        **(CANDIDATES[job["rule"]] if "rule" in job else RECOMMENDED[job["method"]])}
+    if "rule" in job:  # a candidate: chosen on a validation split held out of the training images
+        over["data.validation"] = 0.1
     if job["method"] == "dturbo":
         over |= {"dturbo.sparsity.warmup_rounds": 1, "dturbo.sparsity.ramp_rounds": max(1, job["rounds"] - 4)}
     if job["attackers"] and job["attack"] != OVERSIZE:
@@ -187,6 +198,7 @@ def run_simulator(job: dict[str, Any], cfg: Any, dataset: Any, out: Path) -> dic
         res["stopped"], res["error"] = True, f"{type(err).__name__}: {err}"
     rows = metrics_rows(out)
     res["accuracy"] = float(rows[-1]["accuracy"]) if rows else None
+    res["val_accuracy"] = float(rows[-1]["val_accuracy"]) if rows and rows[-1].get("val_accuracy") else None
     res["rounds_done"] = len(rows)
     res["clients_rejected"] = int(sum(float(r.get("clients_rejected") or 0) for r in rows))
     res["up_bits"] = float(sum(float(r["up_bits"]) for r in rows))
@@ -410,6 +422,36 @@ def summary(res: dict[str, Any]) -> str:
 
 
 
+def candidate_jobs(rounds: int) -> list[dict[str, Any]]:
+    return [{"runner": "simulator", "model": "mlp", "method": m, "attack": a, "attackers": k, "rule": rule,
+             "rounds": rounds} for rule in CANDIDATES for m in CANDIDATE_METHODS for a, k in CANDIDATE_RUNS]
+
+
+def candidates_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """Each candidate's mean validation accuracy over the dense methods, clean and under attack; the choice."""
+    by = {rule: [r for r in results if r.get("rule") == rule] for rule in CANDIDATES}
+    table = {rule: {"mean_val_accuracy": float(sum(r["val_accuracy"] for r in rs) / len(rs)),
+                    "runs": {f"{r['method']}/{r['attack']}/{r['attackers']}": r["val_accuracy"] for r in rs},
+                    "stopped": [key(r) for r in rs if r["stopped"] or r["resume_ok"] is False]}
+             for rule, rs in by.items() if rs and all(r["val_accuracy"] is not None for r in rs)}
+    chosen = max(table, key=lambda rule: table[rule]["mean_val_accuracy"]) if table else None
+    return {"what": "robust rules for 3 attackers of 10, chosen on the validation split (10% of the 3000 training "
+                    "images held out)", "rounds": rounds, "candidates": {k: CANDIDATES[k] for k in table},
+            "results": table, "chosen": chosen, "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def candidates_markdown(res: dict[str, Any]) -> str:
+    runs = sorted({k for t in res["results"].values() for k in t["runs"]})
+    lines = [f"# Robust rules against 3 of 10 attackers: validation accuracy ({res['rounds']} rounds, mlp)", "",
+             "Written by `benchmarks/attacks_inside.py --stage candidates`; the candidate of highest mean validation "
+             f"accuracy is chosen: **{res['chosen']}**.", "",
+             "| candidate | mean | " + " | ".join(runs) + " |", "|---|---|" + "---|" * len(runs)]
+    for rule, t in res["results"].items():
+        lines.append(f"| {rule} | {100 * t['mean_val_accuracy']:.1f}% | "
+                     + " | ".join(f"{100 * t['runs'][k]:.1f}" for k in runs) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main_job(work: Path) -> dict[str, Any]:
     """The main job (`dturbo run --preset quick`, one torch thread as benchmarks/presets.py runs it) with
     D-Turbo-VBI's recommended rule, against the main job of benchmarks/results/presets.json."""
@@ -436,9 +478,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "attacks_inside")
-    ap.add_argument("--stage", choices=("runs", "main", "report", "all"), default="all")
+    ap.add_argument("--stage", choices=("runs", "main", "report", "all", "candidates"), default="all")
     ap.add_argument("--only", default="", help="run the jobs whose key starts with this (runner/model/method/...)")
     args = ap.parse_args()
+    if args.stage == "candidates":
+        todo = [j for j in candidate_jobs(args.rounds) if key(j).startswith(args.only)]
+        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+            results = list(pool.map(run_job, todo, [str(args.work / "candidates")] * len(todo)))
+        res = candidates_report(results, args.rounds)
+        (RESULTS / "robust_candidates.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / "robust_candidates.md").write_text(candidates_markdown(res))
+        print(candidates_markdown(res))
+        return
     todo = [j for j in jobs(args.rounds) if key(j).startswith(args.only)]
     if args.stage in ("runs", "all"):
         # one fresh process a run (max_tasks_per_child): its peak RSS is its own
