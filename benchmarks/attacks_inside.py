@@ -78,7 +78,8 @@ def rule_name(method: str) -> str:
     r = RECOMMENDED[method]
     head = f"{r['robust.rule']} byzantine {r['robust.byzantine']}"
     return head + (f", trim {r['robust.trim']}" if "robust.trim" in r else "") + (
-        f", clip_median {r['robust.clip_median']}" if "robust.clip_median" in r else "")
+        f", clip_median {r['robust.clip_median']}" if "robust.clip_median" in r else "") + "".join(
+        f", {k} {v}" for k, v in r.items() if not k.startswith("robust."))
 
 
 def jobs(rounds: int) -> list[dict[str, Any]]:
@@ -110,7 +111,7 @@ def strategy_methods() -> list[str]:
 
 def key(job: dict[str, Any]) -> str:
     return (f"{job['runner']}/{job['model']}/{job['method']}/{job['attack']}/{job['attackers']}"
-            + (f"/{job['rule']}" if "rule" in job else ""))
+            + (f"/{job['candidate']}" if "candidate" in job else ""))
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -131,8 +132,8 @@ def config(job: dict[str, Any]) -> Any:
         "experiment.rounds": job["rounds"], "experiment.threads": 1, "data.path": dataset_path(),
         "data.limit_train": 3000, "data.limit_test": 1000, "train.local_epochs": 2.0,
         "model.name": "mlp" if job["model"] == "mlp" else "custom",
-        **(CANDIDATES[job["rule"]] if "rule" in job else RECOMMENDED[job["method"]])}
-    if "rule" in job:  # a candidate: chosen on a validation split held out of the training images
+        **(CANDIDATES[job["candidate"]] if "candidate" in job else RECOMMENDED[job["method"]])}
+    if "candidate" in job:  # a candidate rule: chosen on a validation split held out of the training images
         over["data.validation"] = 0.1
     if job["method"] == "dturbo":
         over |= {"dturbo.sparsity.warmup_rounds": 1, "dturbo.sparsity.ramp_rounds": max(1, job["rounds"] - 4)}
@@ -423,13 +424,13 @@ def summary(res: dict[str, Any]) -> str:
 
 
 def candidate_jobs(rounds: int) -> list[dict[str, Any]]:
-    return [{"runner": "simulator", "model": "mlp", "method": m, "attack": a, "attackers": k, "rule": rule,
+    return [{"runner": "simulator", "model": "mlp", "method": m, "attack": a, "attackers": k, "candidate": rule,
              "rounds": rounds} for rule in CANDIDATES for m in CANDIDATE_METHODS for a, k in CANDIDATE_RUNS]
 
 
 def candidates_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     """Each candidate's mean validation accuracy over the dense methods, clean and under attack; the choice."""
-    by = {rule: [r for r in results if r.get("rule") == rule] for rule in CANDIDATES}
+    by = {rule: [r for r in results if r.get("candidate") == rule] for rule in CANDIDATES}
     table = {rule: {"mean_val_accuracy": float(sum(r["val_accuracy"] for r in rs) / len(rs)),
                     "runs": {f"{r['method']}/{r['attack']}/{r['attackers']}": r["val_accuracy"] for r in rs},
                     "stopped": [key(r) for r in rs if r["stopped"] or r["resume_ok"] is False]}
