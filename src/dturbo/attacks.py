@@ -19,7 +19,8 @@ inverted).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import cached_property
 from statistics import NormalDist
 from typing import Any
 
@@ -71,14 +72,22 @@ class RoundView:
     def layout(self, kind: str, name: str) -> str | None:
         return self.server.layouts.get(kind, {}).get(name.rsplit(".", 1)[-1])
 
-    def honest(self, kind: str, name: str, size: int) -> np.ndarray:
+    @cached_property
+    def _others(self) -> list[tuple[str, dict[str, bytes]]]:
+        """The other uploads' kinds and fields, decoded once for every field an attack reads."""
+        return [(kind, dict(fields)) for kind, fields in map(decode_message, self.others.values())]
+
+    @cached_property
+    def _down(self) -> tuple[str, dict[str, bytes]]:
+        kind, fields = decode_message(self.downlink)
+        return kind, dict(fields)
+
+    def honest(self, name: str, size: int) -> np.ndarray:
         """The other (honest) clients' values of field ``name`` (one row each; those of another length left out)."""
         rows = []
-        for upload in self.others.values():
-            k, fields = decode_message(upload)
-            payload = dict(fields).get(name)
-            layout = self.layout(k, name)
-            if k == kind and payload is not None and layout in VALUE_LAYOUTS:
+        for kind, fields in self._others:
+            payload, layout = fields.get(name), self.layout(kind, name)
+            if payload is not None and layout in VALUE_LAYOUTS:
                 v = read_values(payload, layout)
                 if v.size == size:
                     rows.append(v)
@@ -88,8 +97,7 @@ class RoundView:
         """The global values an upload field of weights moves from, read from the downlink: its field of the same
         name, or (a baseline's ``theta``: weight and bias of a layer) its ``w`` and ``bias`` one after the other;
         None where the downlink holds no such values."""
-        kind, fields = decode_message(self.downlink)
-        down = dict(fields)
+        kind, down = self._down
         base = name.rsplit(".", 1)[0]
         parts = [name] if name in down else [f"{base}.w", f"{base}.bias"]
         if not all(p in down and self.layout(kind, p) in VALUE_LAYOUTS for p in parts):
@@ -284,29 +292,24 @@ def write_values(target: np.ndarray, payload: bytes, layout: str) -> bytes:
                           _DTYPE_NAMES[payload[0] & 3])
 
 
-class CoordinatedAttack(Attack):
+class CoordinatedAttack(ValueAttack):
     """An attack inside the bounds that sets each value field (sigma and the prior's scales excepted: they stay
-    honest) to :meth:`target` of its own values, the honest clients' values of the same field this round and the
-    global values the field moves from (0 for an update; None where the downlink does not show them). A field only
-    its method reads (FedPM's mask) is sent negated."""
+    honest) to :meth:`target` of its own values, the global values the field moves from (0 for an update; None where
+    the downlink does not show them) and, asked for when used, the honest clients' values of the same field this
+    round. A field only its method reads (FedPM's mask) is sent negated."""
 
-    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
-               ) -> np.ndarray:
+    def target(self, own: np.ndarray, reference: np.ndarray | None, honest: Callable[[], np.ndarray],
+               ctx: RoundView) -> np.ndarray:
         raise NotImplementedError
 
-    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
-        kind, fields = decode_message(upload)
-        out = []
-        for name, payload in fields:
-            layout = ctx.layout(kind, name)
-            if layout == "mask":
-                payload = ctx.server.negated_payload(name, payload, ctx.downlink) or payload
-            elif layout in VALUE_LAYOUTS and name.rsplit(".", 1)[-1] not in POSITIVE:
-                own = read_values(payload, layout)
-                ref = np.zeros(own.size) if layout in UPDATE_LAYOUTS else ctx.reference(name, own.size)
-                payload = write_values(self.target(own, ctx.honest(kind, name, own.size), ref, ctx), payload, layout)
-            out.append((name, payload))
-        return encode_message(kind, out)
+    def payload(self, payload: bytes, layout: str, name: str, ctx: RoundView) -> bytes:
+        if layout not in VALUE_LAYOUTS:  # the mask negated, any other layout as it is
+            return super().payload(payload, layout, name, ctx)
+        if name.rsplit(".", 1)[-1] in POSITIVE:
+            return payload
+        own = read_values(payload, layout)
+        ref = np.zeros(own.size) if layout in UPDATE_LAYOUTS else ctx.reference(name, own.size)
+        return write_values(self.target(own, ref, lambda: ctx.honest(name, own.size), ctx), payload, layout)
 
 
 class ScaledSignFlip(CoordinatedAttack):
@@ -316,15 +319,18 @@ class ScaledSignFlip(CoordinatedAttack):
 
     share = 0.9
 
-    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
-               ) -> np.ndarray:
+    def room(self, top_ref: float) -> float:
+        """How far from the global values (largest magnitude ``top_ref``) the reversed update may reach."""
+        return max(self.share * GROWTH * max(1.0, top_ref) - top_ref, 0.0)
+
+    def target(self, own: np.ndarray, reference: np.ndarray | None, honest: Callable[[], np.ndarray],
+               ctx: RoundView) -> np.ndarray:
         ref = np.zeros(own.size) if reference is None else reference
         step = own - ref
         top = float(np.abs(step).max()) if step.size else 0.0
         if top == 0.0:
             return own
-        room = self.share * GROWTH * max(1.0, float(np.abs(ref).max())) - float(np.abs(ref).max())
-        return ref - step * max(room, 0.0) / top
+        return ref - step * self.room(float(np.abs(ref).max())) / top
 
 
 class ALIE(CoordinatedAttack):
@@ -332,14 +338,15 @@ class ALIE(CoordinatedAttack):
     z = Phi^-1((n - s) / n) with s = floor(n / 2 + 1) - f for n uploads of which f hostile (the paper's z_max: 0 for
     one attacker of ten, 0.52 for three)."""
 
-    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
-               ) -> np.ndarray:
-        if honest.shape[0] < 2:
+    def target(self, own: np.ndarray, reference: np.ndarray | None, honest: Callable[[], np.ndarray],
+               ctx: RoundView) -> np.ndarray:
+        rows = honest()
+        if rows.shape[0] < 2:
             return own
-        n, f = honest.shape[0] + ctx.attackers, ctx.attackers
+        n, f = rows.shape[0] + ctx.attackers, ctx.attackers
         s = n // 2 + 1 - f
         z = NormalDist().inv_cdf(min(max((n - s) / n, 0.5), 0.999))
-        return honest.mean(axis=0) - z * honest.std(axis=0)
+        return rows.mean(axis=0) - z * rows.std(axis=0)
 
 
 class IPM(CoordinatedAttack):
@@ -349,11 +356,14 @@ class IPM(CoordinatedAttack):
 
     epsilon = 0.1
 
-    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
-               ) -> np.ndarray:
-        if reference is None or not honest.shape[0]:
+    def target(self, own: np.ndarray, reference: np.ndarray | None, honest: Callable[[], np.ndarray],
+               ctx: RoundView) -> np.ndarray:
+        if reference is None:
             return own
-        return reference - self.epsilon * (honest.mean(axis=0) - reference)
+        rows = honest()
+        if not rows.shape[0]:
+            return own
+        return reference - self.epsilon * (rows.mean(axis=0) - reference)
 
 
 class PlainStatePoison(ScaledSignFlip):
@@ -361,23 +371,13 @@ class PlainStatePoison(ScaledSignFlip):
     ``.plain`` fields) reversed about the global state and stretched to 0.9 of its bound (``VALUE_CAP``); the
     Bayesian layers' fields honest."""
 
-    def target(self, own: np.ndarray, honest: np.ndarray, reference: np.ndarray | None, ctx: RoundView
-               ) -> np.ndarray:
-        ref = np.zeros(own.size) if reference is None else reference
-        step = own - ref
-        top = float(np.abs(step).max()) if step.size else 0.0
-        return own if top == 0.0 else ref - step * (self.share * VALUE_CAP - float(np.abs(ref).max())) / top
+    def room(self, top_ref: float) -> float:
+        return self.share * VALUE_CAP - top_ref
 
-    def rewrite(self, upload: bytes, ctx: RoundView) -> bytes:
-        kind, fields = decode_message(upload)
-        out = []
-        for name, payload in fields:
-            if name.endswith(f".{PLAIN}") and ctx.layout(kind, name) == "dense":
-                own = read_values(payload, "dense")
-                ref = ctx.reference(name, own.size)
-                payload = write_values(self.target(own, np.zeros((0, own.size)), ref, ctx), payload, "dense")
-            out.append((name, payload))
-        return encode_message(kind, out)
+    def payload(self, payload: bytes, layout: str, name: str, ctx: RoundView) -> bytes:
+        if name.endswith(f".{PLAIN}") and layout == "dense":
+            return super().payload(payload, layout, name, ctx)
+        return payload
 
 
 class CalibrationPoison(Attack):
