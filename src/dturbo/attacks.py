@@ -45,6 +45,7 @@ from .codec import (
 )
 from .coding.values import decode_symbols, encode_symbols
 from .config import Config
+from .quantize import level_values
 
 _DTYPE_NAMES = {1: "float16", 2: "float32", 3: "float64"}
 _FLOAT16_MAX = 65504.0
@@ -260,8 +261,7 @@ def read_values(payload: bytes, layout: str) -> np.ndarray:
         return decode_sparse(payload).astype(np.float64).reshape(-1)
     if layout in ("quantized", "coded"):
         sym, levels, params = (decode_quantized if layout == "quantized" else decode_symbols)(payload)
-        # every quantiser of dturbo puts symbol k at p * (2k - (L - 1)) / (L - 1): max-scaled and QSGD levels alike
-        return float(params[0]) * (2.0 * sym - (levels - 1)) / (levels - 1)
+        return level_values(sym, levels, float(params[0]))  # every quantiser of dturbo puts its levels so
     idx, negative, mu, n = decode_ternary(payload)
     out = np.zeros(n)
     out[idx] = np.where(negative, -mu, mu)

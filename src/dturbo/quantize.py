@@ -51,10 +51,15 @@ def quantize(values: np.ndarray, bits: int, rng: np.random.Generator, clip: floa
     return np.minimum(low + up, levels - 1).astype(np.int64), scale
 
 
+def level_values(symbols: np.ndarray, levels: int, scale: float) -> np.ndarray:
+    """The values (float64) of ``symbols`` on ``levels`` levels spread evenly over [-scale, scale]: symbol k at
+    scale * (2k - (L - 1)) / (L - 1), the max-scaled levels and QSGD's (L = 2s + 1, 0 among them) alike."""
+    return float(scale) * (2.0 * np.asarray(symbols, dtype=np.float64) - (levels - 1)) / (levels - 1)
+
+
 def dequantize(symbols: np.ndarray, bits: int, scale: float) -> np.ndarray:
     """The level values of ``symbols`` (float64)."""
-    levels = _levels(bits)
-    return float(scale) * (2.0 * np.asarray(symbols, dtype=np.float64) - (levels - 1)) / (levels - 1)
+    return level_values(symbols, _levels(bits), scale)
 
 
 def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator, coded: bool = False,
@@ -102,7 +107,7 @@ def qsgd_encode(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.nda
 
 def qsgd_decode(symbols: np.ndarray, s: int, norm: float) -> np.ndarray:
     """The values of QSGD ``symbols`` (float64)."""
-    return norm * (symbols.astype(np.float64) - s) / s
+    return level_values(symbols, 2 * s + 1, norm)
 
 
 def norm_levels(bits: int) -> int:
