@@ -25,7 +25,7 @@ from flwr.serverapp import ServerApp  # noqa: E402
 import dturbo  # noqa: E402
 import dturbo.flower as dflower  # noqa: E402
 from dturbo.algorithms.base import ClientData  # noqa: E402
-from dturbo.config import ConfigError  # noqa: E402
+from dturbo.config import Config, ConfigError  # noqa: E402
 from dturbo.data import dataset_from_arrays  # noqa: E402
 from dturbo.federation import Federation, build_federation  # noqa: E402
 from dturbo.flower import client as client_module  # noqa: E402
@@ -209,6 +209,15 @@ def federation(cfg_dict: dict) -> Federation:
     return build_federation(load_config(cfg_dict), dataset_from_arrays(x, y, x[:200], y[:200]))
 
 
+def run_runner(cfg: Config, fed: Federation, net: type[nn.Module], out: Path) -> tuple[Simulator, list[dict]]:
+    """``cfg`` with ``net`` on ``fed`` through the runner (``dturbo run``'s Simulator): it and its metrics rows."""
+    d = cfg.dturbo
+    factory = user_model_factory(net, sigma_mode=d.sigma_mode, sigma_init_ratio=d.sigma_init_ratio,
+                                 seed=cfg.experiment.seed, input_shape=(12,))
+    sim = Simulator(cfg, out, federation=fed, model=lambda _ds: factory)
+    return sim, sim.run()
+
+
 @pytest.mark.parametrize(("algorithm", "net"), [("dturbo", TinyNet), ("stc", TinyNet), ("feddst", TinyNet),
                                                 ("fedavg", TinyNet), ("dturbo", BnNet)])
 def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str, net: type[nn.Module]) -> None:
@@ -219,11 +228,7 @@ def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str, net: type[nn
     cfg_dict = runner_config(algorithm)
     cfg = load_config(cfg_dict)
     fed = federation(cfg_dict)
-    d = cfg.dturbo
-    factory = user_model_factory(net, sigma_mode=d.sigma_mode, sigma_init_ratio=d.sigma_init_ratio,
-                                 seed=cfg.experiment.seed, input_shape=(12,))
-    sim = Simulator(cfg, tmp_path / "runner", federation=fed, model=lambda _ds: factory)
-    rows = sim.run()
+    sim, rows = run_runner(cfg, fed, net, tmp_path / "runner")
 
     sent: list[tuple[str, int]] = []  # (message kind, bytes of the coded payload)
 

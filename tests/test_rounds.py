@@ -148,23 +148,17 @@ def test_an_attack_inside_the_bounds_meets_the_strategy_as_it_meets_the_simulato
     """One client flips and stretches its update to the bound (accepted: inside the bounds), under the robust rule:
     the Strategy ends with the simulator's model, bit for bit, and refuses nothing."""
     import torch
-    from test_flower_strategy import federation
+    from test_flower_strategy import federation, run_runner
 
     from dturbo.attacks import ATTACKS, RoundView, hostile_clients
     from dturbo.flower import protocol
-    from dturbo.nn.convert import user_model_factory
     from dturbo.settings import load_config
-    from dturbo.sim import Simulator
 
     cfg_dict = runner_config("dturbo", rounds=2)
     cfg_dict["robust"] = {"rule": "trimmed_mean", "byzantine": 1, "clip_median": 1.0}
     hostile_cfg = load_config({**cfg_dict, "faults": {"attackers": 1, "attack": "scaled_sign_flip"}})
     fed = federation(cfg_dict)
-    d = hostile_cfg.dturbo
-    factory = user_model_factory(TinyNet, sigma_mode=d.sigma_mode, sigma_init_ratio=d.sigma_init_ratio,
-                                 seed=hostile_cfg.experiment.seed, input_shape=(12,))
-    sim = Simulator(hostile_cfg, tmp_path / "sim", federation=fed, model=lambda _ds: factory)
-    rows = sim.run()
+    sim, rows = run_runner(hostile_cfg, fed, TinyNet, tmp_path / "sim")
     (attacker,) = hostile_clients(hostile_cfg)
 
     strategy = dflower.DturboStrategy(TinyNet, algorithm="dturbo", config=cfg_dict, fraction_evaluate=0.0)
@@ -187,6 +181,5 @@ def test_an_attack_inside_the_bounds_meets_the_strategy_as_it_meets_the_simulato
     final = strategy.global_model().state_dict()
     for key, value in sim.final_model.state_dict().items():
         assert torch.equal(final[key], value), key
-    clean = Simulator(load_config(cfg_dict), tmp_path / "clean", federation=fed, model=lambda _ds: factory)
-    clean.run()  # the attack is there to meet: without it the model is another
+    clean, _ = run_runner(load_config(cfg_dict), fed, TinyNet, tmp_path / "clean")  # without the attack: another
     assert any(not torch.equal(final[k], v) for k, v in clean.final_model.state_dict().items())
