@@ -165,34 +165,54 @@ def alone(out: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- presets on other models
 MODELS = ("alexnet-small", "resnet8", "mobilenet")  # the built-in one; benchmarks/batchnorm.py's two with BatchNorm
 MODEL_PRESETS = ("defaults", "recommended")
+# Each model on its own protocol: alexnet-small on the main job's (all 60,000 training images), the two with
+# BatchNorm on benchmarks/batchnorm.py's (ResNet-8 on 6,000 training images, MobileNetV1 on 12,000, 2,000 test
+# images: a ResNet-8 round on all 60,000 takes over 10 minutes on one core)
+MODEL_DATA = {"alexnet-small": {}, "resnet8": {"data.limit_train": 6000, "data.limit_test": 2000},
+              "mobilenet": {"data.limit_train": 12000, "data.limit_test": 2000}}
+# Candidates for `recommended`'s transmission, fixed before their runs (alexnet-small, the main job's protocol, 10% of
+# the training images held out; seed 0): the preset as it is, and its downlink as the update against what each client
+# holds at 4 bits (down_mu = "update"), on the max levels or clipped to 3 root mean squares. RULE chooses.
+CANDIDATES: dict[str, dict[str, Any]] = {
+    "as_is": {},
+    "update4": {"dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4},
+    "update4_clipped": {"dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4,
+                        "dturbo.transmission.down_quantizer": "clipped"},
+}
+RULE = ("among the candidates whose final validation accuracy is at most 1 point below the defaults' and whose bits "
+        "are at most the defaults', the most accurate on validation; when none, the fewest bits among those within 1 "
+        "point; when none, the most accurate on validation")
 
 
-def model_config(preset: str, device: str) -> Any:
-    """The main job's protocol (data, clients, rounds, local training) with the library's defaults (``defaults``)
-    or a preset."""
+def model_config(model: str, preset: str, device: str, extra: dict[str, Any] | None = None) -> Any:
+    """``model``'s protocol (:data:`MODEL_DATA`; 10 clients, 12 rounds of one local epoch) with the library's defaults
+    (``defaults``) or a preset, and ``extra`` overrides."""
     protocol = {"experiment.rounds": 12, "experiment.threads": 1, "experiment.device": device,
                 "data.path": dataset_path(), "train.local_epochs": 1.0, "train.batch_size": 64,
-                "train.optimizer": "adam"}
+                "train.optimizer": "adam"} | MODEL_DATA[model] | (extra or {})
     if preset == "defaults":
         return load_config({"experiment": {"name": "defaults"}}, overrides=protocol)
     return load_config(preset=preset, overrides=protocol)
 
 
-def run_model(model: str, preset: str, device: str, work: str) -> dict[str, Any]:
-    """One preset on one model into ``work`` (a fresh process; cached)."""
+def run_model(model: str, preset: str, device: str, work: str, candidate: str | None = None) -> dict[str, Any]:
+    """One preset on one model into ``work`` (a fresh process; cached); ``candidate``: one of :data:`CANDIDATES` over
+    it, with 10% of the training images held out for validation."""
     import warnings
 
     import torch
 
     import dturbo
 
-    out = Path(work) / f"{model}_{preset}"
-    cache = out.parent / f"{model}_{preset}.json"
+    tag = f"{model}_{preset}" + (f"_{candidate}" if candidate else "")
+    out = Path(work) / tag
+    cache = out.parent / f"{tag}.json"
     if cache.exists():
         return json.loads(cache.read_text())
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    cfg = model_config(preset, device)
+    extra = CANDIDATES[candidate] | {"data.validation": 0.1} if candidate else {}
+    cfg = model_config(model, preset, device, extra)
     if out.exists():
         shutil.rmtree(out)
     if model == "alexnet-small":
@@ -200,26 +220,47 @@ def run_model(model: str, preset: str, device: str, work: str) -> dict[str, Any]
     else:
         from batchnorm import build
 
-        exp = dturbo.Experiment(cfg, model=lambda: build(model), out=out, progress=False, figures=False)
+        torch.manual_seed(cfg.experiment.seed)
+        exp = dturbo.Experiment(cfg, model=build(model), out=out, progress=False, figures=False)
     res = exp.run()
     m = res.metrics
     row = {"model": model, "preset": preset, "final_accuracy": float(res.accuracy), "density": float(res.density),
            "support_density": float(res.support_density), "total_bits": float(m[-1]["cum_bits"]),
            "accuracy_by_round": [round(float(r["accuracy"]), 4) for r in m], "device": device,
-           "seconds": float(sum(float(r["seconds"]) for r in m)), "torch": torch.__version__}
+           "seconds": float(sum(float(r["seconds"]) for r in m)), "torch": torch.__version__,
+           "train_images": cfg.data.limit_train, "seed": cfg.experiment.seed}
+    if candidate:
+        row |= {"candidate": candidate, "final_val_accuracy": float(m[-1]["val_accuracy"])}
     cache.write_text(json.dumps(row))
-    say(f"{model} {preset}: {row['final_accuracy']:.4f}, density {row['density']:.3f}, "
-        f"{row['total_bits'] / 1e6:.1f} Mbit")
+    say(f"{tag}: {row['final_accuracy']:.4f}, density {row['density']:.3f}, {row['total_bits'] / 1e6:.1f} Mbit")
     return row
 
 
-def model_rows(work: Path, jobs: int, device: str) -> list[dict[str, Any]]:
+def pool_rows(jobs: int, todo: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """:func:`run_model` on every job of ``todo``, ``jobs`` at a time, one fresh process each."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    todo = [(m, p) for m in MODELS for p in MODEL_PRESETS]
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-        return list(pool.map(run_model, *zip(*todo, strict=True), [device] * len(todo), [str(work)] * len(todo)))
+        return list(pool.map(run_model, *zip(*todo, strict=True)))
+
+
+def model_rows(work: Path, jobs: int, device: str, models: tuple[str, ...] = MODELS) -> list[dict[str, Any]]:
+    return pool_rows(jobs, [(m, p, device, str(work)) for m in models for p in MODEL_PRESETS])
+
+
+def candidate_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
+    """The defaults and every candidate of :data:`CANDIDATES` on alexnet-small with a validation split; the choice by
+    :data:`RULE` (validation accuracy and bits only)."""
+    rows = pool_rows(jobs, [("alexnet-small", "defaults", device, str(work), "as_is")] +
+                     [("alexnet-small", "recommended", device, str(work), c) for c in CANDIDATES])
+    base, cands = rows[0], rows[1:]
+    within = [r for r in cands if r["final_val_accuracy"] >= base["final_val_accuracy"] - GOAL["points"] / 100]
+    both = [r for r in within if r["total_bits"] <= base["total_bits"]]
+    chosen = (max(both, key=lambda r: r["final_val_accuracy"]) if both else
+              min(within, key=lambda r: r["total_bits"]) if within else
+              max(cands, key=lambda r: r["final_val_accuracy"]))
+    return {"rule": RULE, "defaults": base, "candidates": cands, "chosen": chosen["candidate"]}
 
 
 def models_markdown(rows: list[dict[str, Any]]) -> str:
@@ -242,16 +283,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=HERE.parent / "runs" / "presets")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--stage", choices=("all", "runs", "alone", "models"), default="all", help=(
+    ap.add_argument("--stage", choices=("all", "runs", "alone", "models", "candidates"), default="all", help=(
         "runs: the presets side by side; alone: the main job timed with nothing else running (run it on an idle "
         "machine); models: `recommended` against the library's defaults on alexnet-small, ResNet-8 and "
-        "MobileNetV1 (both with BatchNorm)"))
-    ap.add_argument("--device", default="cpu", help="models: where they train (cpu, cuda)")
+        "MobileNetV1 (both with BatchNorm); candidates: `recommended`'s candidates on a validation split"))
+    ap.add_argument("--device", default="cpu", help="models, candidates: where they train (cpu, cuda)")
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models: which to train")
     args = ap.parse_args(argv)
-    if args.stage == "models":
-        rows = model_rows(args.runs / "models", args.jobs, args.device)
+    if args.stage == "candidates":
         res = json.loads((RESULTS / "presets.json").read_text())
-        res["models"] = rows
+        res["candidates"] = candidate_rows(args.runs / "candidates", args.jobs, args.device)
+        (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / "presets.md").write_text(markdown(res))
+        print(markdown(res))
+        return 0
+    if args.stage == "models":
+        rows = model_rows(args.runs / "models", args.jobs, args.device, tuple(args.models))
+        res = json.loads((RESULTS / "presets.json").read_text())
+        keep = [r for r in res.get("models", []) if r["model"] not in args.models]
+        res["models"] = sorted(keep + rows, key=lambda r: (MODELS.index(r["model"]), r["preset"]))
         (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / "presets.md").write_text(markdown(res))
         print(markdown(res))
@@ -279,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
            "machine": {"platform": platform.platform(), "python": platform.python_version()},
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     # measured apart (--stage alone, --stage models)
-    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round", "models") if k in old}
+    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round", "models", "candidates") if k in old}
     (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
     (RESULTS / "presets.md").write_text(markdown(res))
     figure(runs, HERE.parent / "docs" / "results" / "presets.png")

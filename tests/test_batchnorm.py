@@ -190,6 +190,33 @@ def test_the_layers_batchnorm_follows_are_found():
     assert np.isnan(targets["6"]) and np.isnan(targets["9"]) and np.isnan(targets["14"])
 
 
+def test_rows_tied_without_batchnorm_tie_the_convolutions_batchnorm_does_not_follow():
+    """``tie_rows = "without_batchnorm"`` ties the rows of the conv without BatchNorm after it only; the client's
+    priors rebuilt on the server's scales keep the same ties; the `recommended` preset's targets then fix that conv
+    and the last layer and leave the rest to share target_density, which the model reaches."""
+    from dturbo.algorithms.dturbo.client import DturboClient
+    from dturbo.algorithms.dturbo.sparsity import budget_sizes, layer_targets
+
+    net = dturbo.bayesianize(nn.Sequential(
+        nn.Conv2d(1, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 16, 3, bias=False),
+        nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3), nn.ReLU(), nn.Conv2d(8, 32, 3, bias=False),
+        nn.BatchNorm2d(32), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 3)), input_shape=(1, 12, 12))
+    cfg = dturbo.load_config(preset="recommended")
+    infos = layer_infos(net, cfg)
+    assert [i.name for i in infos if i.prior.tie_rows] == ["6"]
+    assert [i.name for i in infos if i.normalised] == ["0", "3", "8"]
+    client = DturboClient(cfg, lambda: net)
+    client.use_server_priors([0.1] * len(infos))
+    assert [i.prior.tie_rows for i in client.layers] == [i.prior.tie_rows for i in infos]
+    targets = layer_targets(infos, cfg.dturbo.sparsity)
+    by_name = dict(zip([i.name for i in infos], targets, strict=True))
+    assert by_name["0"] == 1.0 and by_name["6"] == 0.25 and by_name["12"] == 1.0  # the last tied layer: a quarter
+    sizes = budget_sizes(infos, cfg.dturbo.sparsity)
+    assert float((targets * sizes).sum() / sizes.sum()) == pytest.approx(0.17)
+    everywhere = dturbo.load_config(preset="recommended", overrides={"dturbo.prior.conv.tie_rows": True})
+    assert all(i.prior.tie_rows for i in layer_infos(net, everywhere) if i.kind == "conv")
+
+
 # ---------------------------------------------------------------------- every value a client sends, one gate
 class PoisonedStatistics(InProcessClients):
     """Client 0 answers every calibration with variances of 1e6 (finite, beyond what float16 carries pooled); an

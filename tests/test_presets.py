@@ -134,7 +134,8 @@ def test_the_wheel_works_alone_outside_the_repository(tmp_path):
 def test_every_preset_fits_a_conv_model_with_batchnorm():
     """On a model of convolutions with BatchNorm and one dense head, every preset's layer targets resolve; where they
     name every layer the model's density is theirs, and a warning says target_density is not used. The stem reads
-    one input channel: it keeps dense unless named by position."""
+    one input channel: it keeps dense unless named by position. `recommended` ties no row under BatchNorm: its
+    targets name the last layer only, and the conv between takes what is left of 17%."""
     import warnings
 
     import numpy as np
@@ -142,20 +143,27 @@ def test_every_preset_fits_a_conv_model_with_batchnorm():
 
     import dturbo
     from dturbo.algorithms.dturbo import layer_infos
-    from dturbo.algorithms.dturbo.sparsity import layer_targets
+    from dturbo.algorithms.dturbo.sparsity import budget_sizes, layer_targets
 
     net = dturbo.bayesianize(nn.Sequential(
         nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)))
     for name in presets.names():
         cfg = load_config(preset=name)
+        infos = layer_infos(net, cfg)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            targets = layer_targets(layer_infos(net, cfg), cfg.dturbo.sparsity)
+            targets = layer_targets(infos, cfg.dturbo.sparsity)
         assert targets[0] == 1.0, name  # the stem: no preset names it by name or position
-        every = not np.isnan(targets).any()
-        assert every == any("target_density" in str(w.message) for w in caught), name
+        sizes = budget_sizes(infos, cfg.dturbo.sparsity)
+        overall = float(np.nansum(targets * sizes) / sizes.sum())
+        named = not np.isnan(targets).any() and abs(overall - cfg.dturbo.sparsity.target_density) > 0.005
+        assert named == any("target_density" in str(w.message) for w in caught), name
     cfg = load_config(preset="recommended")
-    assert list(layer_targets(layer_infos(net, cfg), cfg.dturbo.sparsity)) == [1.0, 0.25, 1.0]
+    infos = layer_infos(net, cfg)
+    targets = layer_targets(infos, cfg.dturbo.sparsity)
+    assert not any(i.prior.tie_rows for i in infos)
+    sizes = budget_sizes(infos, cfg.dturbo.sparsity)
+    assert targets[2] == 1.0 and targets[1] * sizes[1] == pytest.approx(0.17 * sizes.sum() - sizes[0] - sizes[2])
     cfg = load_config(preset="recommended", overrides={"dturbo.sparsity.layer_targets": {"first": 0.5, "last": 1.0}})
     assert layer_targets(layer_infos(net, cfg), cfg.dturbo.sparsity)[0] == 0.5

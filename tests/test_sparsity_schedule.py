@@ -147,8 +147,28 @@ def test_layer_targets_select_layers_by_name_position_or_kind():
         "conv1": 0.5, "conv2": 0.5, "conv3": 0.5, "conv4": 0.25, "dense3": 1.0}
     assert resolve_layer_targets(alex, alex_kinds, {"first_dense": 0.3, "last_dense": 0.9, "last": 1.0}) == {
         "dense1": 0.3, "dense3": 1.0}
-    with pytest.raises(ConfigError, match="'conv9'.*select them by first, last, first_conv"):
+    with pytest.raises(ConfigError, match="'conv9'.*select them by first, last, first_tied"):
         resolve_layer_targets(names, kinds, {"conv9": 0.5})
+
+
+def test_the_tied_group_selects_the_layers_whose_rows_are_tied():
+    """``tied`` / ``last_tied`` pick the layers with tied rows only; on a model whose convolutions are all tied they
+    are ``conv`` / ``last_conv``; a position among the tied wins over one among a kind, ``tied`` over a kind."""
+    from dturbo.algorithms.dturbo.sparsity import resolve_layer_targets
+
+    alex = ["conv1", "conv2", "conv3", "conv4", "dense1", "dense2", "dense3"]
+    kinds = ["conv"] * 4 + ["dense"] * 3
+    recommended = {"tied": 0.5, "last_tied": 0.25, "last": 1.0}
+    all_tied = [True] * 4 + [False] * 3
+    assert resolve_layer_targets(alex, kinds, recommended, all_tied) == resolve_layer_targets(
+        alex, kinds, {"conv": 0.5, "last_conv": 0.25, "last": 1.0})
+    assert resolve_layer_targets(alex, kinds, recommended) == {"dense3": 1.0}  # nothing tied: the last layer only
+    lone = [False, False, True, False, False, False, False]  # first and last of the tied: either selects it
+    assert resolve_layer_targets(alex, kinds, {"last_tied": 0.25}, lone) == {"conv3": 0.25}
+    assert resolve_layer_targets(alex, kinds, {"first_tied": 0.3, "last_tied": 0.25}, lone) == {"conv3": 0.3}
+    some = [False, True, True, False, False, False, False]
+    assert resolve_layer_targets(alex, kinds, recommended | {"conv": 0.7, "last_conv": 0.6}, some) == {
+        "conv1": 0.7, "conv2": 0.5, "conv3": 0.25, "conv4": 0.6, "dense3": 1.0}
 
 
 def test_selectors_give_the_named_setting_the_same_run(tmp_path, tiny_config):

@@ -75,11 +75,10 @@ def run(
     from .sim import (
         PoisonedStateError,
         ProgressLine,
-        Simulator,
         TooFewClientsError,
         format_bits,
         round_summary,
-        run_header,
+        start_run,
     )
 
     cfg = _load(config, preset, set_)
@@ -114,11 +113,8 @@ def run(
         with progress, warnings.catch_warnings():
             warnings.simplefilter("default")
             warnings.showwarning = _show_warning
-            with warnings.catch_warnings(record=True) as said:  # said after the first line
-                sim = Simulator(cfg, out, resume="unverified" if resume_unverified else resume, on_round=on_round)
-            console.print(run_header(cfg, out, None if resume else sim.estimate_round_seconds()), highlight=False)
-            for w in said:
-                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            sim = start_run(cfg, out, lambda line: console.print(line, highlight=False),
+                            resume="unverified" if resume_unverified else resume, on_round=on_round)
             task = progress.add_task("rounds", total=cfg.experiment.rounds, info="", completed=0)
             rows = sim.run()
     except KeyboardInterrupt:

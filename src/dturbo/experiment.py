@@ -35,7 +35,7 @@ from .nn.convert import ModelSource, user_model_factory
 from .nn.models import ID_LAYERS, SERIES_LAYERS, check_input_shape, first_layer
 from .rundir import RunDir
 from .settings import load_config
-from .sim import ModelFactory, ProgressLine, Simulator, run_header
+from .sim import ModelFactory, ProgressLine, start_run
 
 ConfigSource = Config | Mapping[str, Any] | str | os.PathLike[str]
 # (x_train, y_train, x_test, y_test) as numpy arrays or torch tensors, or a mapping with those keys (and
@@ -201,15 +201,9 @@ class Experiment:
         """Run (or, with ``resume``, continue) every round of ``experiment.rounds``; returns the metrics and the
         final global model. Raises what ``dturbo run`` reports: ConfigError, DataError, CheckpointError,
         FileExistsError (``out`` holds another run), TooFewClientsError, PoisonedStateError."""
-        with warnings.catch_warnings(record=True) as said:  # said after the progress's first line
-            warnings.simplefilter("default")
-            sim = Simulator(self.config, self.out, resume=self.resume, dataset=self.dataset,
-                            on_round=self._on_round(), model=self._model_factory if self.model is not None else None)
-        if self.progress is True:
-            print(run_header(self.config, self.out, None if self.resume else sim.estimate_round_seconds()),
-                  file=sys.stderr)
-        for w in said:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        sim = start_run(self.config, self.out, (lambda line: print(line, file=sys.stderr)) if self.progress is True
+                        else None, resume=self.resume, dataset=self.dataset, on_round=self._on_round(),
+                        model=self._model_factory if self.model is not None else None)
         sim.run()
         if self.figures:
             from .report import draw_run

@@ -100,6 +100,21 @@ def run_header(cfg: Config, out: Path, round_seconds: float | None = None) -> st
     return f"{head}  (about {duration(round_seconds * cfg.experiment.rounds)} from a timed training step)"
 
 
+def start_run(cfg: Config, out: str | Path, say: Callable[[str], None] | None = None, **kwargs: Any) -> Simulator:
+    """A :class:`Simulator` (``kwargs``: its own) for ``dturbo run`` and :meth:`dturbo.Experiment.run`: ``say`` gets
+    the run's first line (:func:`run_header`, with its estimate unless it resumes) before the warnings that building
+    it gave (a schedule that ends after the run, labels with gaps, an unverifiable checkpoint), which are warned
+    again after it, so that they follow the line that says what runs."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("default")
+        sim = Simulator(cfg, out, **kwargs)
+    if say is not None:
+        say(run_header(cfg, Path(out), None if kwargs.get("resume") else sim.estimate_round_seconds()))
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return sim
+
+
 class ProgressLine:
     """A run's progress in a log, one line a round: the round, :func:`round_summary`, its seconds and the time left
     at the mean pace of the rounds seen so far."""

@@ -63,7 +63,8 @@ class DturboClient(ClientAlgorithm):
         if len(scales) != len(self.layers):
             raise MessageError(f"{len(scales)} prior scales for a model of {len(self.layers)} Bayesian layers")
         priors = self.cfg.dturbo.prior
-        self.layers[:] = [dataclasses.replace(info, prior=resolve_prior(getattr(priors, info.kind), scale))
+        self.layers[:] = [dataclasses.replace(info, prior=resolve_prior(getattr(priors, info.kind), scale,
+                                                                        info.normalised))
                           for info, scale in zip(self.layers, scales, strict=True)]
 
     def fit(self, downlink: bytes, data: ClientData, client_id: int) -> bytes:

@@ -25,9 +25,10 @@ class PriorConfig(Section):
     p01_col: Probability = Field(0.288, gt=0, lt=1)
     p11_col: Probability = Field(0.49, gt=0, lt=1)
     start: Probability | None = Field(None, gt=0, lt=1, description="P(active) start factor on first row/column")
-    tie_rows: bool = Field(
+    tie_rows: bool | Literal["without_batchnorm"] = Field(
         False, description="the p01_row -> 0, p11_row -> 1 limit: each grid row (an output unit or conv channel) is "
-                           "one support variable, so rows are kept or pruned whole; the column chain couples rows"
+                           "one support variable, so rows are kept or pruned whole; the column chain couples rows. "
+                           "'without_batchnorm': in the layers BatchNorm does not follow"
     )
 
 
@@ -164,8 +165,9 @@ class DturboConfig(Section):
 def describe(d: DturboConfig) -> str:
     """A run's label: its target, whole channels or units, and its bits."""
     sp, tr = d.sparsity, d.transmission
-    tied = [k for k in ("conv", "dense") if getattr(d.prior, k).tie_rows]
-    extra = "".join(", whole conv channels" if k == "conv" else ", whole dense units" for k in tied)
+    ties = {k: getattr(d.prior, k).tie_rows for k in ("conv", "dense")}
+    extra = "".join((", whole conv channels" if k == "conv" else ", whole dense units")
+                    + (" without BatchNorm" if tie == "without_batchnorm" else "") for k, tie in ties.items() if tie)
     bits = "float16" if tr.up_bits == 16 and tr.down_bits == 16 else \
         f"{tr.up_bits}-bit up, {tr.down_bits}-bit down".replace("16-bit", "float16")
     what = f"{sp.target_density:.0%} target" if sp.mode == "target" else "prior"

@@ -37,7 +37,7 @@ def layer_infos(model: nn.Module, cfg: Config) -> list[LayerInfo]:
     for name, layer in bayesian_layers(model):
         kind = layer_kind(layer)
         pc: PriorConfig = getattr(cfg.dturbo.prior, kind)
-        prior = resolve_prior(pc, layer_scale(layer))
+        prior = resolve_prior(pc, layer_scale(layer), normalised=name in followed)
         one_channel = kind == "conv" and layer.weight_mu.shape[1] == 1
         infos.append(LayerInfo(name, grid_shape(layer), prior, uses.get(name, 1), kind,
                                keep_dense=with_batchnorm and one_channel, normalised=name in followed,

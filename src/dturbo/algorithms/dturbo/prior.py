@@ -30,7 +30,15 @@ class LayerPrior:
         return {"a": self.a, "b": self.b, "a_bar": self.a_bar, "b_bar": self.b_bar}
 
 
-def resolve_prior(pc: PriorConfig, layer_scale: float) -> LayerPrior:
+def ties_rows(pc: PriorConfig, normalised: bool) -> bool:
+    """Whether a layer's rows are tied: ``tie_rows = true`` in every layer of the section's kind,
+    ``"without_batchnorm"`` in those BatchNorm does not follow (``normalised``: under BatchNorm a removed channel
+    still outputs its shift, so export cannot remove it, and whole channels cost accuracy there:
+    benchmarks/results/batchnorm.md)."""
+    return pc.tie_rows is True or (pc.tie_rows == "without_batchnorm" and not normalised)
+
+
+def resolve_prior(pc: PriorConfig, layer_scale: float, normalised: bool = False) -> LayerPrior:
     """Turn a per-kind prior section (``[dturbo.prior.conv]`` or ``[dturbo.prior.dense]``) into a layer's absolute
     prior. ``layer_scale`` is the layer's own s_l (its initial weight std), used unless the section sets
     ``layer_scale``.
@@ -39,6 +47,7 @@ def resolve_prior(pc: PriorConfig, layer_scale: float) -> LayerPrior:
     active prior variance matches the layer's weight scale s_l and the inactive one is r times smaller.
     ``scale="absolute"``: b and b_bar are used as given (the reference demo's a=b=a_bar=1, b_bar=0.01).
     The transitions' start factor ``start`` applies to the first node of every row chain and every column chain.
+    ``normalised``: BatchNorm follows the layer (:func:`ties_rows`).
     """
     a, b, a_bar, b_bar = pc.a, pc.b, pc.a_bar, pc.b_bar
     if pc.scale == "matched":
@@ -50,4 +59,4 @@ def resolve_prior(pc: PriorConfig, layer_scale: float) -> LayerPrior:
     elif pc.scale != "absolute":
         raise ValueError(f"prior scale must be 'matched' or 'absolute', got {pc.scale!r}")
     transitions = Transitions(pc.p01_row, pc.p11_row, pc.p01_col, pc.p11_col, start_row=pc.start, start_col=pc.start)
-    return LayerPrior(a, b, a_bar, b_bar, transitions, pc.tie_rows)
+    return LayerPrior(a, b, a_bar, b_bar, transitions, ties_rows(pc, normalised))

@@ -133,29 +133,36 @@ def budget_sizes(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     return np.array([float(np.prod(info.grid)) for info in layers], dtype=np.float64)
 
 
-# Keys of ``sparsity.layer_targets`` that select layers by position or kind instead of by name, so that one setting
-# fits any model: a layer's own name first, then its position, then its position among its kind, then its kind.
+# Keys of ``sparsity.layer_targets`` that select layers by position or group instead of by name, so that one setting
+# fits any model: a layer's own name first, then its position, then its position in a group, then its group. The
+# groups: the layers whose rows are tied (``tied``: whole channels or units, [dturbo.prior] tie_rows) and the kinds.
 KINDS = ("conv", "dense")
-SELECTORS = ("first", "last", "first_conv", "last_conv", "first_dense", "last_dense", *KINDS)
+GROUPS = ("tied", *KINDS)
+SELECTORS = ("first", "last", *(f"{end}_{group}" for group in GROUPS for end in ("first", "last")), *GROUPS)
 
 
-def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str, float]) -> dict[str, float]:
-    """``layer_targets`` as layer names: ``first`` / ``last`` (the first / last Bayesian layer), ``first_conv`` ..
-    ``last_dense`` (the first / last layer of a kind), ``conv`` / ``dense`` (every layer of that kind) or a name; a
-    name wins over a position, a position over a position among a kind, that over a kind. A key that is neither a
-    selector nor a layer of the model is a ConfigError naming the layers."""
+def resolve_layer_targets(names: list[str], kinds: list[str], targets: dict[str, float],
+                          tied: list[bool] | None = None) -> dict[str, float]:
+    """``layer_targets`` as layer names: ``first`` / ``last`` (the first / last Bayesian layer), ``first_tied`` ..
+    ``last_dense`` (the first / last layer of a group), ``tied`` / ``conv`` / ``dense`` (every layer of the group:
+    ``tied``, the layers whose rows ``tied`` marks) or a name; a name wins over a position, a position over a
+    position in a group, that over a group, and ``tied`` over a kind. A key that is neither a selector nor a layer
+    of the model is a ConfigError naming the layers."""
     unknown = sorted(set(targets) - set(names) - set(SELECTORS))
     if unknown:
         raise ConfigError(f"dturbo.sparsity.layer_targets names {', '.join(map(repr, unknown))}, which the model "
                           f"does not have; its layers: {', '.join(names)} (or select them by "
                           f"{', '.join(SELECTORS)})")
+    tied = tied or [False] * len(names)
+    groups = [("tied", kind) if t else (kind,) for kind, t in zip(kinds, tied, strict=True)]
+    members = {g: [i for i, gs in enumerate(groups) if g in gs] for g in GROUPS}
     out: dict[str, float] = {}
-    of_kind = {k: [i for i, kk in enumerate(kinds) if kk == k] for k in set(kinds)}
-    for i, (name, kind) in enumerate(zip(names, kinds, strict=True)):
-        position = "first" if i == 0 else "last" if i == len(names) - 1 else None
-        among = f"first_{kind}" if i == of_kind[kind][0] else f"last_{kind}" if i == of_kind[kind][-1] else None
-        for key in (name, position, among, kind):
-            if key is not None and key in targets:
+    for i, name in enumerate(names):
+        # a layer both first and last (of the model or a group) answers to either, "first" first
+        position = [end for end, j in (("first", 0), ("last", len(names) - 1)) if i == j]
+        among = [f"{end}_{g}" for g in groups[i] for end, j in (("first", 0), ("last", -1)) if i == members[g][j]]
+        for key in (name, *position, *among, *groups[i]):
+            if key in targets:
                 out[name] = targets[key]
                 break
     return out
@@ -170,9 +177,11 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     target (they set the model's density, not target_density)."""
     names = [info.name for info in layers]
     kinds = [info.kind for info in layers]
-    named = resolve_layer_targets(names, kinds, dict(sp.layer_targets))
-    # a layer that keeps dense yields to its name or position, not to a whole kind
-    specific = resolve_layer_targets(names, kinds, {k: v for k, v in sp.layer_targets.items() if k not in KINDS})
+    tied = [info.prior.tie_rows for info in layers]
+    named = resolve_layer_targets(names, kinds, dict(sp.layer_targets), tied)
+    # a layer that keeps dense yields to its name or position, not to a whole group
+    specific = resolve_layer_targets(names, kinds, {k: v for k, v in sp.layer_targets.items() if k not in GROUPS},
+                                     tied)
     named |= {info.name: 1.0 for info in layers if info.keep_dense and info.name not in specific}
     default = np.nan if sp.scope == "global" else sp.target_density
     out = np.array([named.get(n, default) for n in names], dtype=np.float64)
