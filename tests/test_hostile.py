@@ -16,7 +16,15 @@ from run_helpers import cut_and_resume, rows_of
 from dturbo.algorithms.base import ClientData, decode_message, encode_message, pack_scalars, unpack_scalars
 from dturbo.algorithms.bounds import GROWTH, VALUE_CAP
 from dturbo.algorithms.registry import build_algorithm
-from dturbo.algorithms.robust import Bulyan, Krum, Median, RobustAggregation, TrimmedMean, krum_scores
+from dturbo.algorithms.robust import (
+    Bulyan,
+    CenteredClip,
+    Krum,
+    Median,
+    RobustAggregation,
+    TrimmedMean,
+    krum_scores,
+)
 from dturbo.attacks import ATTACKS, RoundView, hostile_clients
 from dturbo.codec import decode_dense, decode_quantized, encode_grid, encode_quantized, encode_ternary, encode_values
 from dturbo.config import RobustConfig
@@ -161,6 +169,34 @@ def test_robust_rules_against_independent_computations():
     np.testing.assert_allclose(out, 0.5 * np.array([0.6, 0.8]) + 0.5 * np.array([0.3, 0.4]))
 
 
+def test_centered_clipping_against_an_independent_computation_and_its_bound():
+    """Centered clipping written out step by step; with a radius no row reaches it is the mean after one step; a
+    step moves the centre by at most the radius, so 3 of 10 rows a million away leave it by the honest rows, where
+    the mean goes 1e5 away."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(10, 40))
+    p = np.full(10, 0.1)
+    v = np.median(x, axis=0)
+    for _ in range(2):
+        d = x - v
+        norms = np.linalg.norm(d, axis=1)
+        tau = 0.7 * np.median(norms)
+        v = v + np.mean([di * min(1.0, tau / n) for di, n in zip(d, norms, strict=True)], axis=0)
+    np.testing.assert_allclose(CenteredClip(0.7, 2).combine(x, p), v, rtol=1e-12)
+    np.testing.assert_allclose(CenteredClip(1e9, 1).combine(x, p), x.mean(axis=0), rtol=1e-12)
+    honest = x[:7] * 0.1 + 1.0
+    hostile = np.vstack([honest, np.full((3, 40), -1e6)])
+    out = CenteredClip(1.0, 1).combine(hostile, p)
+    start = np.median(hostile, axis=0)
+    tau = np.median(np.linalg.norm(hostile - start, axis=1))
+    assert np.linalg.norm(out - start) <= tau + 1e-9  # one step moves it by at most tau
+    assert np.abs(out - 1.0).max() < 1.0 and np.abs(hostile.mean(axis=0) - 1.0).min() > 1e5
+    same = np.ones((5, 3))
+    np.testing.assert_array_equal(CenteredClip(1.0).combine(same, np.full(5, 0.2)), same[0])
+    cfg = RobustConfig(rule="centered_clip", radius=0.7, iterations=2)
+    np.testing.assert_allclose(RobustAggregation(cfg).combine(list(x), p), v, rtol=1e-12)
+
+
 def test_a_robust_rule_aggregates_the_decoded_uploads(toy):
     """FedAvg with the median: the new weights are the coordinate-wise median of the uploads' decoded bytes."""
     _, _, server, _, state, ups = setup(toy, "fedavg", robust={"rule": "median"})
@@ -174,7 +210,7 @@ def test_a_robust_rule_aggregates_the_decoded_uploads(toy):
 
 
 @pytest.mark.parametrize("algorithm", METHODS)
-@pytest.mark.parametrize("rule", ["median", "krum"])
+@pytest.mark.parametrize("rule", ["median", "krum", "centered_clip"])
 def test_every_method_runs_with_a_robust_rule_against_a_sign_flip(tmp_path, toy, algorithm, rule):
     cfg = parse_config(config(toy, 2, experiment={"algorithm": algorithm}, robust={"rule": rule, "byzantine": 1},
                               faults={"attackers": 1, "attack": "sign_flip"}))

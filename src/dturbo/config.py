@@ -128,16 +128,20 @@ class RobustConfig(_Section):
     the support, sigma and biases before E3/E4; the baselines: their weights or updates). ``mean`` is the plain
     weighted mean."""
 
-    rule: Literal["mean", "median", "trimmed_mean", "krum", "bulyan"] = Field("mean", description=(
+    rule: Literal["mean", "median", "trimmed_mean", "krum", "bulyan", "centered_clip"] = Field("mean", description=(
         "mean (weighted by n_t), median (coordinate-wise), trimmed_mean (coordinate-wise, trim of each end), krum "
         "(multi-Krum: the n - byzantine uploads of lowest Krum score, their weighted mean), bulyan (Krum selection "
-        "of n - 2 byzantine, then the coordinate-wise mean of the n - 4 byzantine values nearest the median)"))
+        "of n - 2 byzantine, then the coordinate-wise mean of the n - 4 byzantine values nearest the median), "
+        "centered_clip (from the coordinate-wise median, iterations steps of the mean of the uploads' differences "
+        "from the centre, each clipped to radius times their median length)"))
     trim: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: the fraction of uploads dropped at each end "
                                                          "of every coordinate")
     byzantine: int = Field(1, ge=0, description=(
         "krum, bulyan, trimmed_mean: the hostile uploads a round is assumed to hold, less those refused already "
         "(fewer when too few uploads came: krum needs n >= 2 byzantine + 3, bulyan n >= 4 byzantine + 3); "
         "trimmed_mean trims at least this many at each end"))
+    radius: float = Field(1.0, gt=0, description="centered_clip: the clipping radius, in median lengths")
+    iterations: int = Field(3, ge=1, le=100, description="centered_clip: the steps from the median")
     clip_norm: float | None = Field(None, gt=0, description=(
         "each upload's update (its vector minus the global model's) scaled to at most this L2 norm before the "
         "rule; None: no clipping"))

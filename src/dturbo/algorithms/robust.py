@@ -1,5 +1,6 @@
 """Robust aggregation (``[robust]``, docs/robustness.md): the rule that combines the clients' vectors of a round, as
-the trusted frameworks offer it (Flower's FedMedian, FedTrimmedAvg, Krum, Bulyan, and clipping of update norms).
+the trusted frameworks offer it (Flower's FedMedian, FedTrimmedAvg, Krum, Bulyan, and clipping of update norms),
+and centered clipping.
 
 Every algorithm hands the same thing to :class:`RobustAggregation`: a matrix with one row per valid upload (the
 vector it aggregates: D-Turbo-VBI's mu on the support, sigma and biases before E3/E4, the baselines' weights or
@@ -119,6 +120,29 @@ class Bulyan(Rule):
         return np.take_along_axis(sel, nearest, axis=0).mean(axis=0)
 
 
+@dataclass
+class CenteredClip(Rule):
+    """Centered clipping (Karimireddy et al. 2021) from the coordinate-wise median: ``iterations`` times the centre v
+    moves by the unweighted mean of the rows' differences from it, each clipped to ``radius`` times their median
+    length, so that one row moves v by at most that over K (the paper starts from the last round's momentum; the
+    vectors here change length with the support, so the centre starts from a robust estimate of this round's)."""
+
+    radius: float
+    iterations: int = 3
+    name = "centered_clip"
+
+    def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
+        v = np.median(x, axis=0)
+        for _ in range(self.iterations):
+            d = x - v
+            lengths = np.sqrt(np.einsum("ij,ij->i", d, d))
+            tau = self.radius * float(np.median(lengths))
+            if not tau > 0:  # half the rows or more sit at the centre
+                break
+            v = v + (d * np.minimum(1.0, tau / np.maximum(lengths, np.finfo(np.float64).tiny))[:, None]).mean(axis=0)
+        return v
+
+
 def make_rule(cfg: RobustConfig) -> Rule:
     """The rule ``[robust] rule`` names, with its settings."""
     if cfg.rule == "median":
@@ -129,6 +153,8 @@ def make_rule(cfg: RobustConfig) -> Rule:
         return Krum(cfg.byzantine)
     if cfg.rule == "bulyan":
         return Bulyan(cfg.byzantine)
+    if cfg.rule == "centered_clip":
+        return CenteredClip(cfg.radius, cfg.iterations)
     return Mean()
 
 
