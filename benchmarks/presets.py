@@ -103,6 +103,15 @@ def markdown(res: dict[str, Any]) -> str:
                                                                             for r in res["models"]}]
         if missing:
             out += ["", f"Not measured yet: {', '.join(missing)}."]
+    c = res.get("candidates")
+    if c:
+        out += ["", "`recommended`'s transmission, chosen on a validation split (alexnet-small, the main job's "
+                    "protocol, 10% of the training images held out, seed 0); rule: " + c["rule"] + ":", "",
+                "| run | final validation accuracy | bits up + down (Mbit) | chosen |", "|---|---|---|---|"]
+        for r in [c["defaults"], *c["candidates"]]:
+            name = "defaults" if r["preset"] == "defaults" else f"recommended, {r['candidate']}"
+            out.append(f"| {name} | {100 * r['final_val_accuracy']:.2f}% | {r['total_bits'] / 1e6:.1f} | "
+                       f"{'**yes**' if r['preset'] != 'defaults' and r['candidate'] == c['chosen'] else ''} |")
     a = res.get("main_job_alone")
     if a:
         out += ["", f"The main job alone (`dturbo run --preset quick`, {a['threads']} cores, nothing else running): "
