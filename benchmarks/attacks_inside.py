@@ -217,11 +217,9 @@ def run_strategy(job: dict[str, Any], cfg: Any, dataset: Any, out: Path) -> dict
     import dturbo.flower as dflower
     from dturbo.algorithms.registry import model_factory
     from dturbo.algorithms.statistics import is_request
-    from dturbo.attacks import ATTACKS as KINDS
-    from dturbo.attacks import RoundView, hostile_clients
+    from dturbo.attacks import hostile_clients
     from dturbo.federation import build_federation
-    from dturbo.flower import protocol, wire
-    from dturbo.flower.inprocess import InProcessGrid
+    from dturbo.flower.inprocess import HostileGrid
     from dturbo.sim import evaluate
 
     logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower's per-round summaries: the row says it
@@ -245,44 +243,19 @@ def run_strategy(job: dict[str, Any], cfg: Any, dataset: Any, out: Path) -> dict
         return dflower.count_samples(msg, context, fed.clients[int(context.node_config["partition-id"])])
 
     hostile = set(hostile_clients(cfg)) if job["attack"] != OVERSIZE else {0}
-    attack = KINDS[job["attack"]]() if job["attack"] in KINDS else None
     plain = cfg.model_copy(update={"faults": type(cfg.faults)()})  # what the strategy runs: no injected faults
 
-    class HostileGrid(InProcessGrid):
-        """The nodes of ``hostile`` answer as their attack does, after the round's honest replies are in."""
+    class Grid(HostileGrid):
+        """The attack of ``cfg``, or one reply of 200 MB in round 1."""
 
-        def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
-            messages = list(messages)
-            replies = list(super().send_and_receive(messages, timeout=timeout))
-            if not hostile:
-                return replies
-            sent = {m.metadata.message_id: m for m in messages}
-            train = []  # (client id, round, downlink, reply)
-            for reply in replies:
-                msg = sent.get(reply.metadata.reply_to_message_id)
-                if msg is None or msg.metadata.message_type != wire.TRAIN or reply.has_error():
-                    continue
-                if wire.UP not in reply.content.array_records:
-                    continue
-                task = protocol.read_task(msg.content)
-                train.append((task.client, task.round_idx, wire.record_bytes(msg.content, wire.DOWN), reply))
-            honest = {c: wire.record_bytes(r.content, wire.UP) for c, _, _, r in train if c not in hostile}
-            bad = [t for t in train if t[0] in hostile]
-            for cid, rnd, down, reply in bad:
-                up = wire.record_bytes(reply.content, wire.UP)
-                if job["attack"] == OVERSIZE:
-                    new = oversize(up) if rnd == 0 and not is_request(down) else up
-                elif is_request(down):
-                    new = attack.statistics(up)
-                else:
-                    view = RoundView(strategy.session.server, cfg, rnd, cid, down, honest, len(bad))
-                    new = attack.rewrite(up, view)
-                reply.content[wire.UP] = wire.bytes_record(new)
-            return replies
+        def rewrite(self, upload: bytes, downlink: bytes, view: Any) -> bytes:
+            if job["attack"] == OVERSIZE:
+                return oversize(upload) if view().round_idx == 0 and not is_request(downlink) else upload
+            return super().rewrite(upload, downlink, view)
 
     strategy = dflower.DturboStrategy(server_model, algorithm=job["method"], config=plain,
                                       total_samples=fed.total_samples, fraction_evaluate=0.0)
-    grid = HostileGrid(app, cfg.federation.clients)
+    grid = Grid(app, cfg.federation.clients, cfg, lambda: strategy.session.server, hostile=hostile)
     res: dict[str, Any] = {"stopped": False, "resume_ok": None, "error": None}
     try:
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=job["rounds"])

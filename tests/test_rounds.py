@@ -144,38 +144,27 @@ def test_a_retried_round_counts_its_retries_and_every_attempts_bits() -> None:
     assert m["flower_down_bytes"] == 2 * c["flower_down_bytes"]  # Flower's bytes of both attempts' messages
 
 
-def test_an_attack_inside_the_bounds_meets_the_strategy_as_it_meets_the_simulator(tmp_path) -> None:
-    """One client flips and stretches its update to the bound (accepted: inside the bounds), under the robust rule:
-    the Strategy ends with the simulator's model, bit for bit, and refuses nothing."""
+@pytest.mark.parametrize("attack", ["scaled_sign_flip", "alie", "ipm"])
+def test_an_attack_inside_the_bounds_meets_the_strategy_as_it_meets_the_simulator(tmp_path, attack) -> None:
+    """One client rewrites its update inside the bounds (the stretched sign flip; ALIE and IPM from the round's
+    honest uploads), under the robust rule: the Strategy on a HostileGrid ends with the simulator's model, bit for
+    bit, and refuses nothing."""
     import torch
     from test_flower_strategy import federation, run_runner
 
-    from dturbo.attacks import ATTACKS, RoundView, hostile_clients
-    from dturbo.flower import protocol
+    from dturbo.flower.inprocess import HostileGrid
     from dturbo.settings import load_config
 
     cfg_dict = runner_config("dturbo", rounds=2)
     cfg_dict["robust"] = {"rule": "trimmed_mean", "byzantine": 1, "clip_median": 1.0}
-    hostile_cfg = load_config({**cfg_dict, "faults": {"attackers": 1, "attack": "scaled_sign_flip"}})
+    hostile_cfg = load_config({**cfg_dict, "faults": {"attackers": 1, "attack": attack}})
     fed = federation(cfg_dict)
     sim, rows = run_runner(hostile_cfg, fed, TinyNet, tmp_path / "sim")
-    (attacker,) = hostile_clients(hostile_cfg)
 
     strategy = dflower.DturboStrategy(TinyNet, algorithm="dturbo", config=cfg_dict, fraction_evaluate=0.0)
-    honest = user_client_app(lambda pid: (fed.clients[pid].x, fed.clients[pid].y))
-
-    def app(msg: Message, context: Context) -> Message:
-        reply = honest(msg, context)
-        pid = context.node_config["partition-id"]
-        if msg.metadata.message_type == "train" and pid == attacker and wire.UP in reply.content.array_records:
-            task = protocol.read_task(msg.content)
-            view = RoundView(strategy.session.server, hostile_cfg, task.round_idx, pid,
-                             wire.record_bytes(msg.content, wire.DOWN), {}, 1)
-            return with_upload(reply, ATTACKS["scaled_sign_flip"]().rewrite(wire.record_bytes(reply.content, wire.UP),
-                                                                            view))
-        return reply
-
-    result = strategy.start(grid=InProcessGrid(app, CLIENTS), initial_arrays=ArrayRecord(), num_rounds=2)
+    app = user_client_app(lambda pid: (fed.clients[pid].x, fed.clients[pid].y))
+    grid = HostileGrid(app, CLIENTS, hostile_cfg, lambda: strategy.session.server)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=2)
     assert all(m["clients_rejected"] == 0 for m in result.train_metrics_clientapp.values())
     assert [m["cum_bits"] for m in result.train_metrics_clientapp.values()] == [float(r["cum_bits"]) for r in rows]
     final = strategy.global_model().state_dict()

@@ -26,7 +26,11 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from ..algorithms.statistics import is_request
+from ..attacks import ATTACKS, RoundView, hostile_clients
+from ..config import Config
 from . import wire
+from .protocol import read_task
 
 # (partition-id, message) -> "silent" (the node never answers it), "offline" (Flower's NODE_UNAVAILABLE error
 # reply, as when the node disappears while the message waits) or None (it is delivered)
@@ -147,6 +151,49 @@ class InProcessGrid(Grid):
         reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, f"node {msg.metadata.dst_node_id} is offline"), reply_to=msg)
         reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
         return reply
+
+
+class HostileGrid(InProcessGrid):
+    """An :class:`InProcessGrid` whose hostile nodes (``hostile``, partition ids; default: the attackers of
+    ``cfg``'s ``[faults]``) answer as ``cfg``'s attack does, once the round's honest replies are in: what
+    :class:`dturbo.faults.FaultyTransport` does to the simulator's clients, for a Strategy. ``server``: the
+    Strategy's server algorithm when asked (the attacker reads and writes its messages; it exists once the
+    Strategy starts)."""
+
+    def __init__(self, client_app: ClientApp | Callable[[Message, Context], Message], num_nodes: int, cfg: Config,
+                 server: Callable[[], Any], *, hostile: set[int] | None = None, **kwargs: Any) -> None:
+        super().__init__(client_app, num_nodes, **kwargs)
+        self.cfg, self.server = cfg, server
+        self.hostile = set(hostile_clients(cfg)) if hostile is None else hostile
+        self.attack = ATTACKS[cfg.faults.attack]()
+
+    def rewrite(self, upload: bytes, downlink: bytes, view: Callable[[], RoundView]) -> bytes:
+        """A hostile node's reply to ``downlink`` in place of ``upload``; ``view()``: what it knows of its round."""
+        if is_request(downlink):
+            return self.attack.statistics(upload)
+        return self.attack.rewrite(upload, view())
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        sent = {m.metadata.message_id: m for m in messages}
+        train = []  # (client id, round, downlink, reply) of every upload
+        for reply in replies:
+            msg = sent.get(reply.metadata.reply_to_message_id)
+            if msg is None or msg.metadata.message_type != wire.TRAIN or reply.has_error() \
+                    or wire.UP not in reply.content.array_records:
+                continue
+            task = read_task(msg.content)
+            train.append((task.client, task.round_idx, wire.record_bytes(msg.content, wire.DOWN), reply))
+        honest = {c: wire.record_bytes(r.content, wire.UP) for c, _, _, r in train if c not in self.hostile}
+        bad = [t for t in train if t[0] in self.hostile]
+        for cid, rnd, down, reply in bad:
+            def view(cid: int = cid, rnd: int = rnd, down: bytes = down) -> RoundView:
+                return RoundView(self.server(), self.cfg, rnd, cid, down, honest, len(bad))
+
+            reply.content[wire.UP] = wire.bytes_record(self.rewrite(wire.record_bytes(reply.content, wire.UP), down,
+                                                                    view))
+        return replies
 
 
 def run_inprocess(config: str | Path, out: str | Path, *, resume: bool = False, grid: InProcessGrid | None = None,
