@@ -48,22 +48,23 @@ from harness import dataset_path, fill_block, metrics_rows  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 PRESETS = {"dturbo": "quick", "fedavg": "fedavg", "fedpaq": "fedpaq", "dssm": "dssm", "stc": "stc", "fedpm": "fedpm",
            "feddst": "feddst"}
-# Each method's recommended rule, fixed before the runs: the updates clipped to the round's median norm, then a
-# trimmed mean that trims at least 3 at each end; Krum keeping 7 of 10 for the quantised or very sparse updates of
-# FedPAQ and STC, whose coordinates are mostly 0 (a coordinate-wise rule then stops learning).
+# The rules: the updates clipped to the round's median norm, then a trimmed mean that trims at least 3 at each end,
+# Krum keeping 7 of 10, or centered clipping.
 TRIMMED = {"robust.rule": "trimmed_mean", "robust.trim": 0.1, "robust.byzantine": 3, "robust.clip_median": 1.0}
 KRUM = {"robust.rule": "krum", "robust.byzantine": 3, "robust.clip_median": 1.0}
 # Candidates for the rule against 3 attackers of 10, fixed before their runs and chosen on the validation split
-# (--stage candidates: every method, clean and under the three attacks inside the bounds, 3 attackers): each method
+# (--stage candidates: every method, both models, clean and under each model's attacks, 3 attackers): each method
 # takes its candidate of highest mean validation accuracy. Centered clipping clips distances, not coordinates, so it
 # suits the sparse and quantised updates too.
 CENTERED = {"robust.rule": "centered_clip", "robust.radius": 1.0, "robust.clip_median": 1.0}
 CANDIDATES = {"trim3_clip1": TRIMMED, "trim3_clip05": TRIMMED | {"robust.clip_median": 0.5},
               "krum3_clip1": KRUM, "cc1_clip1": CENTERED, "cc05_clip1": CENTERED | {"robust.radius": 0.5}}
 CANDIDATE_METHODS = ("dturbo", "fedavg", "fedpaq", "dssm", "stc", "fedpm", "feddst")
-CANDIDATE_RUNS = (("none", 0), ("scaled_sign_flip", 3), ("ipm", 3), ("alie", 3))
-RECOMMENDED = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM, "dssm": TRIMMED, "stc": KRUM, "fedpm": TRIMMED,
-               "feddst": TRIMMED}
+CANDIDATE_RUNS = (("mlp", "none", 0), ("mlp", "scaled_sign_flip", 3), ("mlp", "ipm", 3), ("mlp", "alie", 3),
+                  ("bn", "none", 0), ("bn", "plain_state", 3), ("bn", "calibration", 3))
+# Each method's recommended rule: its candidate of highest mean validation accuracy (robust_candidates.md).
+RECOMMENDED = {"dturbo": TRIMMED, "fedavg": CANDIDATES["cc1_clip1"], "fedpaq": KRUM, "dssm": CANDIDATES["cc05_clip1"],
+               "stc": CANDIDATES["cc1_clip1"], "fedpm": KRUM, "feddst": TRIMMED}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
 ATTACKERS = (1, 3)
@@ -78,10 +79,9 @@ ROW = ("runner", "model", "method", "attack", "attackers", "robust", "rule", "st
 
 def rule_name(method: str) -> str:
     r = RECOMMENDED[method]
-    head = f"{r['robust.rule']} byzantine {r['robust.byzantine']}"
-    return head + (f", trim {r['robust.trim']}" if "robust.trim" in r else "") + (
-        f", clip_median {r['robust.clip_median']}" if "robust.clip_median" in r else "") + "".join(
-        f", {k} {v}" for k, v in r.items() if not k.startswith("robust."))
+    keys = ("byzantine", "trim", "radius", "clip_median")
+    head = ", ".join(f"{k} {r['robust.' + k]}" for k in keys if "robust." + k in r)
+    return f"{r['robust.rule']} {head}" + "".join(f", {k} {v}" for k, v in r.items() if not k.startswith("robust."))
 
 
 def jobs(rounds: int) -> list[dict[str, Any]]:
@@ -399,8 +399,8 @@ def summary(res: dict[str, Any]) -> str:
 
 
 def candidate_jobs(rounds: int) -> list[dict[str, Any]]:
-    return [{"runner": "simulator", "model": "mlp", "method": m, "attack": a, "attackers": k, "candidate": rule,
-             "rounds": rounds} for rule in CANDIDATES for m in CANDIDATE_METHODS for a, k in CANDIDATE_RUNS]
+    return [{"runner": "simulator", "model": model, "method": m, "attack": a, "attackers": k, "candidate": rule,
+             "rounds": rounds} for rule in CANDIDATES for m in CANDIDATE_METHODS for model, a, k in CANDIDATE_RUNS]
 
 
 def candidates_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
@@ -412,7 +412,8 @@ def candidates_report(results: list[dict[str, Any]], rounds: int) -> dict[str, A
     by = {rule: [r for r in results if r.get("candidate") == rule] for rule in CANDIDATES}
     table = {rule: {"mean_val_accuracy": mean(rs),
                     "by_method": {m: mean([r for r in rs if r["method"] == m]) for m in CANDIDATE_METHODS},
-                    "runs": {f"{r['method']}/{r['attack']}/{r['attackers']}": r["val_accuracy"] for r in rs},
+                    "runs": {f"{r['model']}/{r['method']}/{r['attack']}/{r['attackers']}": r["val_accuracy"]
+                             for r in rs},
                     "stopped": [key(r) for r in rs if r["stopped"] or r["resume_ok"] is False]}
              for rule, rs in by.items()
              if len(rs) == len(CANDIDATE_METHODS) * len(CANDIDATE_RUNS) and all(r["val_accuracy"] is not None
@@ -426,10 +427,11 @@ def candidates_report(results: list[dict[str, Any]], rounds: int) -> dict[str, A
 
 def candidates_markdown(res: dict[str, Any]) -> str:
     rules = list(res["results"])
-    lines = [f"# Robust rules against 3 of 10 attackers: validation accuracy ({res['rounds']} rounds, mlp)", "",
+    lines = [f"# Robust rules against 3 of 10 attackers: validation accuracy ({res['rounds']} rounds)", "",
              "Written by `benchmarks/attacks_inside.py --stage candidates`. Each cell: the mean final validation "
-             "accuracy of a method's four runs (clean; scaled sign flip, ALIE, IPM with 3 attackers); each method "
-             "takes its highest, in bold.", "",
+             "accuracy of a method's seven runs (the mlp clean and under the scaled sign flip, ALIE and IPM; the mlp "
+             "with BatchNorm clean and under poisoned state and calibration statistics; 3 attackers of 10); each "
+             "method takes its highest, in bold.", "",
              "| method | " + " | ".join(rules) + " |", "|---|" + "---|" * len(rules)]
     for m, pick in res["chosen"].items():
         cells = [f"{100 * res['results'][r]['by_method'][m]:.1f}" for r in rules]
