@@ -63,8 +63,8 @@ CANDIDATE_METHODS = ("dturbo", "fedavg", "fedpaq", "dssm", "stc", "fedpm", "fedd
 CANDIDATE_RUNS = (("mlp", "none", 0), ("mlp", "scaled_sign_flip", 3), ("mlp", "ipm", 3), ("mlp", "alie", 3),
                   ("bn", "none", 0), ("bn", "plain_state", 3), ("bn", "calibration", 3))
 # Each method's recommended rule: its candidate of highest mean validation accuracy (robust_candidates.md).
-RECOMMENDED = {"dturbo": TRIMMED, "fedavg": CANDIDATES["cc1_clip1"], "fedpaq": KRUM, "dssm": CANDIDATES["cc05_clip1"],
-               "stc": CANDIDATES["cc1_clip1"], "fedpm": KRUM, "feddst": TRIMMED}
+RECOMMENDED = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM, "dssm": KRUM, "stc": KRUM, "fedpm": KRUM,
+               "feddst": TRIMMED}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
 ATTACKERS = (1, 3)
@@ -484,11 +484,12 @@ def main() -> None:
         (RESULTS / "robust_candidates.md").write_text(candidates_markdown(res))
         print(candidates_markdown(res))
         return
-    todo = [j for j in jobs(args.rounds) if key(j).startswith(args.only)]
+    todo = [j for j in jobs(args.rounds) if key(j).startswith(args.only)
+            and not (args.work / "rows" / (key(j).replace("/", "_") + ".json")).exists()]  # not run yet
     if args.stage in ("runs", "all"):
         # one fresh process a run (max_tasks_per_child): its peak RSS is its own
         with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-            results = list(pool.map(run_job, todo, [str(args.work)] * len(todo)))
+            list(pool.map(run_job, todo, [str(args.work)] * len(todo)))
     if args.stage in ("main", "all"):
         (args.work / "main_job.json").write_text(json.dumps(main_job(args.work)))
     if args.stage in ("report", "all"):
