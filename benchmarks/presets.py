@@ -133,7 +133,8 @@ def figure(runs: dict[str, Any], path: Path) -> None:
     from dturbo.report import _save, bits_log_axis
 
     names = {"quick": "main job (quick): default transmission, 25% kept",
-             "quick_paper": "main job, the paper's 16-bit protocol", "recommended": "recommended: 15% kept"}
+             "quick_paper": "main job, the paper's 16-bit protocol",
+             "recommended": f"recommended: {runs['recommended']['final_density']:.0%} kept"}
     fig, ax = plt.subplots(figsize=(7.5, 4.6), layout="constrained")
     for i, (name, r) in enumerate(runs.items()):
         acc = 100 * np.asarray(r["accuracy_by_round"])
