@@ -106,6 +106,8 @@ def test_config_that_is_not_toml_names_the_file(tmp_path, uint8_npz):
     ({"train": {"lr": "0.1"}}, "train.lr", "valid number"),
     ({"experiment": {"name": 3}}, "experiment.name", "valid string"),
     ({"dturbo": {"prior": {"conv": {"tie_rows": 1}}}}, "dturbo.prior.conv.tie_rows", "valid boolean"),
+    ({"dturbo": {"prior": {"conv": {"tie_rows": "nope"}}}}, "dturbo.prior.conv.tie_rows",  # a union: both members
+     "valid boolean, or input should be 'without_batchnorm' (got 'nope')"),
     ({"model": {"hidden": ["8"]}}, "model.hidden.0", "valid integer"),
 ])
 def test_values_must_have_their_declared_types(data, key, expected):

@@ -239,16 +239,27 @@ def _unknown_key(schema: type[Config], key: str) -> str:
             f"value")
 
 
+# The names pydantic gives the members of a union in an error's location (``tie_rows.bool``,
+# ``tie_rows.literal['without_batchnorm']``): not keys.
+_UNION_MEMBERS = ("bool", "int", "float", "str")
+_UNION_PREFIXES = ("literal[", "list[", "dict[", "tuple[", "function-")
+
+
 def format_error(schema: type[Config], err: ValidationError) -> str:
-    """A ValidationError of ``schema`` as ConfigError's text: one line per key, a close key for an unknown one."""
-    lines = []
+    """A ValidationError of ``schema`` as ConfigError's text: one line per key (a value that fits no member of a
+    union: what each member expects, on one line), a close key for an unknown one."""
+    lines: dict[str, str] = {}
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        parts = [str(p) for p in e["loc"] if not (isinstance(p, str) and (p in _UNION_MEMBERS
+                                                                           or p.startswith(_UNION_PREFIXES)))]
+        key = ".".join(parts) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(_unknown_key(schema, key))
+            lines[key] = _unknown_key(schema, key)
+        elif key in lines:
+            lines[key] = lines[key].replace(" (got ", f", or {e['msg'][0].lower()}{e['msg'][1:]} (got ", 1)
         else:
-            lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+            lines[key] = f"config key '{key}': {e['msg']} (got {e.get('input')!r})"
+    return "invalid configuration:\n  " + "\n  ".join(lines.values())
 
 
 def _declared_type(schema: type[Config], parts: list[str]) -> Any:
