@@ -165,5 +165,12 @@ def test_every_preset_fits_a_conv_model_with_batchnorm():
     assert not any(i.prior.tie_rows for i in infos)
     sizes = budget_sizes(infos, cfg.dturbo.sparsity)
     assert targets[2] == 1.0 and targets[1] * sizes[1] == pytest.approx(0.17 * sizes.sum() - sizes[0] - sizes[2])
+    # a dense head of most of the weights: the targets by group leave the rest no room, which the run says first
+    wide = dturbo.bayesianize(nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3),
+                                            nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 10)), input_shape=(2, 12, 12))
+    infos = layer_infos(wide, cfg)
+    with pytest.warns(UserWarning, match=r"no room in target_density = 0.17: they keep 2% and the model ends at 9"):
+        targets = layer_targets(infos, cfg.dturbo.sparsity)
+    assert [i.prior.tie_rows for i in infos] == [False, True, False] and list(targets)[1:] == [0.25, 1.0]
     cfg = load_config(preset="recommended", overrides={"dturbo.sparsity.layer_targets": {"first": 0.5, "last": 1.0}})
     assert layer_targets(layer_infos(net, cfg), cfg.dturbo.sparsity)[0] == 0.5

@@ -173,8 +173,9 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
     :func:`resolve_layer_targets`; a layer that keeps dense, :attr:`LayerInfo.keep_dense`: 1 unless its name or
     position is named; with scope 'global', the layers ``sparsity.distribution`` gives to the Erdos-Renyi-kernel
     rule: :func:`erk_densities`), NaN for layers that share one field (scope 'global'). A clear error for unknown
-    layers, or targets that leave the other layers no room in the global budget; a warning when every layer has a
-    target (they set the model's density, not target_density)."""
+    layers, or targets by name or position that leave the other layers no room in the global budget; a warning when
+    targets by group (written for any model) leave them none (they take the nearest density they can), or when
+    every layer has a target (they set the model's density, not target_density)."""
     names = [info.name for info in layers]
     kinds = [info.kind for info in layers]
     tied = [info.prior.tie_rows for info in layers]
@@ -196,6 +197,16 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
                               f"{sp.target_density} is not used", UserWarning, stacklevel=2)
             return out
         left = sp.target_density * sizes.sum() - (out[~shared] * sizes[~shared]).sum()
+        by_group = any(k in SELECTORS and k not in ("first", "last") for k in sp.layer_targets)
+        if not 0 < left <= sizes[shared].sum() and by_group:
+            # Targets by group are written for any model (a preset's): on one they do not fit, the other layers
+            # take the nearest density they can, and the run says so before it starts.
+            out[shared] = min(max(left / sizes[shared].sum(), sp.min_layer_density), 1.0)
+            overall = float((out * sizes).sum() / sizes.sum())
+            warnings.warn(f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} leave the other layers of this "
+                          f"model no room in target_density = {sp.target_density}: they keep {out[shared][0]:.0%} "
+                          f"and the model ends at {overall:.1%} of its weights", UserWarning, stacklevel=2)
+            return out
         if not 0 < left <= sizes[shared].sum():
             raise ConfigError(
                 f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} with target_density {sp.target_density} "
