@@ -248,18 +248,19 @@ _UNION_PREFIXES = ("literal[", "list[", "dict[", "tuple[", "function-")
 def format_error(schema: type[Config], err: ValidationError) -> str:
     """A ValidationError of ``schema`` as ConfigError's text: one line per key (a value that fits no member of a
     union: what each member expects, on one line), a close key for an unknown one."""
-    lines: dict[str, str] = {}
+    by_key: dict[str, list[Any]] = {}
     for e in err.errors():
         parts = [str(p) for p in e["loc"] if not (isinstance(p, str) and (p in _UNION_MEMBERS
                                                                            or p.startswith(_UNION_PREFIXES)))]
-        key = ".".join(parts) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            lines[key] = _unknown_key(schema, key)
-        elif key in lines:
-            lines[key] = lines[key].replace(" (got ", f", or {e['msg'][0].lower()}{e['msg'][1:]} (got ", 1)
+        by_key.setdefault(".".join(parts) or "(top level)", []).append(e)
+    lines = []
+    for key, errors in by_key.items():
+        if errors[0]["type"] == "extra_forbidden":
+            lines.append(_unknown_key(schema, key))
         else:
-            lines[key] = f"config key '{key}': {e['msg']} (got {e.get('input')!r})"
-    return "invalid configuration:\n  " + "\n  ".join(lines.values())
+            expects = ", or ".join([errors[0]["msg"]] + [e["msg"][0].lower() + e["msg"][1:] for e in errors[1:]])
+            lines.append(f"config key '{key}': {expects} (got {errors[0].get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
 def _declared_type(schema: type[Config], parts: list[str]) -> Any:

@@ -197,8 +197,15 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
                               f"{sp.target_density} is not used", UserWarning, stacklevel=2)
             return out
         left = sp.target_density * sizes.sum() - (out[~shared] * sizes[~shared]).sum()
-        by_group = any(k in SELECTORS and k not in ("first", "last") for k in sp.layer_targets)
-        if not 0 < left <= sizes[shared].sum() and by_group:
+        if not 0 < left <= sizes[shared].sum():
+            if not any(k in SELECTORS and k not in ("first", "last") for k in sp.layer_targets):
+                raise ConfigError(
+                    f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} with target_density "
+                    f"{sp.target_density} (scope 'global'): the layers they name ({int((~shared).sum())} of "
+                    f"{len(names)}) hold {(out[~shared] * sizes[~shared]).sum() / sizes.sum():.1%} of the model's "
+                    f"weights at their targets, which leaves the other layers a density of "
+                    f"{left / sizes[shared].sum():.4f}, outside (0, 1]: name fewer layers, lower their targets or "
+                    f"raise target_density")
             # Targets by group are written for any model (a preset's): on one they do not fit, the other layers
             # take the nearest density they can, and the run says so before it starts.
             out[shared] = min(max(left / sizes[shared].sum(), sp.min_layer_density), 1.0)
@@ -207,13 +214,6 @@ def layer_targets(layers: list[LayerInfo], sp: SparsityConfig) -> np.ndarray:
                           f"model no room in target_density = {sp.target_density}: they keep {out[shared][0]:.0%} "
                           f"and the model ends at {overall:.1%} of its weights", UserWarning, stacklevel=2)
             return out
-        if not 0 < left <= sizes[shared].sum():
-            raise ConfigError(
-                f"dturbo.sparsity.layer_targets {dict(sp.layer_targets)} with target_density {sp.target_density} "
-                f"(scope 'global'): the layers they name ({int((~shared).sum())} of {len(names)}) hold "
-                f"{(out[~shared] * sizes[~shared]).sum() / sizes.sum():.1%} of the model's weights at their targets, "
-                f"which leaves the other layers a density of {left / sizes[shared].sum():.4f}, outside (0, 1]: name "
-                f"fewer layers, lower their targets or raise target_density")
     if sp.scope == "global":
         spread = shared & np.array([sp.distribution == "erk" or (sp.distribution == "auto" and info.normalised)
                                     for info in layers])
