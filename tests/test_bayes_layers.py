@@ -8,6 +8,7 @@ import torch
 
 from dturbo.algorithms.dturbo import vbi
 from dturbo.nn import BayesConv2d, BayesLinear, build_model
+from dturbo.nn.bayes import SAMPLINGS
 from dturbo.nn.shapes import grid_shape
 
 
@@ -92,3 +93,66 @@ def test_models_build_and_seed(name, shape):
 def test_conv_model_rejects_flat_input():
     with pytest.raises(ValueError, match="image input"):
         build_model("lenet5", (784,), 10)
+
+
+def _channel_layer(sigma_mode: str = "layer", groups: int = 1) -> BayesConv2d:
+    torch.manual_seed(0)
+    layer = BayesConv2d(4, 6, 3, padding=1, groups=groups, sigma_mode=sigma_mode, sigma_init=0.3)
+    with torch.no_grad():
+        layer.mask[1] = 0  # a whole output channel off the support
+        layer.mask[4, :, 0] = 0  # part of another
+    layer.sampling = SAMPLINGS["channel"]
+    layer.generator = torch.Generator().manual_seed(1)
+    return layer.train()
+
+
+def _mean_and_variance(layer: BayesConv2d, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-activations' mean and variance under q, computed with the full layer, channel by channel apart."""
+    w = layer.weight_mu * layer.mask
+    s2 = (layer.sigma**2).expand_as(w) * layer.mask
+    mean = torch.nn.functional.conv2d(x, w, layer.bias, padding=1, groups=layer.groups)
+    return mean.detach(), torch.nn.functional.conv2d(x * x, s2, padding=1, groups=layer.groups).detach()
+
+
+@pytest.mark.parametrize("sigma_mode", ["layer", "weight"])
+def test_channel_sampling_draws_one_normal_per_channel_and_skips_channels_off_the_support(sigma_mode):
+    layer = _channel_layer(sigma_mode)
+    x = torch.randn(3, 4, 5, 5)
+    mean, var = _mean_and_variance(layer, x)
+    outs = torch.stack([layer(x).detach() for _ in range(4000)])
+    # a channel without support is its bias, exactly; the others have q's mean and variance at every position
+    assert torch.equal(outs[:, :, 1], layer.bias[1].detach().expand_as(outs[:, :, 1]))
+    on = [0, 2, 3, 4, 5]
+    z = (outs[:, :, on] - mean[:, on]) / var[:, on].sqrt()
+    torch.testing.assert_close(z.mean(0), torch.zeros_like(z[0]), atol=0.08, rtol=0)
+    torch.testing.assert_close(z.std(0), torch.ones_like(z[0]), atol=0.06, rtol=0)
+    # one draw per sample and channel: the standardised noise is the same at every position
+    torch.testing.assert_close(z, z[..., :1, :1].expand_as(z), atol=1e-4, rtol=1e-4)
+
+
+def test_channel_sampling_sends_no_gradient_through_the_variance_to_the_input():
+    layer = _channel_layer()
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    g = torch.randn(2, 6, 5, 5)
+    (layer(x) * g).sum().backward()
+    w = (layer.weight_mu * layer.mask).detach()
+    xr = x.detach().clone().requires_grad_(True)
+    (torch.nn.functional.conv2d(xr, w, padding=1) * g).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)  # the mean path's alone
+    assert layer.sigma_param.grad is not None and layer.sigma_param.grad != 0  # sigma still learns
+    assert torch.all(layer.weight_mu.grad[1] == 0) and layer.bias.grad[1] == g[:, 1].sum()
+
+
+def test_channel_sampling_of_grouped_unbatched_and_dense_layers_has_q_s_moments():
+    depthwise = _channel_layer(groups=2)
+    x = torch.randn(4, 5, 5)  # unbatched
+    mean, var = _mean_and_variance(depthwise, x[None])
+    outs = torch.stack([depthwise(x).detach() for _ in range(4000)])
+    assert outs.shape[1:] == (6, 5, 5)
+    on = var[0] > 0
+    z = ((outs - mean[0]) / var[0].clamp_min(1e-30).sqrt())[:, on]
+    assert abs(float(z.mean())) < 0.05 and abs(float(z.std()) - 1) < 0.05
+    dense = BayesLinear(5, 3, sigma_init=0.2)
+    dense.sampling, dense.generator = SAMPLINGS["channel"], torch.Generator().manual_seed(0)
+    y = torch.stack([dense(torch.ones(2, 5)).detach() for _ in range(4000)])
+    assert float((y[:, 0] - y[:, 1]).abs().max()) > 0  # a dense layer's units draw apart, sample by sample

@@ -115,14 +115,16 @@ def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
 def _drop_later_defaults(data: dict[str, Any]) -> None:
     """Leave out the keys that came after the first checkpoints while they hold their defaults (the plain mean, no
     attackers), so that a run written before them still resumes."""
+    from .algorithms.dturbo.config import DturboConfig
     from .config import FaultsConfig, RobustConfig
 
     if data.get("robust") == RobustConfig().model_dump(mode="json", exclude_none=True):
         data.pop("robust")
-    faults, default = data.get("faults", {}), FaultsConfig()
-    for key in ("attackers", "attack"):
-        if key in faults and faults[key] == getattr(default, key):
-            faults.pop(key)
+    later = {("faults", "attackers"): FaultsConfig().attackers, ("faults", "attack"): FaultsConfig().attack,
+             ("dturbo", "sampling"): DturboConfig().sampling}
+    for (section, key), default in later.items():
+        if (part := data.get(section, {})).get(key, default) == default:
+            part.pop(key, None)
 
 
 def save_checkpoint(folder: Path, state: dict[str, Any], counters: dict[str, Any]) -> None:

@@ -7,7 +7,8 @@ are left out of the KL term (E6); the server also stores them as exact zeros.
 
 During training a layer samples *pre-activations*, not weights (local reparameterisation): for input x,
 mean = layer(x; mu * S) and variance = layer(x^2; sigma^2 * S) (for a shared sigma,
-sigma^2 * layer(x^2; S)). Evaluation (``model.eval()``) uses the mean weights.
+sigma^2 * layer(x^2; S)), and the layer's :class:`Sampling` draws mean + sqrt(variance) * noise
+(``[dturbo] sampling``). Evaluation (``model.eval()``) uses the mean weights.
 """
 
 from __future__ import annotations
@@ -37,6 +38,54 @@ def softplus_inverse_tensor(y: torch.Tensor) -> torch.Tensor:
     transmission) are clamped to 1e-12 instead of raising."""
     y = y.clamp_min(1e-12)
     return y + torch.log(-torch.expm1(-y))
+
+
+class Sampling:
+    """How a training forward pass samples a layer's pre-activations (one sample of E6's expectation): the local
+    reparameterisation trick, mean + sqrt(variance) * noise, with an independent draw per pre-activation."""
+
+    name = "local"
+
+    def draw(self, layer: BayesianLayer, x: torch.Tensor) -> torch.Tensor:
+        mean = layer._op(x, layer.masked_weight(), layer.bias)
+        var = layer.variance(x)
+        return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * layer.noise(mean.shape, mean)
+
+
+class ChannelSampling(Sampling):
+    """The local reparameterisation at less cost, channel by channel:
+
+    - a convolution computes only its output channels with weights on the support; a channel without is its bias,
+      exactly (what export makes of it);
+    - one draw per sample and output channel serves all the channel's positions (they share the channel's weights,
+      so their pre-activations are correlated under q anyway); a dense layer's draws are per unit, as before;
+    - the variance path takes the layer's input as a constant: its gradient reaches sigma, not the input, so the
+      backward pass skips the variance convolution."""
+
+    name = "channel"
+
+    def draw(self, layer: BayesianLayer, x: torch.Tensor) -> torch.Tensor:
+        rows = layer.rows_on_support()
+        weight, bias = layer.masked_weight(), layer.bias
+        if rows is not None:
+            weight, bias = weight[rows], None if bias is None else bias[rows]
+        mean = layer._op(x, weight, bias)
+        var = layer.variance(x.detach(), rows)
+        out = torch.addcmul(mean, torch.sqrt(var + _VAR_FLOOR), layer.noise(layer.channel_shape(mean), mean))
+        if rows is None:
+            return out
+        axis = out.dim() - layer.weight_mu.dim() + 1  # the channel axis: before the spatial ones, batched or not
+        shape = list(out.shape)
+        shape[axis] = layer.weight_mu.shape[0]
+        if layer.bias is None:
+            full = out.new_zeros(shape)
+        else:
+            full = layer.bias.view(-1, *(1,) * (out.dim() - axis - 1)).expand(shape)
+        return torch.index_copy(full, axis, rows, out)
+
+
+LOCAL = Sampling()
+SAMPLINGS: dict[str, Sampling] = {s.name: s for s in (LOCAL, ChannelSampling())}
 
 
 class BayesianLayer(nn.Module):
@@ -69,6 +118,7 @@ class BayesianLayer(nn.Module):
         self.generator: torch.Generator | None = None
         # Baselines train the same architectures as ordinary (point-estimate) networks.
         self.stochastic = True
+        self.sampling: Sampling = LOCAL
 
     @property
     def sigma(self) -> torch.Tensor:
@@ -81,19 +131,32 @@ class BayesianLayer(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = self._op(x, self.masked_weight(), self.bias)
         if not (self.training and self.stochastic):
-            return mean
+            return self._op(x, self.masked_weight(), self.bias)
+        return self.sampling.draw(self, x)
+
+    def variance(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The pre-activations' variance for input x: layer(x^2; sigma^2 * S), of the output ``rows`` only if given."""
         sigma2 = self.sigma**2
+        mask = self.mask if rows is None else self.mask[rows]
         if self.sigma_mode == "layer":
-            var = sigma2 * self._op(x * x, self.mask, None)
-        else:
-            var = self._op(x * x, sigma2 * self.mask, None)
-        # Drawn where the client's generator lives (the CPU, also when the model trains on a GPU): the same
-        # noise on every device.
-        where = self.generator.device if self.generator is not None else mean.device
-        noise = torch.randn(mean.shape, generator=self.generator, dtype=mean.dtype, device=where).to(mean.device)
-        return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noise
+            return sigma2 * self._op(x * x, mask, None)
+        return self._op(x * x, (sigma2 if rows is None else sigma2[rows]) * mask, None)
+
+    def rows_on_support(self) -> torch.Tensor | None:
+        """The output channels with weights on the support, where some have none (None: all, none, or a layer whose
+        channels cannot be computed apart)."""
+        return None
+
+    def noise(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+        """Standard normal draws from the client's generator. They are drawn where the generator lives (the CPU,
+        also when the model trains on a GPU): the same noise on every device."""
+        where = self.generator.device if self.generator is not None else like.device
+        return torch.randn(shape, generator=self.generator, dtype=like.dtype, device=where).to(like.device)
+
+    def channel_shape(self, out: torch.Tensor) -> torch.Size:
+        """The shape of one draw per output channel of ``out``: a dense layer's units are its channels."""
+        return out.shape
 
     def kl(self) -> torch.Tensor:
         """Sum over the support of KL(N(mu, sigma^2) || N(0, sigma_prior^2)) (the KL of E6)."""
@@ -165,6 +228,16 @@ class _BayesConvNd(BayesianLayer):
             return self._conv(F.pad(x, self._pad, mode=self.padding_mode), weight, bias, self.stride, 0,
                               self.dilation, self.groups)
         return self._conv(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def channel_shape(self, out: torch.Tensor) -> torch.Size:
+        # the channel axis comes before the spatial ones, batched or not
+        return out.shape[: out.dim() - self.dims] + (1,) * self.dims
+
+    def rows_on_support(self) -> torch.Tensor | None:
+        if self.groups != 1:  # a grouped convolution's output channels read their own group's inputs
+            return None
+        on = self.mask.flatten(1).any(1)
+        return None if bool(on.all()) or not bool(on.any()) else on.nonzero().flatten()
 
     def extra_repr(self) -> str:
         extra = "" if self.dilation in (1, (1,) * self.dims) else f", dilation={self.dilation}"

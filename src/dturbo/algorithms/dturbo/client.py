@@ -11,7 +11,7 @@ from torch import nn
 
 from ...config import Config
 from ...device import resolve_device
-from ...nn.bayes import bayesian_layers
+from ...nn.bayes import SAMPLINGS, bayesian_layers
 from ...protocol import ClientAlgorithm, MessageError
 from ..base import ClientData, client_generator
 from ..held import ClientSupports
@@ -77,8 +77,9 @@ class DturboClient(ClientAlgorithm):
         layers = bayesian_layers(model)
         starts = self._load(down)
         gen = client_generator(self.cfg.experiment.seed, round_idx, client_id)
+        sampling = SAMPLINGS[self.cfg.dturbo.sampling]
         for _, layer in layers:
-            layer.generator = gen
+            layer.generator, layer.sampling = gen, sampling
         beta = self.cfg.dturbo.beta
         total = down.total_samples
 

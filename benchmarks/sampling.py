@@ -1,0 +1,127 @@
+"""D-Turbo-VBI's local training under ``[dturbo] sampling = "channel"`` against ``"local"``, on the joint protocol.
+
+The joint comparison's chosen D-Turbo-VBI setting (``results/joint.json``'s ``chosen``) runs its 3 seeds again with
+``sampling = "channel"`` alone changed (``runs/sampling/``, curves committed in ``results/sampling_runs/``); the
+``"local"`` runs are the joint campaign's own (``results/joint_runs/``). Not a tuning candidate: the setting stays the
+one the joint rule chose, and the question is what the cheaper sampling costs in accuracy, bits and the rounds'
+shape, seed by seed. The cost per round comes from ``benchmarks/round_time.py`` (``results/round_time.json``).
+Writes ``benchmarks/results/sampling.{json,md}``.
+
+Usage: .venv/bin/python benchmarks/sampling.py [plan|run|report] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import harness as h  # noqa: E402
+
+RESULTS = HERE / "results"
+SAMPLING = "channel"
+
+
+def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
+    """(the joint campaign, this one: its chosen D-Turbo-VBI setting with ``sampling = "channel"``, that label)."""
+    joint = h.load_campaign(HERE / "joint.toml")
+    chosen = json.loads((s.results / "joint.json").read_text())["chosen"]["dturbo"]
+    base = joint.by_label()[chosen]
+    cand = replace(base, label=f"{chosen}_{SAMPLING}", overrides={**base.overrides, "dturbo.sampling": SAMPLING},
+                   note=f"{base.note}; sampling = {SAMPLING}")
+    return joint, h.Campaign("sampling", joint.protocol, [cand]), chosen
+
+
+def jobs(camp: h.Campaign, s: h.Settings) -> list[h.Job]:
+    return [h.plan(h.Job(camp, camp.candidates[0], seed, s)) for seed in camp.seeds]
+
+
+def largest_drop(acc: np.ndarray, after: int = 3) -> float:
+    """The largest fall of test accuracy from one round to the next, among the rounds after round ``after``."""
+    return float(max(0.0, np.max(acc[after - 1:-1] - acc[after:]))) if len(acc) > after else 0.0
+
+
+def row(run: h.Run, t: float) -> dict[str, Any]:
+    m = run.m
+    return {"seed": run.seed, "sampling": run.cfg.dturbo.sampling, "accuracy": run.final_acc,
+            "val_accuracy": run.final_val, "final_density": run.density, "bits_to_t": run.bits_to(t),
+            "total_bits": run.total_bits, "lowest_accuracy": float(np.min(m["accuracy"])),
+            "largest_drop": largest_drop(m["accuracy"]), "round_seconds": float(np.median(m["seconds"])),
+            "curve": run.curve()}
+
+
+def report(s: h.Settings) -> None:
+    joint, camp, chosen = campaigns(s)
+    t = float(json.loads((s.results / "joint.json").read_text())["t"])
+    local = [r for r in h.load_runs(joint, s) if r.cand.label == chosen]
+    channel = h.load_runs(camp, s)
+    if len(channel) < len(camp.seeds):
+        raise h.HarnessError(f"{len(channel)} of {len(camp.seeds)} seeds of {camp.candidates[0].label} are done: "
+                             f"run `benchmarks/sampling.py run` first")
+    rows = [row(r, t) for r in sorted(local + channel, key=lambda r: (r.cfg.dturbo.sampling != "local", r.seed))]
+    by = {name: [r for r in rows if r["sampling"] == name] for name in ("local", SAMPLING)}
+
+    def mean(name: str, key: str) -> float | None:
+        xs = [r[key] for r in by[name]]
+        return None if any(x is None for x in xs) else float(np.mean(xs))
+
+    timing_path = s.results / "round_time.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+    ratios = timing.get("ratio_client_by_sampling", {})
+    summary = {name: {"accuracy": mean(name, "accuracy"), "val_accuracy": mean(name, "val_accuracy"),
+                      "bits_to_t": mean(name, "bits_to_t"), "total_bits": mean(name, "total_bits"),
+                      "largest_drop": max(r["largest_drop"] for r in by[name]),
+                      "seeds_reaching_t": sum(r["bits_to_t"] is not None for r in by[name]),
+                      "ratio_client": ratios.get(name)} for name in by}
+    res = {"setting": chosen, "t": t, "seeds": camp.seeds, "summary": summary,
+           "runs": [{k: v for k, v in r.items()} for r in rows],
+           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
+
+    def mbit(x: float | None) -> str:
+        return "never" if x is None else f"{x / 1e6:.1f}"
+
+    md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` under each `[dturbo] sampling`, on the joint protocol "
+          f"(3 seeds; T = {t:.2%}); local training's cost against FedAvg's from round_time.md.", "",
+          "| sampling | seed | test accuracy | validation accuracy | Mbit to T | total Mbit | lowest round | "
+          "largest drop after round 3 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['sampling']} | {r['seed']} | {r['accuracy']:.2%} | {r['val_accuracy']:.2%} | "
+                  f"{mbit(r['bits_to_t'])} | {r['total_bits'] / 1e6:.1f} | {r['lowest_accuracy']:.2%} | "
+                  f"{r['largest_drop'] * 100:.1f} points |")
+    md += ["", "| sampling | mean test accuracy | mean Mbit to T | seeds reaching T | local training x FedAvg |",
+           "|---|---|---|---|---|"]
+    for name, v in summary.items():
+        ratio = "-" if v["ratio_client"] is None else f"{v['ratio_client']:.2f}x"
+        md.append(f"| {name} | {v['accuracy']:.2%} | {mbit(v['bits_to_t'])} | {v['seeds_reaching_t']} of "
+                  f"{len(camp.seeds)} | {ratio} |")
+    h.write_results(s.results, "sampling", res, "\n".join(md) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("command", nargs="?", default="plan", choices=["plan", "run", "report"])
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
+    args = ap.parse_args(argv)
+    s = h.Settings()
+    _, camp, _ = campaigns(s)
+    if args.command == "plan":
+        h.print_plan(f"{camp.candidates[0].label}, every seed", jobs(camp, s))
+    elif args.command == "run":
+        failed = h.run_jobs(jobs(camp, s), args.jobs)
+        return 1 if failed else 0
+    else:
+        report(s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
