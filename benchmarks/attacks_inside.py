@@ -31,6 +31,7 @@ import logging
 import os
 import platform
 import resource
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -253,18 +254,45 @@ def run_strategy(job: dict[str, Any], cfg: Any, dataset: Any, out: Path) -> dict
                 return oversize(upload) if view().round_idx == 0 and not is_request(downlink) else upload
             return super().rewrite(upload, downlink, view)
 
-    strategy = dflower.DturboStrategy(server_model, algorithm=job["method"], config=plain,
-                                      total_samples=fed.total_samples, fraction_evaluate=0.0)
+    booked: dict[int, Any] = {}  # every round's train metrics, of both starts
+
+    class Recording(dflower.DturboStrategy):
+        def aggregate_train(self, server_round: int, replies: Any) -> Any:
+            arrays, record = super().aggregate_train(server_round, replies)
+            if record is not None:
+                booked[server_round + self.session.done] = record
+            return arrays, record
+
+    def strategy_() -> Any:
+        return Recording(server_model, algorithm=job["method"], config=plain, total_samples=fed.total_samples,
+                         fraction_evaluate=0.0, checkpoint=out / "checkpoint")
+
+    shutil.rmtree(out, ignore_errors=True)
+    strategy = strategy_()
     grid = Grid(app, cfg.federation.clients, cfg, lambda: strategy.session.server, hostile=hostile)
+    half = job["rounds"] // 2
     res: dict[str, Any] = {"stopped": False, "resume_ok": None, "error": None}
+
+    def stop(server_round: int, arrays: Any) -> None:
+        if server_round == half:
+            raise Stop
+
+    # cut after round `half`, then a new strategy on the same nodes continues from its checkpoint (as the simulator
+    # rows resume theirs)
     try:
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=job["rounds"])
-        metrics = result.train_metrics_clientapp
-        res["rounds_done"] = len(metrics)
-        res["clients_rejected"] = int(sum(m.get("clients_rejected", 0) for m in metrics.values()))
-        res["up_bits"] = float(sum(m.get("up_bits", 0) for m in metrics.values()))
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=job["rounds"], evaluate_fn=stop)
+    except Stop:
+        try:
+            strategy = strategy_()
+            rest = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=job["rounds"])
+            res["resume_ok"] = sorted(rest.train_metrics_clientapp) == list(range(half + 1, job["rounds"] + 1))
+        except Exception as err:  # noqa: BLE001 (the benchmark records every failure)
+            res["resume_ok"], res["error"] = False, f"{type(err).__name__}: {err}"
     except Exception as err:  # noqa: BLE001
         res["stopped"], res["error"] = True, f"{type(err).__name__}: {err}"
+    res["rounds_done"] = len(booked)
+    res["clients_rejected"] = int(sum(m.get("clients_rejected", 0) for m in booked.values()))
+    res["up_bits"] = float(sum(m.get("up_bits", 0) for m in booked.values()))
     res["accuracy"] = (float(evaluate(strategy.global_model(), fed.x_test, fed.y_test)[0])
                        if strategy.session is not None else None)
     res["hostile"] = sorted(hostile)

@@ -7,7 +7,8 @@ The protocol and every candidate are data, ``benchmarks/joint.toml``, fixed befo
 1. ``select``: seed 0 of every candidate;
 2. ``seeds``: one setting per method by :data:`RULE` (validation split only), then its seeds 1 and 2;
 3. ``time``: each chosen run's final model exported and timed against the same network dense
-   (``benchmarks/speed.py``); a final model with no zero weight is the dense network (1.0x, nothing to time);
+   (``benchmarks/speed.py``); a final model with no zero weight is the dense network (1.0x, nothing to time), but
+   a narrower network (``model.widths``) is timed against the protocol's network dense;
 4. ``report``: ``results/joint.{json,md}`` and ``docs/results/joint.png``.
 
 Usage: .venv/bin/python benchmarks/joint.py [plan|run|verify|time|report] [--jobs 2] [--stage select|seeds|all]
@@ -38,7 +39,7 @@ NAMES = {"dturbo": "D-Turbo-VBI", "fedavg32": "FedAvg 32-bit", "fedavg16": "FedA
          "narrow_fedavg16": "narrow FedAvg 16-bit", "narrow_stc": "narrow STC"}
 PEERS = ("stc", "feddst", "fedpaq", "dssm", "fedpm", "narrow_fedavg16", "narrow_stc")
 # Methods whose final model has no zero weight by construction (dense weights averaged, or a dense model plus
-# sparse updates): their exported model is the dense network, 1.0x.
+# sparse updates): their exported model is the dense network, 1.0x, unless the network itself is narrower.
 DENSE_FINAL = {"fedavg", "fedpaq", "stc"}
 GOALS = {"points_below_fedavg32": 1.0, "points_below_stc": 0.3, "vs_stc": 0.7, "speedup": 2.5, "axes_won": 2,
          "above_chance": 0.05, "largest_drop": 0.03, "drop_after": 3}
@@ -51,6 +52,16 @@ RULE = (
     "the highest final validation accuracy. Ties go to the candidate listed first in the campaign file. The chosen "
     "setting then runs the protocol's other seeds. Test accuracy is never read by the choice."
 )
+
+
+def narrow(cand: h.Candidate) -> bool:
+    """A dense-from-scratch baseline: a narrower network than the protocol's (``model.widths``)."""
+    return "model.widths" in cand.overrides
+
+
+def dense_final(cand: h.Candidate) -> bool:
+    """The final model is the protocol's network dense: 1.0x by definition, nothing to time."""
+    return cand.algorithm in DENSE_FINAL and not narrow(cand)
 
 
 # ------------------------------------------------------------------------------------------------ choice
@@ -369,7 +380,7 @@ def figure(res: dict[str, Any], path: Path) -> None:
 
 def report(camp: h.Campaign, s: h.Settings, docs: Path) -> dict[str, Any]:
     runs = h.load_runs(camp, s)
-    speed = {f"{r.cand.label}_s{r.seed}": 1.0 for r in runs if r.cand.algorithm in DENSE_FINAL}
+    speed = {f"{r.cand.label}_s{r.seed}": 1.0 for r in runs if dense_final(r.cand)}
     speed_path = s.results / "joint_speed.json"
     if speed_path.exists():
         speed |= {k: v["speedup"] for k, v in json.loads(speed_path.read_text())["runs"].items()}
@@ -403,20 +414,26 @@ def time_chosen(camp: h.Campaign, s: h.Settings, sessions: int = 3) -> dict[str,
     records = dict(old)
     for label in choice.chosen.values():
         cand = by[label]
-        if cand.algorithm in DENSE_FINAL:
+        if dense_final(cand):
             continue
         for seed in camp.seeds:
             name = f"{label}_s{seed}"
             models = s.results / "joint_models" / name
             run_dir = s.runs_root / camp.tag / name
+            # a narrow network against the protocol's network dense: D-Turbo-VBI's seed's dense export
+            dense = (s.results / "joint_models" / f"{choice.chosen['dturbo']}_s{seed}" / "dense" if narrow(cand)
+                     else models / "dense")
             if not (models / "exported").exists():
                 if not (run_dir / "model.safetensors").exists():
                     h.say(f"{name}: no exported model and no run directory; train it first")
                     continue
                 sp.export_run(run_dir, models / "exported")
-                sp.export_run(run_dir, models / "dense", compaction=False)
-            rec = sp.time_pair(models / "exported", models / "dense", x, batches=(3000,), threads=(2,),
-                               sessions=sessions)
+                if not narrow(cand):
+                    sp.export_run(run_dir, dense, compaction=False)
+            if not dense.exists():
+                h.say(f"{name}: no dense network of the protocol's size at {dense}; time D-Turbo-VBI's first")
+                continue
+            rec = sp.time_pair(models / "exported", dense, x, batches=(3000,), threads=(2,), sessions=sessions)
             records[name] = {k: rec[k] for k in ("speedup", "speedup_sessions", "speedup_eager")}
             h.say(f"{name}: {rec['speedup']:.2f}x (sessions {rec['speedup_sessions']})")
     out = {"machine": sp.machine(allocator), "timing": {"samples": 3000, "batch": 3000, "threads": 2,

@@ -109,6 +109,9 @@ def test_config_that_is_not_toml_names_the_file(tmp_path, uint8_npz):
     ({"dturbo": {"prior": {"conv": {"tie_rows": "nope"}}}}, "dturbo.prior.conv.tie_rows",  # a union: both members
      "valid boolean, or input should be 'without_batchnorm' (got 'nope')"),
     ({"model": {"hidden": ["8"]}}, "model.hidden.0", "valid integer"),
+    ({"model": {"widths": [3, 8, 16]}}, "model.widths", "widths must be 6 sizes of 1 to 65536"),
+    ({"model": {"widths": [3, 8, 16, 0, 120, 84]}}, "model.widths", "alexnet-small's are [6, 16, 32, 64, 120, 84]"),
+    ({"model": {"name": "mlp", "widths": [3, 8, 16, 16, 120, 84]}}, "model", "takes hidden (mlp)"),
 ])
 def test_values_must_have_their_declared_types(data, key, expected):
     with pytest.raises(ConfigError) as err:

@@ -156,3 +156,14 @@ def test_channel_sampling_of_grouped_unbatched_and_dense_layers_has_q_s_moments(
     dense.sampling, dense.generator = SAMPLINGS["channel"], torch.Generator().manual_seed(0)
     y = torch.stack([dense(torch.ones(2, 5)).detach() for _ in range(4000)])
     assert float((y[:, 0] - y[:, 1]).abs().max()) > 0  # a dense layer's units draw apart, sample by sample
+
+
+def test_alexnet_small_takes_its_layer_widths():
+    """model.widths: a narrower alexnet-small (a pruned run's exported architecture, trained dense)."""
+    model = build_model("alexnet-small", (1, 28, 28), 10, widths=(3, 8, 16, 16, 119, 83))
+    shapes = {n: tuple(m.weight_mu.shape) for n, m in model.named_modules() if hasattr(m, "weight_mu")}
+    assert shapes == {"conv1": (3, 1, 7, 7), "conv2": (8, 3, 5, 5), "conv3": (16, 8, 3, 3), "conv4": (16, 16, 3, 3),
+                      "dense1": (119, 16 * 2 * 2), "dense2": (83, 119), "dense3": (10, 83)}
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    full = build_model("alexnet-small", (1, 28, 28), 10)
+    assert tuple(full.conv4.weight_mu.shape) == (64, 32, 3, 3) and tuple(full.dense2.weight_mu.shape) == (84, 120)

@@ -25,6 +25,7 @@ from flwr.serverapp import ServerApp  # noqa: E402
 import dturbo  # noqa: E402
 import dturbo.flower as dflower  # noqa: E402
 from dturbo.algorithms.base import ClientData  # noqa: E402
+from dturbo.checkpoint import CheckpointError  # noqa: E402
 from dturbo.config import Config, ConfigError  # noqa: E402
 from dturbo.data import dataset_from_arrays  # noqa: E402
 from dturbo.federation import Federation, build_federation  # noqa: E402
@@ -266,6 +267,65 @@ def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str, net: type[nn
         b for kind, b in sent if kind == "down")
     assert sum(m["up_bits"] for m in result.train_metrics_clientapp.values()) == 8 * sum(
         b for kind, b in sent if kind == "up")
+
+
+class _Cut(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("algorithm", "net"), [("dturbo", TinyNet), ("stc", TinyNet), ("dturbo", BnNet)])
+def test_a_strategy_started_again_from_its_checkpoint_equals_an_uninterrupted_run(
+        tmp_path: Path, algorithm: str, net: type[nn.Module]) -> None:
+    """checkpoint=: a run cut after round 2 and started again with the same folder, settings and nodes continues
+    with round 3 and ends as a run never cut: the same bits and metrics every round, the same final model."""
+    cfg_dict = runner_config(algorithm, rounds=4)
+    fed = federation(cfg_dict)
+
+    def grid() -> InProcessGrid:
+        return InProcessGrid(user_client_app(lambda pid: fed.clients[pid], net=net), CLIENTS,
+                             intercept=lambda pid, msg: client_module._CACHE.clear())
+
+    def strategy(folder: Path) -> dflower.DturboStrategy:
+        return dflower.DturboStrategy(net, algorithm=algorithm, config=cfg_dict, fraction_evaluate=0.0,
+                                      checkpoint=folder)
+
+    whole = strategy(tmp_path / "whole")
+    full = whole.start(grid=grid(), initial_arrays=ArrayRecord(), num_rounds=4)
+
+    def cut(server_round: int, arrays: ArrayRecord) -> None:
+        if server_round == 2:
+            raise _Cut
+
+    nodes = grid()  # the nodes live on: their client state (STC's residuals, D-Turbo-VBI's supports) with them
+    with pytest.raises(_Cut):
+        strategy(tmp_path / "cut").start(grid=nodes, initial_arrays=ArrayRecord(), num_rounds=4, evaluate_fn=cut)
+    seen: list[int] = []
+    again = strategy(tmp_path / "cut")
+    rest = again.start(grid=nodes, initial_arrays=ArrayRecord(), num_rounds=4,
+                       evaluate_fn=lambda r, arrays: seen.append(r))
+    assert sorted(rest.train_metrics_clientapp) == [3, 4] and seen == [2, 3, 4]
+    for rnd in (3, 4):
+        a, b = full.train_metrics_clientapp[rnd], rest.train_metrics_clientapp[rnd]
+        for key in ("density", "up_bits", "down_bits", "cum_bits", "clients_ok",
+                    *(["calibration_bits"] if net is BnNet else [])):
+            assert a[key] == b[key], (rnd, key)
+    final, expected = again.global_model().state_dict(), whole.global_model().state_dict()
+    assert all(torch.equal(final[k], v) for k, v in expected.items())
+    assert rest.arrays.to_torch_state_dict().keys() == final.keys()
+
+
+def test_a_checkpoint_of_other_settings_is_refused_and_kept(tmp_path: Path) -> None:
+    cfg_dict = runner_config("dturbo", rounds=2)
+    fed = federation(cfg_dict)
+    nodes = InProcessGrid(user_client_app(lambda pid: fed.clients[pid]), CLIENTS)
+    dflower.DturboStrategy(TinyNet, config=cfg_dict, fraction_evaluate=0.0, checkpoint=tmp_path).start(
+        grid=nodes, initial_arrays=ArrayRecord(), num_rounds=1)
+    saved = (tmp_path / "state.safetensors").read_bytes()
+    other = dflower.DturboStrategy(TinyNet, config=cfg_dict, fraction_evaluate=0.0, checkpoint=tmp_path,
+                                   overrides={"train.lr": 0.02})
+    with pytest.raises(CheckpointError, match="another configuration"):
+        other.start(grid=nodes, initial_arrays=ArrayRecord(), num_rounds=2)
+    assert (tmp_path / "state.safetensors").read_bytes() == saved
 
 
 # ---------------------------------------------------------------------------------------------- clients

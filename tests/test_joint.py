@@ -268,8 +268,26 @@ def test_campaign_file_keeps_the_budget(mods):
     h, _ = mods
     camp = h.load_campaign(Path(__file__).resolve().parents[1] / "benchmarks" / "joint.toml")
     counts = {m: sum(c.method == m for c in camp.candidates) for m in camp.methods()}
-    assert set(counts) == {"fedavg16", "fedavg32", "fedpaq", "stc", "feddst", "dturbo"}
+    assert set(counts) == {"fedavg16", "fedavg32", "fedpaq", "stc", "feddst", "dturbo", "narrow_fedavg16",
+                           "narrow_stc"}
     assert all(n <= camp.protocol["budget"] for n in counts.values())
+
+
+def test_narrow_baselines_train_the_exported_architecture_and_are_timed(mods):
+    """The dense-from-scratch rows: D-Turbo-VBI's exported architecture (seed 0's export, committed) in
+    model.widths, timed against the protocol's network dense (not 1.0x by definition as full-size FedAvg and STC)."""
+    h, joint = mods
+    root = Path(__file__).resolve().parents[1]
+    camp = h.load_campaign(root / "benchmarks" / "joint.toml")
+    chosen = json.loads((root / "benchmarks" / "results" / "joint.json").read_text())["chosen"]["dturbo"]
+    export = json.loads((root / "benchmarks" / "results" / "joint_models" / f"{chosen}_s0" / "exported" /
+                         "model.json").read_text())
+    widths = [op.get("out_channels", op.get("out_features")) for op in export["ops"]
+              if op["type"] in ("conv2d", "linear")][:-1]
+    narrow = [c for c in camp.candidates if c.method.startswith("narrow_")]
+    assert narrow and all(c.overrides["model.widths"] == widths for c in narrow)
+    assert all(joint.narrow(c) and not joint.dense_final(c) for c in narrow)
+    assert joint.dense_final(camp.by_label()["fedavg16_lr3e-3_cos"]) and not joint.dense_final(camp.by_label()[chosen])
 
 
 def test_verify_trains_the_first_rounds_again_and_finds_a_changed_value(mods, tmp_path, make_toy):

@@ -212,6 +212,20 @@ def run_counters(path: Path, counters: Any) -> dict[str, Any]:
     return counters
 
 
+def check_state(state: dict[str, Any], fresh: dict[str, Any], folder: Path) -> None:
+    """CheckpointError unless the checkpointed ``state`` holds the arrays of ``fresh`` (a new run's initial state on
+    the same model): the same keys, each of the same dtype and shape."""
+    if set(state) != set(fresh):
+        raise CheckpointError(f"checkpoint in {folder} does not match the model; left untouched")
+    odd = [k for k, v in fresh.items() if np.shape(state[k]) != np.shape(v)
+           or np.asarray(state[k]).dtype != np.asarray(v).dtype]
+    if odd:
+        k = odd[0]
+        raise CheckpointError(
+            f"checkpoint in {folder} does not match the model: {k!r} is {np.asarray(state[k]).dtype} "
+            f"{np.shape(state[k])}, the model's is {np.asarray(fresh[k]).dtype} {np.shape(fresh[k])}; left untouched")
+
+
 def load_checkpoint(folder: Path, *, unverified: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(state, counters) of the checkpoint in ``folder``; :class:`CheckpointError` if it is missing, unreadable
     or corrupted (it does not match the checksum saved with it: its tensors, or its header's names, dtypes, shapes

@@ -121,6 +121,7 @@ class FaultsConfig(_Section):
 
 
 MAX_HIDDEN = 65536  # the widest hidden layer of the mlp
+ALEXNET_WIDTHS = (6, 16, 32, 64, 120, 84)  # alexnet-small's conv1-4 and dense1-2
 
 
 class RobustConfig(_Section):
@@ -155,6 +156,24 @@ class ModelConfig(_Section):
         "alexnet-small", description="custom: a model given to dturbo.Experiment(model=...), not built from the config")
     hidden: list[int] = Field(default_factory=lambda: [200, 100], description="mlp only; each size at most 65536")
     width: float = Field(1.0, gt=0, le=4, description="mobilenet-v1 width multiplier")
+    widths: list[int] | None = Field(None, description=(
+        "alexnet-small only: the widths of conv1-4 and dense1-2 (None: 6, 16, 32, 64, 120, 84), e.g. a pruned "
+        "run's exported architecture, to train it dense"))
+
+    @field_validator("widths")
+    @classmethod
+    def _six_widths(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != len(ALEXNET_WIDTHS) or any(not 1 <= w <= MAX_HIDDEN for w in v)):
+            raise ValueError(f"widths must be {len(ALEXNET_WIDTHS)} sizes of 1 to {MAX_HIDDEN} (conv1-4, dense1-2; "
+                             f"alexnet-small's are {list(ALEXNET_WIDTHS)}), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _widths_of_alexnet(self) -> ModelConfig:
+        if self.widths is not None and self.name != "alexnet-small":
+            raise ValueError(f"widths sets alexnet-small's layers; model {self.name!r} takes hidden (mlp) or width "
+                             f"(mobilenet-v1)")
+        return self
 
     @field_validator("hidden")
     @classmethod

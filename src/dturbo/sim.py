@@ -25,7 +25,7 @@ from torch import nn
 
 from .algorithms.registry import ALGORITHMS, ModelFactory, build_algorithm
 from .algorithms.statistics import Statistics, calibrate
-from .checkpoint import CheckpointError, config_fingerprint, data_fingerprint
+from .checkpoint import CheckpointError, check_state, config_fingerprint, data_fingerprint
 from .config import Config
 from .data import Dataset
 from .device import CPU, resolve_device
@@ -296,18 +296,7 @@ class Simulator:
         state, counters = self.run_dir.checkpoint_to_resume(self.fingerprint, self.cfg, self.data_fingerprint,
                                                             unverified=self.unverified)
         state = self._restore_client_state(state)
-        fresh = self.server.init()
-        if set(state) != set(fresh):
-            raise CheckpointError(f"checkpoint in {self.run_dir.checkpoint_dir} does not match the model; left "
-                                  f"untouched")
-        odd = [k for k, v in fresh.items() if np.shape(state[k]) != np.shape(v)
-               or np.asarray(state[k]).dtype != np.asarray(v).dtype]
-        if odd:
-            k = odd[0]
-            raise CheckpointError(
-                f"checkpoint in {self.run_dir.checkpoint_dir} does not match the model: {k!r} is "
-                f"{np.asarray(state[k]).dtype} {np.shape(state[k])}, the model's is {np.asarray(fresh[k]).dtype} "
-                f"{np.shape(fresh[k])}; left untouched")
+        check_state(state, self.server.init(), self.run_dir.checkpoint_dir)
         done = int(counters["rounds_done"])
         return state, done, float(counters["cum_bits"]), self.run_dir.rewind(done)
 

@@ -106,7 +106,7 @@ def model_factory(cfg: Config, input_shape: Sequence[int], num_classes: int) -> 
 
     def make() -> nn.Module:
         return models.build_model(cfg.model.name, shape, num_classes, hidden=cfg.model.hidden, width=cfg.model.width,
-                                  seed=cfg.experiment.seed, **options)
+                                  widths=cfg.model.widths, seed=cfg.experiment.seed, **options)
 
     return make
 

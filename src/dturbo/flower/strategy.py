@@ -38,6 +38,11 @@ noise, and keys its private state): the ``partition-id`` its query answer names 
 dturbo's seeded selection (``federation.clients_per_round`` = max(int(N * fraction_train), min_train_nodes), all of
 them when that reaches N) picks the clients, so a run is reproducible. A node that fails, answers with an error or
 does not answer within ``timeout`` counts as failed / dropped for the round, which goes on with the others.
+
+Restarts: with ``checkpoint=FOLDER`` the strategy saves the server's state after every round (the runner's
+checkpoint format, its checksum over the whole file); a strategy started again with the same folder, settings and
+nodes continues from the round after the last one saved, as ``dturbo run --resume`` does. The clients' own state
+stays on their nodes.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -61,6 +67,15 @@ from torch import nn
 from .. import rounds
 from ..algorithms.base import ServerAlgorithm, State
 from ..algorithms.statistics import Statistics, calibrate
+from ..checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    check_state,
+    config_fingerprint,
+    load_checkpoint,
+    run_counters,
+    save_checkpoint,
+)
 from ..config import Config, ConfigError
 from ..ledger import Traffic
 from ..settings import load_config
@@ -100,6 +115,7 @@ class _Session:
     statistics: Statistics | None = None  # the model's BatchNorm layers, when their statistics are calibrated
     pending: _Pending | None = None
     eval_sent: list[tuple[Message, int]] = field(default_factory=list)
+    done: int = 0  # rounds of an earlier start, continued from the checkpoint: Flower's round r is round done + r
 
     @property
     def client_of(self) -> dict[int, int]:
@@ -129,6 +145,8 @@ class DturboStrategy(Strategy):
         weighted_by_key: the MetricRecord key that weighs the clients' metrics.
         train_metrics_aggr_fn, evaluate_metrics_aggr_fn: as Flower's FedAvg's (default: the weighted mean).
         query_timeout: seconds the query for the sample counts waits for answers.
+        checkpoint: a folder for the server's state after every round; a checkpoint there is continued from
+            (module docstring). None: nothing is saved.
         **settings: keys of the algorithm's config section (``[dturbo]``, ``[stc]``, ``[feddst]``).
 
     Raises :class:`dturbo.ConfigError` for an unknown key or a bad value, at once.
@@ -141,7 +159,7 @@ class DturboStrategy(Strategy):
                  weighted_by_key: str = protocol.NUM_EXAMPLES,
                  train_metrics_aggr_fn: MetricsAggregation | None = None,
                  evaluate_metrics_aggr_fn: MetricsAggregation | None = None, query_timeout: float = 120.0,
-                 **settings: Any) -> None:
+                 checkpoint: str | Path | None = None, **settings: Any) -> None:
         if algorithm not in (known := protocol.algorithms()):
             raise ValueError(f"algorithm {algorithm!r}: the strategy runs {', '.join(known)}")
         if not (isinstance(model, nn.Module) or callable(model)):
@@ -165,6 +183,7 @@ class DturboStrategy(Strategy):
         self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
         self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metricrecords
         self.query_timeout = query_timeout
+        self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.session: _Session | None = None
 
     # ----------------------------------------------------------------------------------- configuration
@@ -223,13 +242,47 @@ class DturboStrategy(Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Run ``num_rounds`` rounds on ``grid`` (Flower's ``Strategy.start``, after :meth:`setup`). The arrays it
-        passes to ``evaluate_fn`` and returns in ``Result.arrays`` are the global model's ``state_dict()``; the
-        train MetricRecords hold the server's metrics and the round's bits (dturbo's ledger and Flower's bytes)."""
+        """Run ``num_rounds`` rounds on ``grid`` (Flower's ``Strategy.start``, after :meth:`setup`), or those left
+        after the rounds of ``checkpoint``. The arrays it passes to ``evaluate_fn`` and returns in ``Result.arrays``
+        are the global model's ``state_dict()``; the train MetricRecords hold the server's metrics and the round's
+        bits (dturbo's ledger and Flower's bytes). ``Result``'s rounds are the run's (a continued run's first is
+        the one after the checkpoint's)."""
         self.setup(grid, initial_arrays, num_rounds)
-        self._need_session().timeout = timeout
-        return super().start(grid, self.global_arrays(), num_rounds, timeout, train_config, evaluate_config,
-                             evaluate_fn)
+        run = self._need_session()
+        run.timeout = timeout
+        done = run.done = self._continue(run)
+        shifted = None if evaluate_fn is None else (lambda r, arrays: evaluate_fn(r + done, arrays))
+        result = super().start(grid, self.global_arrays(), num_rounds - done, timeout, train_config,
+                               evaluate_config, shifted)
+        if done:
+            result.arrays = self.global_arrays()
+            for name in ("train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp"):
+                setattr(result, name, {r + done: m for r, m in getattr(result, name).items()})
+        return result
+
+    def _continue(self, run: _Session) -> int:
+        """The rounds done by the checkpoint in ``checkpoint`` (0: none there), its state and bits put into
+        ``run``; CheckpointError when it is corrupt, of another configuration or model, or beyond the run."""
+        if self.checkpoint is None or not (self.checkpoint / STATE_FILE).exists():
+            return 0
+        state, counters = load_checkpoint(self.checkpoint)
+        counters = run_counters(self.checkpoint / STATE_FILE, counters)
+        if counters["fingerprint"] != config_fingerprint(run.cfg.to_dict()):
+            raise CheckpointError(f"checkpoint in {self.checkpoint} belongs to another configuration (the strategy's "
+                                  f"settings, or the number of nodes); it was left untouched")
+        check_state(state, run.state, self.checkpoint)
+        done = int(counters["rounds_done"])
+        if done > run.cfg.experiment.rounds:
+            raise CheckpointError(f"checkpoint in {self.checkpoint} holds {done} rounds, more than num_rounds = "
+                                  f"{run.cfg.experiment.rounds}; it was left untouched")
+        run.state, run.cum_bits = dict(state), int(counters["cum_bits"])
+        log.info("dturbo: continuing from the checkpoint of round %d in %s", done, self.checkpoint)
+        return done
+
+    def _save(self, run: _Session, server_round: int) -> None:
+        if self.checkpoint is not None:
+            save_checkpoint(self.checkpoint, run.state, {"rounds_done": server_round, "cum_bits": run.cum_bits,
+                                                         "fingerprint": config_fingerprint(run.cfg.to_dict())})
 
     def setup(self, grid: Grid, initial_arrays: ArrayRecord | None, num_rounds: int) -> None:
         """Fix the federation (the connected nodes, their client ids and n), the configuration and the server's
@@ -337,6 +390,7 @@ class DturboStrategy(Strategy):
         """The train messages of round ``server_round`` (1-based): dturbo's seeded selection, each selected client's
         coded downlink of the current global model. ``arrays`` is not sent (it is that model's state_dict)."""
         run = self._need_session()
+        server_round += run.done
         run.pending = None
         if self.fraction_train == 0.0:
             return []
@@ -393,6 +447,7 @@ class DturboStrategy(Strategy):
         (``on_too_few = "retry"``); the new global model's state_dict with the round's metrics. Raises
         :class:`dturbo.rounds.TooFewClientsError` when the round cannot be completed."""
         run = self._need_session()
+        server_round += run.done
         pending = run.pending
         if pending is None or pending.server_round != server_round:
             return None, None
@@ -431,6 +486,7 @@ class DturboStrategy(Strategy):
             run.state = self._calibrate(server_round, traffic)
             metrics["calibration_bits"] = traffic.calibration_bits
         run.cum_bits += traffic.up_bits + traffic.down_bits
+        self._save(run, server_round)
         metrics |= {"up_bits": traffic.up_bits, "down_bits": traffic.down_bits, "cum_bits": run.cum_bits,
                     **traffic.parts,
                     "flower_down_bytes": sum(protocol.message_bytes(m.content) for m in messages),
@@ -484,6 +540,7 @@ class DturboStrategy(Strategy):
         """Evaluate messages to max(int(N * fraction_evaluate), min_evaluate_nodes) of the connected clients (a
         seeded choice), each carrying :meth:`evaluation_downlink`."""
         run = self._need_session()
+        server_round += run.done
         run.eval_sent = []
         if self.fraction_evaluate == 0.0:
             return []

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from ..config import ALEXNET_WIDTHS, ConfigError
 from .bayes import BayesConv1d, BayesConv2d, BayesianLayer, BayesLinear, SigmaMode, bayesian_layers, softplus_inverse
 
 MODEL_NAMES = ("alexnet-small", "lenet5", "mlp", "mobilenet-v1")
@@ -192,24 +192,27 @@ def check_input_shape(model: nn.Module, input_shape: Sequence[int], model_name: 
             f"layer must have {num_classes} outputs")
 
 
-def alexnet_small(input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode) -> nn.Sequential:
+def alexnet_small(input_shape: Sequence[int], num_classes: int, sigma_mode: SigmaMode,
+                  widths: Sequence[int] = ALEXNET_WIDTHS) -> nn.Sequential:
     """The reference demo's "downsized AlexNet", channels-first: 'same' convolutions, 3/2 max-pooling
     without padding (as TF's default 'valid' pooling), leaky ReLU(0.1) after every layer but the last.
-    32x32x3 input gives the paper's 576 -> 120 dense layer; 28x28x1 gives 256 -> 120."""
+    32x32x3 input gives the paper's 576 -> 120 dense layer; 28x28x1 gives 256 -> 120. ``widths``: conv1-4's
+    channels and dense1-2's units."""
     c = int(input_shape[0])
+    c1, c2, c3, c4, d1, d2 = (int(w) for w in widths)
     kw = {"sigma_mode": sigma_mode}
     feats = OrderedDict(
-        conv1=BayesConv2d(c, 6, 7, padding=3, **kw), act1=_act(), pool1=nn.MaxPool2d(3, 2),
-        conv2=BayesConv2d(6, 16, 5, padding=2, **kw), act2=_act(), pool2=nn.MaxPool2d(3, 2),
-        conv3=BayesConv2d(16, 32, 3, padding=1, **kw), act3=_act(),
-        conv4=BayesConv2d(32, 64, 3, padding=1, **kw), act4=_act(), pool4=nn.MaxPool2d(3, 2),
+        conv1=BayesConv2d(c, c1, 7, padding=3, **kw), act1=_act(), pool1=nn.MaxPool2d(3, 2),
+        conv2=BayesConv2d(c1, c2, 5, padding=2, **kw), act2=_act(), pool2=nn.MaxPool2d(3, 2),
+        conv3=BayesConv2d(c2, c3, 3, padding=1, **kw), act3=_act(),
+        conv4=BayesConv2d(c3, c4, 3, padding=1, **kw), act4=_act(), pool4=nn.MaxPool2d(3, 2),
         flatten=nn.Flatten(),
     )
     flat = _flat_size(nn.Sequential(feats), input_shape, "alexnet-small")
     feats.update(
-        dense1=BayesLinear(flat, 120, **kw), act5=_act(),
-        dense2=BayesLinear(120, 84, **kw), act6=_act(),
-        dense3=BayesLinear(84, num_classes, **kw),
+        dense1=BayesLinear(flat, d1, **kw), act5=_act(),
+        dense2=BayesLinear(d1, d2, **kw), act6=_act(),
+        dense3=BayesLinear(d2, num_classes, **kw),
     )
     return nn.Sequential(feats)
 
@@ -291,6 +294,7 @@ def build_model(
     sigma_init_ratio: float = 0.1,
     hidden: Sequence[int] = (200, 100),
     width: float = 1.0,
+    widths: Sequence[int] | None = None,
     seed: int = 0,
 ) -> nn.Sequential:
     """Build a model with seeded initialisation. Each layer's sigma starts at
@@ -298,13 +302,14 @@ def build_model(
 
     ``sigma_mode``: "layer" (one sigma per layer, the default), "weight" (one per weight), or "client"
     (the paper's single sigma shared by every layer: one Parameter tied across layers, started at
-    ``sigma_init_ratio`` times the mean of the layers' weight std). ``width``: MobileNet's width multiplier."""
+    ``sigma_init_ratio`` times the mean of the layers' weight std). ``width``: MobileNet's width multiplier;
+    ``widths``: alexnet-small's layer widths."""
     if name != "mlp" and len(input_shape) != 3:
         raise ValueError(f"model {name!r} needs image input (C, H, W), got input shape {tuple(input_shape)}")
     torch.manual_seed(seed)
     layer_mode: SigmaMode = "layer" if sigma_mode == "client" else sigma_mode
     if name == "alexnet-small":
-        model = alexnet_small(input_shape, num_classes, layer_mode)
+        model = alexnet_small(input_shape, num_classes, layer_mode, widths or ALEXNET_WIDTHS)
     elif name == "lenet5":
         model = lenet5(input_shape, num_classes, layer_mode)
     elif name == "mlp":
