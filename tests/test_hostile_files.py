@@ -241,3 +241,15 @@ def test_a_model_too_big_for_memory_is_a_config_error_with_its_size(toy, monkeyp
     with pytest.raises(ConfigError, match=r"4,296,146,951 parameters: a run needs about 320\.1 GiB .* 16\.0 GiB"):
         Simulator(cfg, Path("never-written"))
     assert not Path("never-written").exists()
+
+
+def test_the_later_keys_a_checkpoint_fingerprint_leaves_out_hold_their_sections_defaults():
+    """checkpoint.LATER_METHOD_DEFAULTS: a run written before such a key resumes only if the table holds the key's
+    real default."""
+    from dturbo.checkpoint import LATER_METHOD_DEFAULTS, config_fingerprint
+
+    cfg = parse_config({}).to_dict()
+    for (section, key), default in LATER_METHOD_DEFAULTS.items():
+        assert cfg[section][key] == default, (section, key)
+        older = {**cfg, section: {k: v for k, v in cfg[section].items() if k != key}}
+        assert config_fingerprint(older) == config_fingerprint(cfg)

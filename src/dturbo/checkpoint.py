@@ -112,16 +112,34 @@ def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
     return out
 
 
+# Keys of a method's section that came after the first checkpoints, with their defaults (the sections belong to
+# their methods, which this floor does not import; tests/test_hostile_files.py holds them to the sections' defaults).
+LATER_METHOD_DEFAULTS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local"}
+
+
+def continued(folder: Path, fingerprint: str, fresh: dict[str, Any]) -> tuple[dict[str, np.ndarray], int, float] | None:
+    """(state, rounds done, cumulative bits) of the checkpoint in ``folder``, checked against the configuration's
+    ``fingerprint`` and a fresh state of the model (:func:`check_state`); None when ``folder`` holds none;
+    CheckpointError naming the problem (nothing is modified)."""
+    if not (folder / STATE_FILE).exists():
+        return None
+    state, counters = load_checkpoint(folder)
+    counters = run_counters(folder / STATE_FILE, counters)
+    if counters["fingerprint"] != fingerprint:
+        raise CheckpointError(f"checkpoint in {folder} belongs to another configuration; it was left untouched")
+    check_state(state, fresh, folder)
+    return state, int(counters["rounds_done"]), float(counters["cum_bits"])
+
+
 def _drop_later_defaults(data: dict[str, Any]) -> None:
     """Leave out the keys that came after the first checkpoints while they hold their defaults (the plain mean, no
     attackers), so that a run written before them still resumes."""
-    from .algorithms.dturbo.config import DturboConfig
     from .config import FaultsConfig, RobustConfig
 
     if data.get("robust") == RobustConfig().model_dump(mode="json", exclude_none=True):
         data.pop("robust")
     later = {("faults", "attackers"): FaultsConfig().attackers, ("faults", "attack"): FaultsConfig().attack,
-             ("dturbo", "sampling"): DturboConfig().sampling}
+             **LATER_METHOD_DEFAULTS}
     for (section, key), default in later.items():
         if (part := data.get(section, {})).get(key, default) == default:
             part.pop(key, None)

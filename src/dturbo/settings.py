@@ -56,3 +56,14 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | Config | No
     else:
         raise ConfigError(f"a config is a TOML file path, a dict or a dturbo.Config, not {type(source).__name__}")
     return parse_config(apply_overrides(data, overrides or []))
+
+
+def merged(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra``'s keys set, sub-tables merged key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = dict(value) if isinstance(value, Mapping) else value
+    return out

@@ -33,6 +33,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
@@ -164,3 +165,14 @@ def message_bytes(content: RecordDict) -> int:
     """The bytes of a Message's content as Flower counts them (``flwr.clientapp.mod.message_size_mod``: the sum of
     every record's ``count_bytes()``)."""
     return int(sum(record.count_bytes() for record in content.values()))
+
+
+def metric_number(value: Any) -> int | float | None:
+    """A metric as a MetricRecord takes it (a Python int or float), None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating):
+        return float(value)
+    return None

@@ -67,18 +67,10 @@ from torch import nn
 from .. import rounds
 from ..algorithms.base import ServerAlgorithm, State
 from ..algorithms.statistics import Statistics, calibrate
-from ..checkpoint import (
-    STATE_FILE,
-    CheckpointError,
-    check_state,
-    config_fingerprint,
-    load_checkpoint,
-    run_counters,
-    save_checkpoint,
-)
+from ..checkpoint import CheckpointError, config_fingerprint, continued, save_checkpoint
 from ..config import Config, ConfigError
 from ..ledger import Traffic
-from ..settings import load_config
+from ..settings import load_config, merged
 from ..transport import Reply
 from . import protocol, wire
 from .client import bayesian_model
@@ -202,7 +194,7 @@ class DturboStrategy(Strategy):
             raise ConfigError(f"{where} is for experiment.algorithm = {cfg.experiment.algorithm!r}, this strategy "
                               f"runs {self.algorithm!r}")
         data = cfg.to_dict()
-        data[self.algorithm] = _merge(data.get(self.algorithm, {}), settings)
+        data[self.algorithm] = merged(data.get(self.algorithm, {}), settings)
         return load_config(data, overrides)
 
     def config_for(self, num_rounds: int, clients: int) -> Config:
@@ -263,19 +255,15 @@ class DturboStrategy(Strategy):
     def _continue(self, run: _Session) -> int:
         """The rounds done by the checkpoint in ``checkpoint`` (0: none there), its state and bits put into
         ``run``; CheckpointError when it is corrupt, of another configuration or model, or beyond the run."""
-        if self.checkpoint is None or not (self.checkpoint / STATE_FILE).exists():
+        found = None if self.checkpoint is None else continued(self.checkpoint, config_fingerprint(run.cfg.to_dict()),
+                                                                run.state)
+        if found is None:
             return 0
-        state, counters = load_checkpoint(self.checkpoint)
-        counters = run_counters(self.checkpoint / STATE_FILE, counters)
-        if counters["fingerprint"] != config_fingerprint(run.cfg.to_dict()):
-            raise CheckpointError(f"checkpoint in {self.checkpoint} belongs to another configuration (the strategy's "
-                                  f"settings, or the number of nodes); it was left untouched")
-        check_state(state, run.state, self.checkpoint)
-        done = int(counters["rounds_done"])
+        run.state, done, cum_bits = found
         if done > run.cfg.experiment.rounds:
             raise CheckpointError(f"checkpoint in {self.checkpoint} holds {done} rounds, more than num_rounds = "
                                   f"{run.cfg.experiment.rounds}; it was left untouched")
-        run.state, run.cum_bits = dict(state), int(counters["cum_bits"])
+        run.cum_bits = int(cum_bits)
         log.info("dturbo: continuing from the checkpoint of round %d in %s", done, self.checkpoint)
         return done
 
@@ -491,7 +479,7 @@ class DturboStrategy(Strategy):
                     **traffic.parts,
                     "flower_down_bytes": sum(protocol.message_bytes(m.content) for m in messages),
                     "flower_up_bytes": sum(protocol.message_bytes(r.content) for r in replied if not r.has_error())}
-        record = MetricRecord({k: _number(v) for k, v in metrics.items() if _number(v) is not None})
+        record = MetricRecord({k: n for k, v in metrics.items() if (n := protocol.metric_number(v)) is not None})
         contents = [reply.content for cid, reply in matched.items() if isinstance(first.replies[cid], bytes)]
         try:
             if contents:
@@ -602,25 +590,3 @@ class FedDST(DturboStrategy):
 
     def __init__(self, model: ModelSource, **kwargs: Any) -> None:
         super().__init__(model, algorithm="feddst", **kwargs)
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with ``extra``'s keys set, sub-tables merged key by key."""
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = dict(value) if isinstance(value, Mapping) else value
-    return out
-
-
-def _number(value: Any) -> int | float | None:
-    """A metric as MetricRecord takes it (Python int or float), None for anything else."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | np.integer):
-        return int(value)
-    if isinstance(value, float | np.floating):
-        return float(value)
-    return None
