@@ -130,12 +130,13 @@ def seed_jobs(camp: h.Campaign, s: h.Settings, index: h.RunIndex) -> list[h.Job]
 
 # ------------------------------------------------------------------------------------------------- report
 @cache
-def params(model: str, dataset: str) -> int:
-    """Weights and biases of a built-in model (sigma and the other variational parameters are not its parameters)."""
+def params(model: str, dataset: str, widths: tuple[int, ...] | None = None) -> int:
+    """Weights and biases of a built-in model (sigma and the other variational parameters are not its parameters),
+    of ``widths`` (``model.widths``) when given."""
     from dturbo.nn.models import build_model
 
     shape, classes = h.SHAPES[dataset]
-    net = build_model(model, shape, classes)
+    net = build_model(model, shape, classes, widths=widths)
     return sum(p.numel() for n, p in net.named_parameters() if n.endswith(("weight_mu", "bias")))
 
 
@@ -159,12 +160,16 @@ def line(method: str, runs: list[h.Run], t: float, speed: dict[str, float], n_pa
     """One method's chosen setting over its seeds: accuracy, nonzeros, bits to T (None unless every seed reaches
     it), total bits, steady bits per parameter per round up and down, speedup (each seed's own model)."""
     to_t = [r.bits_to(t) for r in runs]
+    cfg = runs[0].cfg
+    # a narrow network's nonzero weights as a share of the protocol's network, as every other row's
+    widths = None if cfg.model.widths is None else tuple(cfg.model.widths)
+    share = 1.0 if widths is None else params(cfg.model.name, cfg.data.name, widths) / n_params
     return {
         "method": method, "name": NAMES.get(method, method), "setting": runs[0].cand.label,
         "note": runs[0].cand.note, "seeds": [r.seed for r in runs],
         "accuracy": _mean([r.final_acc for r in runs]), "accuracy_std": _std([r.final_acc for r in runs]),
         "val_accuracy": _mean([r.final_val for r in runs]),
-        "density": _mean([r.density for r in runs]),
+        "density": _mean([r.density for r in runs]) * share,
         "bits_to_t_seeds": to_t,
         "bits_to_t": _mean(to_t) if all(b is not None for b in to_t) else None,
         "seeds_reaching_t": sum(b is not None for b in to_t),
