@@ -352,6 +352,21 @@ def test_krum_counts_the_uploads_already_refused_among_the_hostile():
     np.testing.assert_allclose(Krum(3).combine(x, p, refused=1), Krum(2).combine(x, p))
 
 
+def test_krum_and_bulyan_with_too_few_uploads_still_drop_the_hostile_ones_they_assume():
+    """Below K = 2f + 3 (Krum) or 4f + 3 (Bulyan) uploads, the rule drops f values at each end of every coordinate:
+    one hostile upload among a round of 3 cannot pull the result (before, Krum took the plain mean there)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(3, 6))
+    x[1] = 1e4  # hostile
+    p = np.full(3, 1 / 3)
+    np.testing.assert_array_equal(Krum(1).combine(x, p), np.median(x, axis=0))
+    np.testing.assert_array_equal(Bulyan(1).combine(x, p), np.median(x, axis=0))
+    y = rng.normal(size=(6, 4))
+    cut = np.sort(y, axis=0)[1:5].mean(axis=0)  # Bulyan f = 1 needs 7: 1 dropped at each end of 6
+    np.testing.assert_allclose(Bulyan(1).combine(y, np.full(6, 1 / 6)), cut)
+    np.testing.assert_allclose(Krum(2).combine(y, np.full(6, 1 / 6)), np.sort(y, axis=0)[2:4].mean(axis=0))
+
+
 # ------------------------------------------------------------------------------------------ inside the bounds
 @pytest.mark.parametrize("layout", ["values", "dense", "sparse", "quantized", "coded", "ternary"])
 def test_a_value_payload_reads_and_writes_back_in_its_own_layout(layout):

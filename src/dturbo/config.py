@@ -138,9 +138,9 @@ class RobustConfig(_Section):
     trim: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: the fraction of uploads dropped at each end "
                                                          "of every coordinate")
     byzantine: int = Field(1, ge=0, description=(
-        "krum, bulyan, trimmed_mean: the hostile uploads a round is assumed to hold, less those refused already "
-        "(fewer when too few uploads came: krum needs n >= 2 byzantine + 3, bulyan n >= 4 byzantine + 3); "
-        "trimmed_mean trims at least this many at each end"))
+        "krum, bulyan, trimmed_mean: the hostile uploads a round is assumed to hold, less those refused already; "
+        "trimmed_mean trims at least this many at each end, and so do krum below n = 2 byzantine + 3 uploads and "
+        "bulyan below 4 byzantine + 3"))
     radius: float = Field(1.0, gt=0, description="centered_clip: the clipping radius, in median lengths")
     iterations: int = Field(3, ge=1, le=100, description="centered_clip: the steps from the median")
     clip_norm: float | None = Field(None, gt=0, description=(

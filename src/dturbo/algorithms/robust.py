@@ -81,17 +81,25 @@ def krum_select(x: np.ndarray, f: int, keep: int) -> np.ndarray:
     return np.sort(np.argsort(krum_scores(x, f), kind="stable")[:keep])
 
 
+def too_few(k: int, f: int, x: np.ndarray) -> np.ndarray:
+    """For a rule that cannot drop the f hostile uploads it assumes among K: the coordinate-wise mean after dropping
+    f values at each end (at most (K - 1) // 2: the median), which needs no more than K > 2f."""
+    return TrimmedMean(0.0, f).combine(x, np.full(k, 1.0 / k))
+
+
 @dataclass
 class Krum(Rule):
     """Multi-Krum: the K - f rows of lowest Krum score, combined by their weighted mean (f = ``byzantine`` less the
-    uploads already refused this round, fewer when K < 2f + 3)."""
+    uploads already refused this round). Krum needs K >= 2f + 3; with fewer uploads, :func:`too_few`."""
 
     byzantine: int
     name = "krum"
 
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         k = x.shape[0]
-        f = min(max(0, self.byzantine - refused), max(0, (k - 3) // 2))
+        f = max(0, self.byzantine - refused)
+        if k < 2 * f + 3:
+            return too_few(k, f, x)
         kept = krum_select(x, f, k - f)
         return (p[kept] / p[kept].sum()) @ x[kept]
 
@@ -99,15 +107,17 @@ class Krum(Rule):
 @dataclass
 class Bulyan(Rule):
     """Bulyan (El Mhamdi et al. 2018): theta = K - 2f rows chosen by Krum one at a time, then per coordinate the mean
-    of the theta - 2f values nearest their median (f = ``byzantine`` less the uploads already refused this round,
-    fewer when K < 4f + 3)."""
+    of the theta - 2f values nearest their median (f = ``byzantine`` less the uploads already refused this round).
+    Bulyan needs K >= 4f + 3; with fewer uploads, :func:`too_few`."""
 
     byzantine: int
     name = "bulyan"
 
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         k = x.shape[0]
-        f = min(max(0, self.byzantine - refused), max(0, (k - 3) // 4))
+        f = max(0, self.byzantine - refused)
+        if k < 4 * f + 3:
+            return too_few(k, f, x)
         left = list(range(k))
         chosen: list[int] = []
         for _ in range(k - 2 * f):
