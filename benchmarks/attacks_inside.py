@@ -64,8 +64,8 @@ CANDIDATE_METHODS = ("dturbo", "fedavg", "fedpaq", "dssm", "stc", "fedpm", "fedd
 CANDIDATE_RUNS = (("mlp", "none", 0), ("mlp", "scaled_sign_flip", 3), ("mlp", "ipm", 3), ("mlp", "alie", 3),
                   ("bn", "none", 0), ("bn", "plain_state", 3), ("bn", "calibration", 3))
 # Each method's recommended rule: its candidate of highest mean validation accuracy (robust_candidates.md).
-RECOMMENDED = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM, "dssm": KRUM, "stc": KRUM, "fedpm": KRUM,
-               "feddst": TRIMMED}
+RECOMMENDED = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM, "dssm": CANDIDATES["cc05_clip1"], "stc": KRUM,
+               "fedpm": KRUM, "feddst": TRIMMED}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
 ATTACKERS = (1, 3)
@@ -504,9 +504,12 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run the jobs whose key starts with this (runner/model/method/...)")
     args = ap.parse_args()
     if args.stage == "candidates":
-        todo = [j for j in candidate_jobs(args.rounds) if key(j).startswith(args.only)]
+        wanted = [j for j in candidate_jobs(args.rounds) if key(j).startswith(args.only)]
+        cache = args.work / "candidates" / "rows"
+        todo = [j for j in wanted if not (cache / (key(j).replace("/", "_") + ".json")).exists()]  # not run yet
         with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-            results = list(pool.map(run_job, todo, [str(args.work / "candidates")] * len(todo)))
+            list(pool.map(run_job, todo, [str(args.work / "candidates")] * len(todo)))
+        results = [json.loads((cache / (key(j).replace("/", "_") + ".json")).read_text()) for j in wanted]
         res = candidates_report(results, args.rounds)
         (RESULTS / "robust_candidates.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / "robust_candidates.md").write_text(candidates_markdown(res))
