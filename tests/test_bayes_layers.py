@@ -114,6 +114,29 @@ def _mean_and_variance(layer: BayesConv2d, x: torch.Tensor) -> tuple[torch.Tenso
     return mean.detach(), torch.nn.functional.conv2d(x * x, s2, padding=1, groups=layer.groups).detach()
 
 
+def test_support_sampling_is_the_local_trick_on_the_channels_on_the_support():
+    """sampling = "support": the same draw as an independent computation of the local reparameterisation on the
+    channels with support (the same noise, from the same generator), the bias elsewhere; gradients included."""
+    layer = _channel_layer("weight")
+    layer.sampling = SAMPLINGS["support"]
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    out = layer(x)
+    rows = torch.tensor([0, 2, 3, 4, 5])
+    xr = x.detach().clone().requires_grad_(True)
+    w = (layer.weight_mu * layer.mask)[rows]
+    s2 = (layer.sigma**2 * layer.mask)[rows]
+    noise = torch.randn((2, 5, 5, 5), generator=torch.Generator().manual_seed(1))
+    mean = torch.nn.functional.conv2d(xr, w, layer.bias[rows], padding=1)
+    var = torch.nn.functional.conv2d(xr * xr, s2, padding=1)
+    expected = mean + torch.sqrt(var.clamp_min(1e-16)) * noise
+    torch.testing.assert_close(out[:, rows], expected)
+    assert torch.equal(out[:, 1], layer.bias[1].detach().expand(2, 5, 5))
+    g = torch.randn_like(out)
+    out.backward(g)
+    (expected * g[:, rows]).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)  # the variance path's gradient reaches the input
+
+
 @pytest.mark.parametrize("sigma_mode", ["layer", "weight"])
 def test_channel_sampling_draws_one_normal_per_channel_and_skips_channels_off_the_support(sigma_mode):
     layer = _channel_layer(sigma_mode)

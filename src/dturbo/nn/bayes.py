@@ -52,17 +52,19 @@ class Sampling:
         return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * layer.noise(mean.shape, mean)
 
 
-class ChannelSampling(Sampling):
-    """The local reparameterisation at less cost, channel by channel:
+class SupportSampling(Sampling):
+    """The local reparameterisation on the channels with weights on the support only: a convolution computes only
+    those output channels, and a channel without is its bias, exactly (what export makes of it); the others are
+    drawn as by :class:`Sampling`, one draw per pre-activation."""
 
-    - a convolution computes only its output channels with weights on the support; a channel without is its bias,
-      exactly (what export makes of it);
-    - one draw per sample and output channel serves all the channel's positions (they share the channel's weights,
-      so their pre-activations are correlated under q anyway); a dense layer's draws are per unit, as before;
-    - the variance path takes the layer's input as a constant: its gradient reaches sigma, not the input, so the
-      backward pass skips the variance convolution."""
+    name = "support"
+    detach = False  # whether the variance path takes the layer's input as a constant
 
-    name = "channel"
+    def noise_shape(self, layer: BayesianLayer, mean: torch.Tensor) -> torch.Size:
+        return mean.shape
+
+    def sample(self, mean: torch.Tensor, var: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noise
 
     def draw(self, layer: BayesianLayer, x: torch.Tensor) -> torch.Tensor:
         rows = layer.rows_on_support()
@@ -70,8 +72,8 @@ class ChannelSampling(Sampling):
         if rows is not None:
             weight, bias = weight[rows], None if bias is None else bias[rows]
         mean = layer._op(x, weight, bias)
-        var = layer.variance(x.detach(), rows)
-        out = torch.addcmul(mean, torch.sqrt(var + _VAR_FLOOR), layer.noise(layer.channel_shape(mean), mean))
+        var = layer.variance(x.detach() if self.detach else x, rows)
+        out = self.sample(mean, var, layer.noise(self.noise_shape(layer, mean), mean))
         if rows is None:
             return out
         axis = out.dim() - layer.weight_mu.dim() + 1  # the channel axis: before the spatial ones, batched or not
@@ -84,8 +86,26 @@ class ChannelSampling(Sampling):
         return torch.index_copy(full, axis, rows, out)
 
 
+class ChannelSampling(SupportSampling):
+    """:class:`SupportSampling` at less cost still:
+
+    - one draw per sample and output channel serves all the channel's positions (they share the channel's weights,
+      so their pre-activations are correlated under q anyway); a dense layer's draws are per unit, as before;
+    - the variance path takes the layer's input as a constant: its gradient reaches sigma, not the input, so the
+      backward pass skips the variance convolution."""
+
+    name = "channel"
+    detach = True
+
+    def noise_shape(self, layer: BayesianLayer, mean: torch.Tensor) -> torch.Size:
+        return layer.channel_shape(mean)
+
+    def sample(self, mean: torch.Tensor, var: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(mean, torch.sqrt(var + _VAR_FLOOR), noise)
+
+
 LOCAL = Sampling()
-SAMPLINGS: dict[str, Sampling] = {s.name: s for s in (LOCAL, ChannelSampling())}
+SAMPLINGS: dict[str, Sampling] = {s.name: s for s in (LOCAL, SupportSampling(), ChannelSampling())}
 
 
 class BayesianLayer(nn.Module):
