@@ -56,6 +56,7 @@ class InProcessClients:
                 replies[cid] = answer(self.client, downlink, self.data[cid], cid)
             except ClientError as err:  # its own failure (e.g. diverged): a reason, not a crash
                 replies[cid] = err
-            except (MessageError, CodecError) as err:  # a downlink it cannot read: it fails the round, the run goes on
-                replies[cid] = ClientError(f"cannot read its downlink: {err}")
+            except (MessageError, CodecError) as err:  # a downlink it cannot read, or trained values its upload cannot
+                # carry: it fails the round, the run goes on
+                replies[cid] = ClientError(f"cannot read its downlink or encode its upload: {err}")
         return replies
