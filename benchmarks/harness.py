@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from dturbo.algorithms.registry import ALGORITHMS  # noqa: E402
 from dturbo.config import Config, ConfigError  # noqa: E402
+from dturbo.rundir import RunDir, RunDirLocked  # noqa: E402
 from dturbo.settings import parse_config  # noqa: E402
 
 # Keys that name or locate a run without changing what it computes: left out of the cache key.
@@ -301,6 +302,13 @@ def execute(job: Job) -> bool:
         return True
     if job.status in ("todo", "resume"):
         if job.status == "todo" and job.run_dir.exists():
+            try:  # another campaign process may be running it: its lock says so, and the folder stays
+                held = RunDir(job.run_dir)
+                held.lock()
+                held.unlock()
+            except RunDirLocked as err:
+                say(f"{job.name}: skipped: {err}")
+                return False
             shutil.rmtree(job.run_dir)  # a run cut before its first checkpoint
         cfg_path = job.s.runs_root / job.camp.tag / "_configs" / f"{job.name}.toml"
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
