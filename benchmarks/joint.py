@@ -148,6 +148,11 @@ def per_param(run: h.Run, direction: str, n_params: int) -> float:
     return float(np.mean(bits / (np.maximum(who, 1) * n_params)))
 
 
+def largest_drop(acc: np.ndarray, after: int = GOALS["drop_after"]) -> float:
+    """The largest fall of test accuracy from one round to the next, among the rounds after round ``after``."""
+    return float(max(0.0, np.max(acc[after - 1:-1] - acc[after:]))) if len(acc) > after else 0.0
+
+
 def _mean(xs: list[float]) -> float:
     return float(np.mean(xs))
 
@@ -228,7 +233,7 @@ def goals(rows: dict[str, dict[str, Any]], curves: list[np.ndarray] | None = Non
                             f"chance ({100 * chance:.0f}%)", "value": f"lowest {100 * low:.1f}%",
                     "met": low >= chance + GOALS["above_chance"]})
         after = GOALS["drop_after"]
-        drop = max((float(np.max(c[after - 1:-1] - c[after:])) for c in curves if len(c) > after), default=0.0)
+        drop = max((largest_drop(c, after) for c in curves), default=0.0)
         out.append({"goal": f"no round after round {after} more than {100 * GOALS['largest_drop']:.0f} points below "
                             f"the round before", "value": f"largest drop {100 * max(drop, 0.0):.1f} points",
                     "met": drop <= GOALS["largest_drop"]})

@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness as h  # noqa: E402
+from joint import largest_drop  # noqa: E402
 
 RESULTS = HERE / "results"
 SAMPLING = "channel"
@@ -43,11 +44,6 @@ def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
 
 def jobs(camp: h.Campaign, s: h.Settings) -> list[h.Job]:
     return [h.plan(h.Job(camp, camp.candidates[0], seed, s)) for seed in camp.seeds]
-
-
-def largest_drop(acc: np.ndarray, after: int = 3) -> float:
-    """The largest fall of test accuracy from one round to the next, among the rounds after round ``after``."""
-    return float(max(0.0, np.max(acc[after - 1:-1] - acc[after:]))) if len(acc) > after else 0.0
 
 
 def row(run: h.Run, t: float) -> dict[str, Any]:

@@ -81,10 +81,10 @@ def krum_select(x: np.ndarray, f: int, keep: int) -> np.ndarray:
     return np.sort(np.argsort(krum_scores(x, f), kind="stable")[:keep])
 
 
-def too_few(k: int, f: int, x: np.ndarray) -> np.ndarray:
-    """For a rule that cannot drop the f hostile uploads it assumes among K: the coordinate-wise mean after dropping
-    f values at each end (at most (K - 1) // 2: the median), which needs no more than K > 2f."""
-    return TrimmedMean(0.0, f).combine(x, np.full(k, 1.0 / k))
+def too_few(f: int, x: np.ndarray) -> np.ndarray:
+    """For a rule that cannot drop the f hostile uploads it assumes among the K rows of ``x``: the coordinate-wise
+    mean after dropping f values at each end (at most (K - 1) // 2: the median), which needs no more than K > 2f."""
+    return TrimmedMean(0.0, f).combine(x, np.full(x.shape[0], 1.0 / x.shape[0]))
 
 
 @dataclass
@@ -99,7 +99,7 @@ class Krum(Rule):
         k = x.shape[0]
         f = max(0, self.byzantine - refused)
         if k < 2 * f + 3:
-            return too_few(k, f, x)
+            return too_few(f, x)
         kept = krum_select(x, f, k - f)
         return (p[kept] / p[kept].sum()) @ x[kept]
 
@@ -117,7 +117,7 @@ class Bulyan(Rule):
         k = x.shape[0]
         f = max(0, self.byzantine - refused)
         if k < 4 * f + 3:
-            return too_few(k, f, x)
+            return too_few(f, x)
         left = list(range(k))
         chosen: list[int] = []
         for _ in range(k - 2 * f):

@@ -45,20 +45,11 @@ class Sampling:
     reparameterisation trick, mean + sqrt(variance) * noise, with an independent draw per pre-activation."""
 
     name = "local"
-
-    def draw(self, layer: BayesianLayer, x: torch.Tensor) -> torch.Tensor:
-        mean = layer._op(x, layer.masked_weight(), layer.bias)
-        var = layer.variance(x)
-        return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * layer.noise(mean.shape, mean)
-
-
-class SupportSampling(Sampling):
-    """The local reparameterisation on the channels with weights on the support only: a convolution computes only
-    those output channels, and a channel without is its bias, exactly (what export makes of it); the others are
-    drawn as by :class:`Sampling`, one draw per pre-activation."""
-
-    name = "support"
     detach = False  # whether the variance path takes the layer's input as a constant
+
+    def rows(self, layer: BayesianLayer) -> torch.Tensor | None:
+        """The output channels computed (None: all)."""
+        return None
 
     def noise_shape(self, layer: BayesianLayer, mean: torch.Tensor) -> torch.Size:
         return mean.shape
@@ -67,7 +58,7 @@ class SupportSampling(Sampling):
         return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noise
 
     def draw(self, layer: BayesianLayer, x: torch.Tensor) -> torch.Tensor:
-        rows = layer.rows_on_support()
+        rows = self.rows(layer)
         weight, bias = layer.masked_weight(), layer.bias
         if rows is not None:
             weight, bias = weight[rows], None if bias is None else bias[rows]
@@ -84,6 +75,17 @@ class SupportSampling(Sampling):
         else:
             full = layer.bias.view(-1, *(1,) * (out.dim() - axis - 1)).expand(shape)
         return torch.index_copy(full, axis, rows, out)
+
+
+class SupportSampling(Sampling):
+    """The local reparameterisation on the channels with weights on the support only: a convolution computes only
+    those output channels, and a channel without is its bias, exactly (what export makes of it); the others are
+    drawn as by :class:`Sampling`, one draw per pre-activation."""
+
+    name = "support"
+
+    def rows(self, layer: BayesianLayer) -> torch.Tensor | None:
+        return layer.rows_on_support()
 
 
 class ChannelSampling(SupportSampling):
