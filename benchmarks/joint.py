@@ -40,7 +40,7 @@ NAMES = {"dturbo": "D-Turbo-VBI", "fedavg32": "FedAvg 32-bit", "fedavg16": "FedA
 PEERS = ("stc", "feddst", "fedpaq", "dssm", "fedpm", "narrow_fedavg16", "narrow_stc")
 # Methods whose final model has no zero weight by construction (dense weights averaged, or a dense model plus
 # sparse updates): their exported model is the dense network, 1.0x, unless the network itself is narrower.
-DENSE_FINAL = {"fedavg", "fedpaq", "stc"}
+DENSE_FINAL = {"fedavg", "fedpaq", "stc", "dssm"}
 GOALS = {"points_below_fedavg32": 1.0, "points_below_stc": 0.3, "vs_stc": 0.7, "speedup": 2.5, "axes_won": 2,
          "above_chance": 0.05, "largest_drop": 0.03, "drop_after": 3}
 STEADY_ROUNDS = 5  # bits per parameter per round: the mean over the last rounds
