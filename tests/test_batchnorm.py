@@ -283,3 +283,39 @@ def test_the_plain_state_passes_the_bound_and_the_robust_rule(algorithm):
     server.robust = RobustAggregation(RobustConfig())
     plain = server.aggregate(state, poisoned, 0, list(range(10))).state[f"{key}.plain"]
     assert plain.min() > 2000 and robust.max() < 100
+
+
+def _fitted(rule: dict) -> tuple:
+    cfg = config("fedavg", 1, federation={"clients": 10}, robust=rule)
+    exp = dturbo.Experiment(cfg, data=images(), model=ResNetTiny, out="unused", progress=False, figures=False)
+    sim = Simulator(exp.config, exp.out, dataset=exp.dataset, model=exp._model_factory)
+    state = sim.server.init()
+    down = sim.server.downlinks(state, 0, list(range(10)))
+    return sim.server, state, [sim.client.fit(down[c], sim.fed.clients[c], c) for c in range(10)]
+
+
+def test_a_trained_batchnorm_weight_is_bounded_by_the_global_one_its_running_statistics_by_the_cap():
+    """BatchNorm's weight is a trained parameter: 20 (the global weight is 1, so its bound is 16) is refused; its
+    running variance follows the data: 1000 (inside the cap) is accepted."""
+    server, state, ups = _fitted({})
+    ups = [_poison_plain(ups[0], "stem.1.weight", 20.0), _poison_plain(ups[1], "stem.1.running_var", 1000.0)] + ups[2:]
+    result = server.aggregate(state, ups, 0, list(range(10)))
+    assert [r.uplink for r in result.rejected] == [0]
+    assert "stem.1.weight.plain holds a value of magnitude 20, beyond the bound 16" in result.rejected[0].reason
+    assert float(result.state["stem.1.running_var.plain"].max()) > 1000 / 9 - 1
+
+
+@pytest.mark.parametrize("rule", [{"rule": "krum", "byzantine": 3}, {"rule": "centered_clip", "radius": 0.5}])
+def test_a_rule_over_whole_vectors_combines_the_plain_state_coordinate_wise(rule):
+    """3 of 10 uploads reverse BatchNorm's weight to -12 (inside its bound): Krum and centered clipping take the
+    coordinate-wise median of the plain state, which stays with the honest clients; the plain mean follows."""
+    from dturbo.algorithms.robust import Median, make_rule
+
+    assert isinstance(make_rule(RobustConfig(**rule)).per_coordinate(), Median)
+    server, state, ups = _fitted(rule)
+    poisoned = [_poison_plain(u, "stem.1.weight", -12.0) for u in ups[:3]] + ups[3:]
+    honest = np.stack([decode_dense(dict(decode_message(u)[1])["stem.1.weight.plain"]) for u in ups[3:]])
+    robust = server.aggregate(state, poisoned, 0, list(range(10))).state["stem.1.weight.plain"]
+    assert np.all(robust >= honest.min(axis=0) - 1e-6) and np.all(robust <= honest.max(axis=0) + 1e-6)
+    server.robust = RobustAggregation(RobustConfig())
+    assert float(server.aggregate(state, poisoned, 0, list(range(10))).state["stem.1.weight.plain"].max()) < -2

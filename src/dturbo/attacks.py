@@ -366,18 +366,26 @@ class IPM(CoordinatedAttack):
         return reference - self.epsilon * (rows.mean(axis=0) - reference)
 
 
-class PlainStatePoison(ScaledSignFlip):
-    """Only the state outside the Bayesian layers (BatchNorm's affine weights and running statistics: the
-    ``.plain`` fields) reversed about the global state and stretched to 0.9 of its bound (``VALUE_CAP``); the
-    Bayesian layers' fields honest."""
+class _StatisticsFlip(ScaledSignFlip):
+    """The scaled sign flip of a running statistic: reversed about the global one and stretched to 0.9 of the cap
+    the server checks (``VALUE_CAP``: statistics follow the data, not the global state)."""
 
     def room(self, top_ref: float) -> float:
         return self.share * VALUE_CAP - top_ref
 
+
+class PlainStatePoison(ScaledSignFlip):
+    """Only the state outside the Bayesian layers (the ``.plain`` fields) reversed about the global state and
+    stretched to 0.9 of its bound: BatchNorm's affine weights (trained parameters) to that of a weight layer
+    (``GROWTH`` times the global magnitude), its running statistics to 0.9 of ``VALUE_CAP``; the Bayesian layers'
+    fields honest."""
+
     def payload(self, payload: bytes, layout: str, name: str, ctx: RoundView) -> bytes:
-        if name.endswith(f".{PLAIN}") and layout == "dense":
+        if not (name.endswith(f".{PLAIN}") and layout == "dense"):
+            return payload
+        if any(t.field == name and t.parameter for t in ctx.server.plain.tensors):
             return super().payload(payload, layout, name, ctx)
-        return payload
+        return _StatisticsFlip().payload(payload, layout, name, ctx)
 
 
 class CalibrationPoison(Attack):

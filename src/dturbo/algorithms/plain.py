@@ -39,6 +39,7 @@ LAYOUT = {SUFFIX: "dense"}  # merged into an algorithm's message layouts (dturbo
 class PlainTensor:
     key: str  # the model's state_dict key
     shape: tuple[int, ...]
+    parameter: bool = False  # trained by the optimizer (BatchNorm's affine weights), not a buffer its module sets
 
     @property
     def field(self) -> str:
@@ -73,7 +74,9 @@ class PlainState:
 
     def __init__(self, model: nn.Module) -> None:
         entries = _plain_entries(model)
-        self.tensors = [PlainTensor(k, tuple(v.shape)) for k, v in entries.items() if v.is_floating_point()]
+        trained = {id(p) for p in model.parameters()}
+        self.tensors = [PlainTensor(k, tuple(v.shape), id(v) in trained)
+                        for k, v in entries.items() if v.is_floating_point()]
         self.fixed = {k: v.detach().clone() for k, v in entries.items() if not v.is_floating_point()}
         too_long = [t.key for t in self.tensors if len(t.field.encode()) > 255]
         if too_long:

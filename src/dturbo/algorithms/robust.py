@@ -27,6 +27,13 @@ class Rule:
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         raise NotImplementedError
 
+    def per_coordinate(self) -> Rule:
+        """The rule for vectors whose coordinates are separate statistics (BatchNorm's state, its calibration): a
+        rule over whole vectors lets attackers who push every round the same way move a coordinate that honest
+        training leaves where it is (an affine weight) by a clipped step each round, so it takes the
+        coordinate-wise median; a coordinate-wise rule is itself."""
+        return Median()
+
 
 class Mean(Rule):
     """The weighted mean sum p_t x_t."""
@@ -36,6 +43,9 @@ class Mean(Rule):
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         return p @ x
 
+    def per_coordinate(self) -> Rule:
+        return self
+
 
 class Median(Rule):
     """The coordinate-wise median (unweighted, as Flower's FedMedian)."""
@@ -44,6 +54,9 @@ class Median(Rule):
 
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         return np.median(x, axis=0)
+
+    def per_coordinate(self) -> Rule:
+        return self
 
 
 @dataclass
@@ -62,6 +75,9 @@ class TrimmedMean(Rule):
         if cut == 0:
             return x.mean(axis=0)
         return np.sort(x, axis=0)[cut:k - cut].mean(axis=0)
+
+    def per_coordinate(self) -> Rule:
+        return self
 
 
 def krum_scores(x: np.ndarray, f: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from ..codec import CodecError
 from ..config import Config
 from ..protocol import ServerAlgorithm
 from .base import NO_CLIENT, MessageError, Rejection, State, client_weights, sample_uniform
-from .bounds import VALUE_CAP, Limit, UploadBounds
+from .bounds import VALUE_CAP, Limit, UploadBounds, magnitude
 from .plain import PlainState
 from .robust import RobustAggregation
 
@@ -103,9 +103,12 @@ class ServerBase(ServerAlgorithm, Generic[U]):
         if senders is not None and len(senders) != len(uplinks):
             raise ValueError(f"{len(senders)} senders for {len(uplinks)} uploads")
         bounds = self.bounds(state, round_idx)
-        # the state outside the Bayesian layers passes the same gate: finite, and within the cap that keeps every
-        # aggregate far inside float16 (its running statistics may legitimately grow far beyond the global ones)
-        bounds.limits |= {t.field: Limit(VALUE_CAP) for t in self.plain.tensors}
+        # the state outside the Bayesian layers passes the same gate: finite, its trained parameters within the
+        # growth of the weights' limits (local steps move them little; a large BatchNorm weight scales the next
+        # layer's statistics by its square, beyond what the clients' float16 uploads carry), its running statistics
+        # within the cap that keeps every aggregate far inside float16 (they follow the data, not the global state)
+        bounds.limits |= {t.field: Limit(magnitude(state[t.field]) if t.parameter else VALUE_CAP)
+                          for t in self.plain.tensors}
         valid: list[U] = []
         rejected: list[Rejection] = []
         answered: set[int] = set()
@@ -142,10 +145,12 @@ class ServerBase(ServerAlgorithm, Generic[U]):
 
     def aggregate_plain(self, state: State, got: Received[U]) -> State:
         """``state`` with the uploads' plain state combined: their n_t-weighted mean (whatever ``weighting`` is), or
-        with a robust ``[robust] rule`` that rule on the whole vector (no clipping: its norm is the weights')."""
+        with a robust ``[robust] rule`` its coordinate-wise form (:meth:`Rule.per_coordinate`; no clipping: its norm
+        is the weights')."""
         decoded = [u.plain for u in got.uploads]
         if self.robust.plain or not self.plain:
             return dict(state) | self.plain.aggregate([u.n_t for u in got.uploads], decoded)
         rows = np.stack([self.plain.flatten(d) for d in decoded])
         p = np.asarray([u.n_t for u in got.uploads], dtype=np.float64)
-        return dict(state) | self.plain.unflatten(self.robust.rule.combine(rows, p / p.sum(), len(got.rejected)))
+        combined = self.robust.rule.per_coordinate().combine(rows, p / p.sum(), len(got.rejected))
+        return dict(state) | self.plain.unflatten(combined)

@@ -178,7 +178,8 @@ def calibrate(statistics: Statistics, server: ServerAlgorithm, state: State, nex
         events.append("BatchNorm calibration: no valid statistics, the averaged ones are kept")
         return state
     robust = getattr(server, "robust", None)
-    pooled = statistics.pool(state, weights, good, None if robust is None or robust.plain else robust.rule)
+    rule = None if robust is None or robust.plain else robust.rule.per_coordinate()
+    pooled = statistics.pool(state, weights, good, rule)
     # each reply is inside the bound, but their spread enters the pooled variance: a pool beyond it would be a
     # state the float16 downlink cannot carry, so it is never stored
     top = max(float(np.abs(pooled[k]).max(initial=0.0)) for n in statistics.norms for k in n.fields)
