@@ -1,10 +1,12 @@
-"""D-Turbo-VBI's local training under ``[dturbo] sampling = "channel"`` against ``"local"``, on the joint protocol.
+"""D-Turbo-VBI's local training under the cheaper ``[dturbo] sampling`` variants against ``"local"``, on the joint
+protocol.
 
 The joint comparison's chosen D-Turbo-VBI setting (``results/joint.json``'s ``chosen``) runs its 3 seeds again with
-``sampling = "channel"`` alone changed (``runs/sampling/``, curves committed in ``results/sampling_runs/``); the
-``"local"`` runs are the joint campaign's own (``results/joint_runs/``). Not a tuning candidate: the setting stays the
-one the joint rule chose, and the question is what the cheaper sampling costs in accuracy, bits and the rounds'
-shape, seed by seed. The cost per round comes from ``benchmarks/round_time.py`` (``results/round_time.json``).
+``sampling`` alone changed, once per variant of :data:`SAMPLINGS` (``runs/sampling/``, curves committed in
+``results/sampling_runs/``); the ``"local"`` runs are the joint campaign's own (``results/joint_runs/``). Not a tuning
+candidate: the setting stays the one the joint rule chose, and the question is what each cheaper sampling costs in
+accuracy, bits and the rounds' shape, seed by seed; a variant enters the report once all its seeds are done. The
+cost per round comes from ``benchmarks/round_time.py`` (``results/round_time.json``).
 Writes ``benchmarks/results/sampling.{json,md}``.
 
 Usage: .venv/bin/python benchmarks/sampling.py [plan|run|report] [--jobs 2]
@@ -29,21 +31,22 @@ import harness as h  # noqa: E402
 from joint import largest_drop  # noqa: E402
 
 RESULTS = HERE / "results"
-SAMPLING = "channel"
+SAMPLINGS = ("channel", "support")
 
 
 def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
-    """(the joint campaign, this one: its chosen D-Turbo-VBI setting with ``sampling = "channel"``, that label)."""
+    """(the joint campaign, this one: its chosen D-Turbo-VBI setting once per sampling of :data:`SAMPLINGS`, that
+    setting's label)."""
     joint = h.load_campaign(HERE / "joint.toml")
     chosen = json.loads((s.results / "joint.json").read_text())["chosen"]["dturbo"]
     base = joint.by_label()[chosen]
-    cand = replace(base, label=f"{chosen}_{SAMPLING}", overrides={**base.overrides, "dturbo.sampling": SAMPLING},
-                   note=f"{base.note}; sampling = {SAMPLING}")
-    return joint, h.Campaign("sampling", joint.protocol, [cand]), chosen
+    cands = [replace(base, label=f"{chosen}_{name}", overrides={**base.overrides, "dturbo.sampling": name},
+                     note=f"{base.note}; sampling = {name}") for name in SAMPLINGS]
+    return joint, h.Campaign("sampling", joint.protocol, cands), chosen
 
 
 def jobs(camp: h.Campaign, s: h.Settings) -> list[h.Job]:
-    return [h.plan(h.Job(camp, camp.candidates[0], seed, s)) for seed in camp.seeds]
+    return [h.plan(h.Job(camp, cand, seed, s)) for cand in camp.candidates for seed in camp.seeds]
 
 
 def row(run: h.Run, t: float) -> dict[str, Any]:
@@ -59,12 +62,15 @@ def report(s: h.Settings) -> None:
     joint, camp, chosen = campaigns(s)
     t = float(json.loads((s.results / "joint.json").read_text())["t"])
     local = [r for r in h.load_runs(joint, s) if r.cand.label == chosen]
-    channel = h.load_runs(camp, s)
-    if len(channel) < len(camp.seeds):
-        raise h.HarnessError(f"{len(channel)} of {len(camp.seeds)} seeds of {camp.candidates[0].label} are done: "
-                             f"run `benchmarks/sampling.py run` first")
-    rows = [row(r, t) for r in sorted(local + channel, key=lambda r: (r.cfg.dturbo.sampling != "local", r.seed))]
-    by = {name: [r for r in rows if r["sampling"] == name] for name in ("local", SAMPLING)}
+    done = [r for r in h.load_runs(camp, s)
+            if sum(o.cand.label == r.cand.label for o in h.load_runs(camp, s)) == len(camp.seeds)]
+    if not done:
+        raise h.HarnessError(f"no sampling has all {len(camp.seeds)} seeds done: run `benchmarks/sampling.py run` "
+                             f"first")
+    order = ("local", *SAMPLINGS)
+    rows = [row(r, t) for r in sorted(local + done, key=lambda r: (order.index(r.cfg.dturbo.sampling), r.seed))]
+    by = {name: [r for r in rows if r["sampling"] == name] for name in order if any(
+        r["sampling"] == name for r in rows)}
 
     def mean(name: str, key: str) -> float | None:
         xs = [r[key] for r in by[name]]
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     s = h.Settings()
     _, camp, _ = campaigns(s)
     if args.command == "plan":
-        h.print_plan(f"{camp.candidates[0].label}, every seed", jobs(camp, s))
+        h.print_plan(f"{', '.join(c.label for c in camp.candidates)}, every seed", jobs(camp, s))
     elif args.command == "run":
         failed = h.run_jobs(jobs(camp, s), args.jobs)
         return 1 if failed else 0
