@@ -66,9 +66,14 @@ CANDIDATE_RUNS = (("mlp", "none", 0), ("mlp", "scaled_sign_flip", 3), ("mlp", "i
 # Each method's recommended rule: its candidate of highest mean validation accuracy (robust_candidates.md).
 # DSSM's rounds shrink to dssm.min_clients uploads; it is raised to 2 f + 1 = 7 for f = 3 attackers, derived rather
 # than chosen: a round of fewer may hold as many hostile uploads as honest ones, which no rule tells apart.
-RECOMMENDED = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM,
-               "dssm": CANDIDATES["cc05_clip1"] | {"dssm.min_clients": 7}, "stc": KRUM, "fedpm": KRUM,
-               "feddst": TRIMMED}
+RULES = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM,
+         "dssm": CANDIDATES["cc05_clip1"] | {"dssm.min_clients": 7}, "stc": KRUM, "fedpm": KRUM, "feddst": TRIMMED}
+# Then, per method, its rule alone or with the uploads that point away from the round's median update left out
+# first (robust.min_cosine = 0), on the same validation runs (--stage screen, robust_screen.md): the methods whose
+# mean validation accuracy is higher with it take it.
+SCREEN = {"robust.min_cosine": 0.0}
+SCREENED: set[str] = set()
+RECOMMENDED = {m: r | (SCREEN if m in SCREENED else {}) for m, r in RULES.items()}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
 ATTACKERS = (1, 3)
@@ -131,6 +136,17 @@ class MlpBn:
                              nn.BatchNorm1d(100), nn.ReLU(), nn.Linear(100, 10))
 
 
+def rule_of(job: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a job's rule: a candidate's (--stage candidates), its method's rule with or without the screen
+    (--stage screen: ``rule``, ``rule_screen``), else its method's recommended one."""
+    cand = job.get("candidate")
+    if cand is None:
+        return RECOMMENDED[job["method"]]
+    if cand in ("rule", "rule_screen"):
+        return RULES[job["method"]] | (SCREEN if cand == "rule_screen" else {})
+    return CANDIDATES[cand]
+
+
 def config(job: dict[str, Any]) -> Any:
     from dturbo.settings import load_config
 
@@ -138,7 +154,7 @@ def config(job: dict[str, Any]) -> Any:
         "experiment.rounds": job["rounds"], "experiment.threads": 1, "data.path": dataset_path(),
         "data.limit_train": 3000, "data.limit_test": 1000, "train.local_epochs": 2.0,
         "model.name": "mlp" if job["model"] == "mlp" else "custom",
-        **(CANDIDATES[job["candidate"]] if "candidate" in job else RECOMMENDED[job["method"]])}
+        **rule_of(job)}
     if "candidate" in job:  # a candidate rule: chosen on a validation split held out of the training images
         over["data.validation"] = 0.1
     if job["method"] == "dturbo":
@@ -429,9 +445,38 @@ def summary(res: dict[str, Any]) -> str:
 
 
 
-def candidate_jobs(rounds: int) -> list[dict[str, Any]]:
+def candidate_jobs(rounds: int, rules: tuple[str, ...] = tuple(CANDIDATES)) -> list[dict[str, Any]]:
     return [{"runner": "simulator", "model": model, "method": m, "attack": a, "attackers": k, "candidate": rule,
-             "rounds": rounds} for rule in CANDIDATES for m in CANDIDATE_METHODS for model, a, k in CANDIDATE_RUNS]
+             "rounds": rounds} for rule in rules for m in CANDIDATE_METHODS for model, a, k in CANDIDATE_RUNS]
+
+
+def screen_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """Per method, the mean validation accuracy of its seven runs under its rule alone and with the screen; the
+    screen is taken where it is higher (a tie keeps the rule alone)."""
+    def mean(m: str, cand: str) -> float | None:
+        vals = [r["val_accuracy"] for r in results if r["method"] == m and r["candidate"] == cand]
+        return float(sum(vals) / len(vals)) if len(vals) == len(CANDIDATE_RUNS) and None not in vals else None
+
+    table = {m: {c: mean(m, c) for c in ("rule", "rule_screen")} for m in CANDIDATE_METHODS}
+    return {"what": "each method's rule alone and with robust.min_cosine = 0 first, 3 attackers of 10, on the "
+                    "validation split (10% of the 3000 training images held out)", "rounds": rounds,
+            "screen": SCREEN, "results": table,
+            "screened": sorted(m for m, v in table.items() if None not in v.values() and v["rule_screen"] > v["rule"]),
+            "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def screen_markdown(res: dict[str, Any]) -> str:
+    lines = [f"# The screen (min_cosine = 0) on each method's rule: validation accuracy ({res['rounds']} rounds)", "",
+             "Written by `benchmarks/attacks_inside.py --stage screen`: the mean final validation accuracy of a "
+             "method's seven runs (as robust_candidates.md) under its rule alone and with the uploads whose update "
+             "has a negative cosine with the round's median update left out first; the higher in bold.", "",
+             "| method | rule | rule + screen |", "|---|---|---|"]
+    for m, v in res["results"].items():
+        cells = ["-" if v[c] is None else f"{100 * v[c]:.1f}" for c in ("rule", "rule_screen")]
+        bold = 1 if m in res["screened"] else 0
+        cells[bold] = f"**{cells[bold]}**"
+        lines.append(f"| {m} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
 
 
 def candidates_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
@@ -503,7 +548,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "attacks_inside")
-    ap.add_argument("--stage", choices=("runs", "main", "report", "all", "candidates"), default="all")
+    ap.add_argument("--stage", choices=("runs", "main", "report", "all", "candidates", "screen"), default="all")
     ap.add_argument("--only", default="", help="run the jobs whose key starts with this (runner/model/method/...)")
     args = ap.parse_args()
     if args.stage == "candidates":
@@ -517,6 +562,18 @@ def main() -> None:
         (RESULTS / "robust_candidates.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / "robust_candidates.md").write_text(candidates_markdown(res))
         print(candidates_markdown(res))
+        return
+    if args.stage == "screen":
+        wanted = [j for j in candidate_jobs(args.rounds, ("rule", "rule_screen")) if key(j).startswith(args.only)]
+        cache = args.work / "screen" / "rows"
+        todo = [j for j in wanted if not (cache / (key(j).replace("/", "_") + ".json")).exists()]  # not run yet
+        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+            list(pool.map(run_job, todo, [str(args.work / "screen")] * len(todo)))
+        results = [json.loads(p.read_text()) for p in sorted(cache.glob("*.json"))]
+        res = screen_report(results, args.rounds)
+        (RESULTS / "robust_screen.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / "robust_screen.md").write_text(screen_markdown(res))
+        print(screen_markdown(res))
         return
     todo = [j for j in jobs(args.rounds) if key(j).startswith(args.only)
             and not (args.work / "rows" / (key(j).replace("/", "_") + ".json")).exists()]  # not run yet

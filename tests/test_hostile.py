@@ -23,6 +23,7 @@ from dturbo.algorithms.robust import (
     Median,
     RobustAggregation,
     TrimmedMean,
+    aligned,
     krum_scores,
 )
 from dturbo.attacks import ATTACKS, RoundView, hostile_clients
@@ -434,6 +435,25 @@ def test_a_median_clip_bounds_every_update_by_the_rounds_median_norm():
     np.testing.assert_allclose(got, [(1 + 2.5) / 4, (2 - 2.5) / 4])
     ref = np.array([10.0, 10.0])  # about the global values the rows move from
     np.testing.assert_allclose(agg.combine([r + ref for r in rows], np.full(4, 0.25), reference=ref), got + ref)
+
+
+def test_uploads_that_point_away_from_the_rounds_median_update_are_left_out_before_the_rule():
+    """7 honest updates around one direction, 3 reversed (a scaled sign flip, IPM): min_cosine = 0 leaves the 3 out
+    and the trimmed mean then trims as many fewer; the result equals the rule on the honest rows alone, computed
+    apart. A round with no direction (all updates zero) keeps every row."""
+    rng = np.random.default_rng(3)
+    ref = rng.normal(size=20)
+    honest = [ref + np.ones(20) + rng.normal(0, 0.5, 20) for _ in range(7)]
+    hostile = [ref - 5 * (h - ref) for h in honest[:3]]
+    rule = {"rule": "trimmed_mean", "trim": 0.1, "byzantine": 3}
+    got = RobustAggregation(RobustConfig(**rule, min_cosine=0.0)).combine(hostile + honest, np.full(10, 0.1), ref)
+    np.testing.assert_allclose(got, np.mean(honest, axis=0))  # 3 attackers gone: nothing left to trim
+    without = RobustAggregation(RobustConfig(**rule)).combine(hostile + honest, np.full(10, 0.1), ref)
+    assert np.linalg.norm(without - got) > 0.1
+    steps = np.stack(hostile + honest) - ref
+    cosine = steps @ np.median(steps, axis=0) / (np.linalg.norm(steps, axis=1) * np.linalg.norm(np.median(steps, 0)))
+    np.testing.assert_array_equal(aligned(steps, 0.0), cosine >= 0)
+    assert aligned(np.zeros((4, 3)), 0.0).all()
 
 
 def test_a_hostile_calibration_reply_reaches_the_server_at_the_bound_and_the_rule_holds(tmp_path, toy):

@@ -149,6 +149,9 @@ class RobustConfig(_Section):
     clip_median: float | None = Field(None, gt=0, description=(
         "each upload's update scaled to at most this times the median L2 norm of the round's updates before the "
         "rule (after clip_norm); None: no clipping"))
+    min_cosine: float | None = Field(None, ge=-1, lt=1, description=(
+        "each upload whose update has a cosine below this with the round's coordinate-wise median update is left "
+        "out before the rule (a reversed update: sign flipping, inner-product manipulation); None: none left out"))
 
 
 class ModelConfig(_Section):

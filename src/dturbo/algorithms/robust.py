@@ -193,18 +193,21 @@ def clip(x: np.ndarray, reference: np.ndarray, norm: float) -> np.ndarray:
 
 
 class RobustAggregation:
-    """``[robust]``: clipping (to ``clip_norm``, then to ``clip_median`` times the round's median update norm) then
-    the rule, on a round's matrix of client vectors."""
+    """``[robust]``: clipping (to ``clip_norm``, then to ``clip_median`` times the round's median update norm), the
+    uploads that point away from the round's median update left out (``min_cosine``, :func:`aligned`), then the rule,
+    on a round's matrix of client vectors."""
 
     def __init__(self, cfg: RobustConfig) -> None:
         self.rule = make_rule(cfg)
         self.clip_norm = cfg.clip_norm
         self.clip_median = cfg.clip_median
+        self.min_cosine = cfg.min_cosine
 
     @property
     def plain(self) -> bool:
         """Whether this is the plain weighted mean: the algorithms then keep their own sums, bit for bit."""
-        return isinstance(self.rule, Mean) and self.clip_norm is None and self.clip_median is None
+        return (isinstance(self.rule, Mean) and self.clip_norm is None and self.clip_median is None
+                and self.min_cosine is None)
 
     def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None,
                 refused: int = 0) -> np.ndarray:
@@ -221,4 +224,18 @@ class RobustAggregation:
             median = float(np.median(np.sqrt(np.einsum("ij,ij->i", step, step))))
             if median > 0:  # a round of equal rows (all zero updates) stays as it is
                 x = clip(x, ref, self.clip_median * median)
+        if self.min_cosine is not None:
+            kept = aligned(x - ref, self.min_cosine)
+            x, w, refused = x[kept], w[kept], refused + int(np.sum(~kept))
         return self.rule.combine(x, w / w.sum(), refused)
+
+
+def aligned(step: np.ndarray, min_cosine: float) -> np.ndarray:
+    """Which rows of ``step`` (one update each) have a cosine of at least ``min_cosine`` with the coordinate-wise
+    median update: an attacker's reversed update points away from it while an honest majority holds it. Every row is
+    kept when the median or a row is zero (no direction to compare) or when none would be."""
+    centre = np.median(step, axis=0)
+    lengths = np.sqrt(np.einsum("ij,ij->i", step, step)) * float(np.sqrt(centre @ centre))
+    cosine = np.divide(step @ centre, lengths, out=np.ones(step.shape[0]), where=lengths > 0)
+    kept = cosine >= min_cosine
+    return kept if kept.any() else np.ones(step.shape[0], dtype=bool)
