@@ -499,3 +499,16 @@ def test_the_attacks_results_file_keeps_its_schema():
     assert {r["model"] for r in res["runs"]} == {"mlp", "bn"}
     assert {r["attackers"] for r in res["runs"]} == {1, 3}
     assert res["rounds"] >= 12
+
+
+def test_dssm_warns_when_its_smallest_rounds_may_hold_a_hostile_majority():
+    from dturbo.algorithms.dssm import HostileMajorityWarning, run_warnings
+
+    def warnings_for(**over: object) -> list[Warning]:
+        return run_warnings(parse_config({"experiment": {"algorithm": "dssm"}, **over}), None)
+
+    robust = {"rule": "krum", "byzantine": 3}
+    got = warnings_for(robust=robust, dssm={"min_clients": 3})
+    assert len(got) == 1 and isinstance(got[0], HostileMajorityWarning) and "dssm.min_clients = 7" in str(got[0])
+    assert warnings_for(robust=robust, dssm={"min_clients": 7}) == []
+    assert warnings_for(dssm={"min_clients": 3}) == []  # the plain mean assumes no attacker

@@ -93,6 +93,22 @@ class DssmClient(PointClient):
 def describe(d: DssmConfig) -> str:
     return f"DSSM (gamma={d.gamma:g}{', weights' if d.mode == 'weights' else ''})"
 
+
+class HostileMajorityWarning(UserWarning):
+    """DSSM's smallest rounds may hold as many hostile uploads as honest ones: no robust rule tells them apart."""
+
+
+def run_warnings(cfg: Config, fed: object) -> list[Warning]:
+    """With a robust rule assuming ``byzantine`` attackers, the rounds that shrink to ``min_clients`` need an honest
+    majority: at least 2 byzantine + 1 uploads."""
+    f, least = cfg.robust.byzantine, cfg.dssm.min_clients
+    if cfg.robust.rule == "mean" or least >= 2 * f + 1:
+        return []
+    return [HostileMajorityWarning(f"dssm.min_clients = {least}: DSSM's rounds shrink to {least} uploads, which may "
+                                   f"hold as many of the robust.byzantine = {f} hostile clients as honest ones; set "
+                                   f"dssm.min_clients = {2 * f + 1} (2 byzantine + 1)")]
+
+
 SPEC = AlgorithmSpec("dssm", DssmConfig, DssmServer, DssmClient,
                      default_lr=2e-3, label="DSSM", model_options=sigma_options,
-                     describe=describe)
+                     describe=describe, run_warnings=run_warnings)
