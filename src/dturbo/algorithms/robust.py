@@ -27,12 +27,10 @@ class Rule:
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         raise NotImplementedError
 
-    def per_coordinate(self) -> Rule:
-        """The rule for vectors whose coordinates are separate statistics (BatchNorm's state, its calibration): a
-        rule over whole vectors lets attackers who push every round the same way move a coordinate that honest
-        training leaves where it is (an affine weight) by a clipped step each round, so it takes the
-        coordinate-wise median; a coordinate-wise rule is itself."""
-        return Median()
+    def for_state(self) -> Rule:
+        """The rule for the state outside the Bayesian layers and the BatchNorm statistics: this one, but for centered
+        clipping (:meth:`CenteredClip.for_state`)."""
+        return self
 
 
 class Mean(Rule):
@@ -43,9 +41,6 @@ class Mean(Rule):
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         return p @ x
 
-    def per_coordinate(self) -> Rule:
-        return self
-
 
 class Median(Rule):
     """The coordinate-wise median (unweighted, as Flower's FedMedian)."""
@@ -54,9 +49,6 @@ class Median(Rule):
 
     def combine(self, x: np.ndarray, p: np.ndarray, refused: int = 0) -> np.ndarray:
         return np.median(x, axis=0)
-
-    def per_coordinate(self) -> Rule:
-        return self
 
 
 @dataclass
@@ -75,9 +67,6 @@ class TrimmedMean(Rule):
         if cut == 0:
             return x.mean(axis=0)
         return np.sort(x, axis=0)[cut:k - cut].mean(axis=0)
-
-    def per_coordinate(self) -> Rule:
-        return self
 
 
 def krum_scores(x: np.ndarray, f: int) -> np.ndarray:
@@ -167,6 +156,11 @@ class CenteredClip(Rule):
                 break
             v = v + (d * np.minimum(1.0, tau / np.maximum(lengths, np.finfo(np.float64).tiny))[:, None]).mean(axis=0)
         return v
+
+    def for_state(self) -> Rule:
+        """The coordinate-wise median: every row moves the centre by a clipped step, so attackers who push the same
+        way every round drag a value honest training leaves where it is (a BatchNorm weight) a step each round."""
+        return Median()
 
 
 def make_rule(cfg: RobustConfig) -> Rule:

@@ -145,12 +145,12 @@ class ServerBase(ServerAlgorithm, Generic[U]):
 
     def aggregate_plain(self, state: State, got: Received[U]) -> State:
         """``state`` with the uploads' plain state combined: their n_t-weighted mean (whatever ``weighting`` is), or
-        with a robust ``[robust] rule`` its coordinate-wise form (:meth:`Rule.per_coordinate`; no clipping: its norm
+        with a robust ``[robust] rule`` its coordinate-wise form (:meth:`Rule.for_state`; no clipping: its norm
         is the weights')."""
         decoded = [u.plain for u in got.uploads]
         if self.robust.plain or not self.plain:
             return dict(state) | self.plain.aggregate([u.n_t for u in got.uploads], decoded)
         rows = np.stack([self.plain.flatten(d) for d in decoded])
         p = np.asarray([u.n_t for u in got.uploads], dtype=np.float64)
-        combined = self.robust.rule.per_coordinate().combine(rows, p / p.sum(), len(got.rejected))
+        combined = self.robust.rule.for_state().combine(rows, p / p.sum(), len(got.rejected))
         return dict(state) | self.plain.unflatten(combined)

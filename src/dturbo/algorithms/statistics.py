@@ -178,7 +178,7 @@ def calibrate(statistics: Statistics, server: ServerAlgorithm, state: State, nex
         events.append("BatchNorm calibration: no valid statistics, the averaged ones are kept")
         return state
     robust = getattr(server, "robust", None)
-    rule = None if robust is None or robust.plain else robust.rule.per_coordinate()
+    rule = None if robust is None or robust.plain else robust.rule.for_state()
     pooled = statistics.pool(state, weights, good, rule)
     # each reply is inside the bound, but their spread enters the pooled variance: a pool beyond it would be a
     # state the float16 downlink cannot carry, so it is never stored
