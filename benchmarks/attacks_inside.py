@@ -72,7 +72,7 @@ RULES = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM,
 # first (robust.min_cosine = 0), on the same validation runs (--stage screen, robust_screen.md): the methods whose
 # mean validation accuracy is higher with it take it.
 SCREEN = {"robust.min_cosine": 0.0}
-SCREENED: set[str] = set()
+SCREENED = {"dturbo", "fedavg", "fedpaq", "stc", "feddst"}
 RECOMMENDED = {m: r | (SCREEN if m in SCREENED else {}) for m, r in RULES.items()}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
