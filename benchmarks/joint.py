@@ -403,10 +403,11 @@ def report(camp: h.Campaign, s: h.Settings, docs: Path) -> dict[str, Any]:
     return res
 
 
-def time_chosen(camp: h.Campaign, s: h.Settings, sessions: int = 3) -> dict[str, Any]:
-    """Every chosen seed's final model of a method whose model can be sparse, exported into
-    ``<results>/joint_models/<run>/{exported,dense}`` (kept, so that the timing can be repeated without the run
-    directory) and timed against the same network dense: 3000 test images, batch 3000, 2 threads."""
+def time_chosen(camp: h.Campaign, s: h.Settings, sessions: int = 3, only: list[str] | None = None) -> dict[str, Any]:
+    """Every chosen seed's final model of a method whose model can be sparse (of ``only``'s methods; None: all),
+    exported into ``<results>/joint_models/<run>/{exported,dense}`` (kept, so that the timing can be repeated without
+    the run directory) and timed against the same network dense: 3000 test images, batch 3000, 2 threads; the other
+    methods' timings stay as they are."""
     import speed as sp
     import torch
 
@@ -422,9 +423,9 @@ def time_chosen(camp: h.Campaign, s: h.Settings, sessions: int = 3) -> dict[str,
     x = torch.from_numpy(ds.x_test[:3000])
     allocator = sp.reuse_memory()
     records = dict(old)
-    for label in choice.chosen.values():
+    for method, label in choice.chosen.items():
         cand = by[label]
-        if dense_final(cand):
+        if dense_final(cand) or (only is not None and method not in only):
             continue
         for seed in camp.seeds:
             name = f"{label}_s{seed}"
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
              "runs": checked}, indent=1) + "\n")
         return 1 if bad else 0
     elif args.command == "time":
-        time_chosen(camp, s, args.sessions)
+        time_chosen(camp, s, args.sessions, args.only)
     elif args.command == "report":
         res = report(camp, s, args.docs)
         print(markdown(res))
