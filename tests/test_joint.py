@@ -268,8 +268,8 @@ def test_campaign_file_keeps_the_budget(mods):
     h, _ = mods
     camp = h.load_campaign(Path(__file__).resolve().parents[1] / "benchmarks" / "joint.toml")
     counts = {m: sum(c.method == m for c in camp.candidates) for m in camp.methods()}
-    assert set(counts) == {"fedavg16", "fedavg32", "fedpaq", "stc", "feddst", "dturbo", "narrow_fedavg16",
-                           "narrow_stc"}
+    assert set(counts) == {"fedavg16", "fedavg32", "fedpaq", "stc", "feddst", "dturbo", "dssm", "fedpm",
+                           "narrow_fedavg16", "narrow_stc"}
     assert all(n <= camp.protocol["budget"] for n in counts.values())
 
 

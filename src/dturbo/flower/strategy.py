@@ -331,9 +331,10 @@ class DturboStrategy(Strategy):
             counts[node], pids[node] = n_t, pid
         if not counts:
             raise RuntimeError(
-                "no node answered the strategy's query for its training sample count: register it in the ClientApp "
-                "(@app.query(\"dturbo\") returning dturbo.flower.count_samples(msg, context, trainloader)) or give "
-                "the strategy total_samples=")
+                f"no node answered the strategy's query for its training sample count within query_timeout = "
+                f"{self.query_timeout:g} s: register it in the ClientApp (@app.query(\"dturbo\") returning "
+                f"dturbo.flower.count_samples(msg, context, trainloader)) or give the strategy total_samples=; nodes "
+                f"that answer it but start slowly need a longer query_timeout")
         left = sorted(set(nodes) - set(counts))
         if left:
             log.warning("nodes %s did not answer the dturbo query and are left out of the federation", left)
