@@ -373,7 +373,8 @@ def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
             continue
         if row["accuracy"] is None or row["clean_accuracy"] is None:
             continue
-        drop = 100 * (row["clean_accuracy"] - row["accuracy"])
+        # in points at the test set's resolution (1000 images: 0.1 point), so that 0.781 - 0.741 is 4.0, not 4.0000001
+        drop = round(100 * (row["clean_accuracy"] - row["accuracy"]), 1)
         if row["attack"] != OVERSIZE and drop > GOAL["points"][row["attackers"]]:
             misses.append((key(row), f"{drop:.1f} points"))
         if row["clean_peak_rss_mb"] and row["peak_rss_mb"] > GOAL["memory_ratio"] * row["clean_peak_rss_mb"]:
