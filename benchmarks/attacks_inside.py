@@ -544,6 +544,17 @@ def main_job(work: Path) -> dict[str, Any]:
             "cost_points": round(100 * (reference - acc), 2), "goal_points": 1.0}
 
 
+def run_cached(jobs: list[dict[str, Any]], work: Path, only: str, workers: int) -> list[dict[str, Any]]:
+    """The rows of ``jobs`` whose key starts with ``only``: each run once into ``work`` (a row already in
+    ``work/rows`` is read, not run again), one fresh process a run."""
+    wanted = [j for j in jobs if key(j).startswith(only)]
+    paths = [work / "rows" / (key(j).replace("/", "_") + ".json") for j in wanted]
+    todo = [j for j, p in zip(wanted, paths, strict=True) if not p.exists()]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+        list(pool.map(run_job, todo, [str(work)] * len(todo)))
+    return [json.loads(p.read_text()) for p in paths]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=12)
@@ -553,24 +564,15 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run the jobs whose key starts with this (runner/model/method/...)")
     args = ap.parse_args()
     if args.stage == "candidates":
-        wanted = [j for j in candidate_jobs(args.rounds) if key(j).startswith(args.only)]
-        cache = args.work / "candidates" / "rows"
-        todo = [j for j in wanted if not (cache / (key(j).replace("/", "_") + ".json")).exists()]  # not run yet
-        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-            list(pool.map(run_job, todo, [str(args.work / "candidates")] * len(todo)))
-        results = [json.loads((cache / (key(j).replace("/", "_") + ".json")).read_text()) for j in wanted]
+        results = run_cached(candidate_jobs(args.rounds), args.work / "candidates", args.only, args.jobs)
         res = candidates_report(results, args.rounds)
         (RESULTS / "robust_candidates.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / "robust_candidates.md").write_text(candidates_markdown(res))
         print(candidates_markdown(res))
         return
     if args.stage == "screen":
-        wanted = [j for j in candidate_jobs(args.rounds, ("rule", "rule_screen")) if key(j).startswith(args.only)]
-        cache = args.work / "screen" / "rows"
-        todo = [j for j in wanted if not (cache / (key(j).replace("/", "_") + ".json")).exists()]  # not run yet
-        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-            list(pool.map(run_job, todo, [str(args.work / "screen")] * len(todo)))
-        results = [json.loads(p.read_text()) for p in sorted(cache.glob("*.json"))]
+        results = run_cached(candidate_jobs(args.rounds, ("rule", "rule_screen")), args.work / "screen", args.only,
+                             args.jobs)
         res = screen_report(results, args.rounds)
         (RESULTS / "robust_screen.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / "robust_screen.md").write_text(screen_markdown(res))

@@ -62,8 +62,8 @@ def report(s: h.Settings) -> None:
     joint, camp, chosen = campaigns(s)
     t = float(json.loads((s.results / "joint.json").read_text())["t"])
     local = [r for r in h.load_runs(joint, s) if r.cand.label == chosen]
-    done = [r for r in h.load_runs(camp, s)
-            if sum(o.cand.label == r.cand.label for o in h.load_runs(camp, s)) == len(camp.seeds)]
+    runs = h.load_runs(camp, s)
+    done = [r for r in runs if sum(o.cand.label == r.cand.label for o in runs) == len(camp.seeds)]
     if not done:
         raise h.HarnessError(f"no sampling has all {len(camp.seeds)} seeds done: run `benchmarks/sampling.py run` "
                              f"first")

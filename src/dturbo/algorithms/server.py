@@ -145,8 +145,8 @@ class ServerBase(ServerAlgorithm, Generic[U]):
 
     def aggregate_plain(self, state: State, got: Received[U]) -> State:
         """``state`` with the uploads' plain state combined: their n_t-weighted mean (whatever ``weighting`` is), or
-        with a robust ``[robust] rule`` its coordinate-wise form (:meth:`Rule.for_state`; no clipping: its norm
-        is the weights')."""
+        with a robust ``[robust] rule`` the rule :meth:`Rule.for_state` gives (no clipping: its norm is the
+        weights')."""
         decoded = [u.plain for u in got.uploads]
         if self.robust.plain or not self.plain:
             return dict(state) | self.plain.aggregate([u.n_t for u in got.uploads], decoded)
