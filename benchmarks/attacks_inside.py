@@ -68,12 +68,16 @@ CANDIDATE_RUNS = (("mlp", "none", 0), ("mlp", "scaled_sign_flip", 3), ("mlp", "i
 # than chosen: a round of fewer may hold as many hostile uploads as honest ones, which no rule tells apart.
 RULES = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM,
          "dssm": CANDIDATES["cc05_clip1"] | {"dssm.min_clients": 7}, "stc": KRUM, "fedpm": KRUM, "feddst": TRIMMED}
-# Then, per method, its rule alone or with the uploads that point away from the round's median update left out
-# first (robust.min_cosine = 0), on the same validation runs (--stage screen, robust_screen.md): the methods whose
-# mean validation accuracy is higher with it take it.
-SCREEN = {"robust.min_cosine": 0.0}
-SCREENED = {"dturbo", "fedavg", "fedpaq", "stc", "feddst"}
-RECOMMENDED = {m: r | (SCREEN if m in SCREENED else {}) for m, r in RULES.items()}
+# Then, per method, its rule alone, with the uploads that point away from the round's median update left out first
+# (robust.min_cosine = 0), and with those whose update norm is above 10 times the round's median left out as well
+# (robust.refuse_median = 10: an order of magnitude beyond the honest uploads' spread, fixed before the runs), on the
+# same validation runs (--stage screen, robust_screen.md): each method takes the one of highest mean validation
+# accuracy, the simpler on a tie.
+SCREENS = {"rule": {}, "rule_screen": {"robust.min_cosine": 0.0},
+           "rule_screen_refuse": {"robust.min_cosine": 0.0, "robust.refuse_median": 10.0}}
+SCREENED = {"dturbo": "rule_screen", "fedavg": "rule_screen", "fedpaq": "rule_screen", "dssm": "rule",
+            "stc": "rule_screen", "fedpm": "rule", "feddst": "rule_screen"}
+RECOMMENDED = {m: r | SCREENS[SCREENED[m]] for m, r in RULES.items()}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
 ATTACKERS = (1, 3)
@@ -88,7 +92,7 @@ ROW = ("runner", "model", "method", "attack", "attackers", "robust", "rule", "st
 
 def rule_name(method: str) -> str:
     r = RECOMMENDED[method]
-    keys = ("byzantine", "trim", "radius", "clip_median", "min_cosine")
+    keys = ("byzantine", "trim", "radius", "clip_median", "min_cosine", "refuse_median")
     head = ", ".join(f"{k} {r['robust.' + k]}" for k in keys if "robust." + k in r)
     return f"{r['robust.rule']} {head}" + "".join(f", {k} {v}" for k, v in r.items() if not k.startswith("robust."))
 
@@ -142,8 +146,8 @@ def rule_of(job: dict[str, Any]) -> dict[str, Any]:
     cand = job.get("candidate")
     if cand is None:
         return RECOMMENDED[job["method"]]
-    if cand in ("rule", "rule_screen"):
-        return RULES[job["method"]] | (SCREEN if cand == "rule_screen" else {})
+    if cand in SCREENS:
+        return RULES[job["method"]] | SCREENS[cand]
     return CANDIDATES[cand]
 
 
@@ -452,31 +456,34 @@ def candidate_jobs(rounds: int, rules: tuple[str, ...] = tuple(CANDIDATES)) -> l
 
 
 def screen_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
-    """Per method, the mean validation accuracy of its seven runs under its rule alone and with the screen; the
-    screen is taken where it is higher (a tie keeps the rule alone)."""
+    """Per method, the mean validation accuracy of its seven runs under each of :data:`SCREENS`; the highest is
+    chosen (a tie: the earlier, simpler one)."""
     def mean(m: str, cand: str) -> float | None:
         vals = [r["val_accuracy"] for r in results if r["method"] == m and r["candidate"] == cand]
         return float(sum(vals) / len(vals)) if len(vals) == len(CANDIDATE_RUNS) and None not in vals else None
 
-    table = {m: {c: mean(m, c) for c in ("rule", "rule_screen")} for m in CANDIDATE_METHODS}
-    return {"what": "each method's rule alone and with robust.min_cosine = 0 first, 3 attackers of 10, on the "
-                    "validation split (10% of the 3000 training images held out)", "rounds": rounds,
-            "screen": SCREEN, "results": table,
-            "screened": sorted(m for m, v in table.items() if None not in v.values() and v["rule_screen"] > v["rule"]),
+    table = {m: {c: mean(m, c) for c in SCREENS} for m in CANDIDATE_METHODS}
+    chosen = {m: max(SCREENS, key=lambda c, v=v: (round(v[c], 6), -list(SCREENS).index(c)))
+              for m, v in table.items() if None not in v.values()}
+    return {"what": "each method's rule alone, with robust.min_cosine = 0 first, and with robust.refuse_median = 10 "
+                    "as well, 3 attackers of 10, on the validation split (10% of the 3000 training images held out)",
+            "rounds": rounds, "screens": SCREENS, "results": table, "chosen": chosen,
             "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def screen_markdown(res: dict[str, Any]) -> str:
-    lines = [f"# The screen (min_cosine = 0) on each method's rule: validation accuracy ({res['rounds']} rounds)", "",
+    lines = [f"# The screens on each method's rule: validation accuracy ({res['rounds']} rounds)", "",
              "Written by `benchmarks/attacks_inside.py --stage screen`: the mean final validation accuracy of a "
-             "method's seven runs (as robust_candidates.md) under its rule alone and with the uploads whose update "
-             "has a negative cosine with the round's median update left out first; the higher in bold.", "",
-             "| method | rule | rule + screen |", "|---|---|---|"]
+             "method's seven runs (as robust_candidates.md) under its rule alone; with the uploads whose update "
+             "has a negative cosine with the round's median update left out first (screen); and with those whose "
+             "update norm is above 10 times the round's median left out as well (refuse). The chosen in bold.", "",
+             "| method | rule | rule + screen | rule + screen + refuse |", "|---|---|---|---|"]
     for m, v in res["results"].items():
-        cells = ["-" if v[c] is None else f"{100 * v[c]:.1f}" for c in ("rule", "rule_screen")]
-        bold = 1 if m in res["screened"] else 0
-        cells[bold] = f"**{cells[bold]}**"
-        lines.append(f"| {m} | {cells[0]} | {cells[1]} |")
+        cells = ["-" if v[c] is None else f"{100 * v[c]:.1f}" for c in SCREENS]
+        if m in res["chosen"]:
+            i = list(SCREENS).index(res["chosen"][m])
+            cells[i] = f"**{cells[i]}**"
+        lines.append(f"| {m} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -571,7 +578,7 @@ def main() -> None:
         print(candidates_markdown(res))
         return
     if args.stage == "screen":
-        results = run_cached(candidate_jobs(args.rounds, ("rule", "rule_screen")), args.work / "screen", args.only,
+        results = run_cached(candidate_jobs(args.rounds, tuple(SCREENS)), args.work / "screen", args.only,
                              args.jobs)
         res = screen_report(results, args.rounds)
         (RESULTS / "robust_screen.json").write_text(json.dumps(res, indent=1) + "\n")

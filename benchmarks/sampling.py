@@ -9,7 +9,7 @@ accuracy, bits and the rounds' shape, seed by seed; a variant enters the report 
 cost per round comes from ``benchmarks/round_time.py`` (``results/round_time.json``).
 Writes ``benchmarks/results/sampling.{json,md}``.
 
-Usage: .venv/bin/python benchmarks/sampling.py [plan|run|report] [--jobs 2]
+Usage: .venv/bin/python benchmarks/sampling.py [plan|run|report] [--jobs 2] [--only SAMPLING ...]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import harness as h  # noqa: E402
 from joint import largest_drop  # noqa: E402
 
 RESULTS = HERE / "results"
-SAMPLINGS = ("channel", "support")
+SAMPLINGS = ("channel", "support", "detached")
 
 
 def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
@@ -112,13 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("command", nargs="?", default="plan", choices=["plan", "run", "report"])
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
+    ap.add_argument("--only", nargs="+", choices=SAMPLINGS, default=SAMPLINGS,
+                    help="train these samplings' runs (another process may be training the others)")
     args = ap.parse_args(argv)
     s = h.Settings()
     _, camp, _ = campaigns(s)
     if args.command == "plan":
         h.print_plan(f"{', '.join(c.label for c in camp.candidates)}, every seed", jobs(camp, s))
     elif args.command == "run":
-        failed = h.run_jobs(jobs(camp, s), args.jobs)
+        failed = h.run_jobs([j for j in jobs(camp, s) if j.cand.overrides["dturbo.sampling"] in args.only],
+                            args.jobs)
         return 1 if failed else 0
     else:
         report(s)

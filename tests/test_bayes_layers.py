@@ -166,6 +166,26 @@ def test_channel_sampling_sends_no_gradient_through_the_variance_to_the_input():
     assert torch.all(layer.weight_mu.grad[1] == 0) and layer.bias.grad[1] == g[:, 1].sum()
 
 
+def test_detached_sampling_is_support_sampling_with_the_variance_path_s_input_held_constant():
+    """sampling = "detached": the same draws as "support" (the same generator), one per pre-activation; its input
+    gradient is the mean path's alone, and sigma still learns."""
+    layer = _channel_layer("weight")
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    layer.sampling = SAMPLINGS["detached"]
+    out = layer(x)
+    layer.sampling, layer.generator = SAMPLINGS["support"], torch.Generator().manual_seed(1)
+    torch.testing.assert_close(out, layer(x))
+    z = (out - _mean_and_variance(layer, x)[0])[:, 0]
+    assert torch.unique(z.detach().round(decimals=4)).numel() > 10  # not one draw per channel
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    w = (layer.weight_mu * layer.mask).detach()
+    xr = x.detach().clone().requires_grad_(True)
+    (torch.nn.functional.conv2d(xr, w, padding=1) * g).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    assert layer.sigma_param.grad is not None and torch.any(layer.sigma_param.grad != 0)
+
+
 def test_channel_sampling_of_grouped_unbatched_and_dense_layers_has_q_s_moments():
     depthwise = _channel_layer(groups=2)
     x = torch.randn(4, 5, 5)  # unbatched

@@ -25,6 +25,7 @@ from dturbo.algorithms.robust import (
     TrimmedMean,
     aligned,
     krum_scores,
+    ordinary,
 )
 from dturbo.attacks import ATTACKS, RoundView, hostile_clients
 from dturbo.codec import decode_dense, decode_quantized, encode_grid, encode_quantized, encode_ternary, encode_values
@@ -454,6 +455,28 @@ def test_uploads_that_point_away_from_the_rounds_median_update_are_left_out_befo
     cosine = steps @ np.median(steps, axis=0) / (np.linalg.norm(steps, axis=1) * np.linalg.norm(np.median(steps, 0)))
     np.testing.assert_array_equal(aligned(steps, 0.0), cosine >= 0)
     assert aligned(np.zeros((4, 3)), 0.0).all()
+
+
+def test_uploads_far_longer_than_the_rounds_median_update_are_left_out_before_clipping():
+    """3 updates stretched a thousandfold (a sign flip scaled to the value bound) among 7 honest ones of similar
+    lengths: refuse_median = 10 leaves the 3 out, so median clipping and the trimmed mean see the honest rows alone
+    (the result equals that rule on them, computed apart); no honest row is as much as 10 times the median."""
+    rng = np.random.default_rng(5)
+    ref = rng.normal(size=20)
+    honest = [ref + np.ones(20) + rng.normal(0, 0.5, 20) for _ in range(7)]
+    hostile = [ref - 1000 * (h - ref) for h in honest[:3]]
+    rule = {"rule": "trimmed_mean", "trim": 0.1, "byzantine": 3, "clip_median": 1.0}
+    agg = RobustAggregation(RobustConfig(**rule, refuse_median=10.0))
+    assert not agg.plain
+    got = agg.combine(hostile + honest, np.full(10, 0.1), ref)
+    alone = RobustAggregation(RobustConfig(rule="mean", clip_median=1.0)).combine(honest, np.full(7, 1 / 7), ref)
+    np.testing.assert_allclose(got, alone)  # 3 refused count against byzantine: nothing left to trim
+    without = RobustAggregation(RobustConfig(**rule)).combine(hostile + honest, np.full(10, 0.1), ref)
+    assert np.linalg.norm(without - got) > 0.1
+    steps = np.stack(hostile + honest) - ref
+    lengths = np.linalg.norm(steps, axis=1)
+    np.testing.assert_array_equal(ordinary(steps, 10.0), lengths <= 10 * np.median(lengths))
+    assert ordinary(np.zeros((4, 3)), 10.0).all()
 
 
 def test_a_hostile_calibration_reply_reaches_the_server_at_the_bound_and_the_rule_holds(tmp_path, toy):

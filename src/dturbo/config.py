@@ -152,6 +152,9 @@ class RobustConfig(_Section):
     min_cosine: float | None = Field(None, ge=-1, lt=1, description=(
         "each upload whose update has a cosine below this with the round's coordinate-wise median update is left "
         "out before the rule (a reversed update: sign flipping, inner-product manipulation); None: none left out"))
+    refuse_median: float | None = Field(None, gt=1, description=(
+        "each upload whose update has an L2 norm above this times the round's median update norm is left out before "
+        "clipping (an update stretched to the value bound); None: every upload is clipped instead"))
 
 
 class ModelConfig(_Section):

@@ -186,8 +186,18 @@ def clip(x: np.ndarray, reference: np.ndarray, norm: float) -> np.ndarray:
     return reference + step * scale[:, None]
 
 
+def ordinary(step: np.ndarray, ratio: float) -> np.ndarray:
+    """Which rows of ``step`` (one update each) have an L2 norm of at most ``ratio`` times the rows' median norm: an
+    update stretched to the value bound is orders of magnitude longer than an honest one. Every row is kept when the
+    median norm is zero."""
+    lengths = np.sqrt(np.einsum("ij,ij->i", step, step))
+    median = float(np.median(lengths))
+    return lengths <= ratio * median if median > 0 else np.ones(step.shape[0], dtype=bool)
+
+
 class RobustAggregation:
-    """``[robust]``: clipping (to ``clip_norm``, then to ``clip_median`` times the round's median update norm), the
+    """``[robust]``: the uploads whose update is far longer than the round's median left out (``refuse_median``,
+    :func:`ordinary`), clipping (to ``clip_norm``, then to ``clip_median`` times the round's median update norm), the
     uploads that point away from the round's median update left out (``min_cosine``, :func:`aligned`), then the rule,
     on a round's matrix of client vectors."""
 
@@ -196,12 +206,13 @@ class RobustAggregation:
         self.clip_norm = cfg.clip_norm
         self.clip_median = cfg.clip_median
         self.min_cosine = cfg.min_cosine
+        self.refuse_median = cfg.refuse_median
 
     @property
     def plain(self) -> bool:
         """Whether this is the plain weighted mean: the algorithms then keep their own sums, bit for bit."""
         return (isinstance(self.rule, Mean) and self.clip_norm is None and self.clip_median is None
-                and self.min_cosine is None)
+                and self.min_cosine is None and self.refuse_median is None)
 
     def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None,
                 refused: int = 0) -> np.ndarray:
@@ -211,6 +222,9 @@ class RobustAggregation:
         x = np.stack([np.asarray(r, dtype=np.float64).reshape(-1) for r in rows])
         w = np.asarray(p, dtype=np.float64)
         ref = np.zeros(x.shape[1]) if reference is None else np.asarray(reference, np.float64).reshape(-1)
+        if self.refuse_median is not None:
+            kept = ordinary(x - ref, self.refuse_median)
+            x, w, refused = x[kept], w[kept], refused + int(np.sum(~kept))
         if self.clip_norm is not None:
             x = clip(x, ref, self.clip_norm)
         if self.clip_median is not None:

@@ -88,16 +88,20 @@ class SupportSampling(Sampling):
         return layer.rows_on_support()
 
 
-class ChannelSampling(SupportSampling):
-    """:class:`SupportSampling` at less cost still:
+class DetachedSampling(SupportSampling):
+    """:class:`SupportSampling` whose variance path takes the layer's input as a constant: its gradient reaches
+    sigma, not the input, so the backward pass skips the variance convolution; one draw per pre-activation still."""
 
-    - one draw per sample and output channel serves all the channel's positions (they share the channel's weights,
-      so their pre-activations are correlated under q anyway); a dense layer's draws are per unit, as before;
-    - the variance path takes the layer's input as a constant: its gradient reaches sigma, not the input, so the
-      backward pass skips the variance convolution."""
+    name = "detached"
+    detach = True
+
+
+class ChannelSampling(DetachedSampling):
+    """:class:`DetachedSampling` with one draw per sample and output channel for all the channel's positions (they
+    share the channel's weights, so their pre-activations are correlated under q anyway); a dense layer's draws are
+    per unit, as before."""
 
     name = "channel"
-    detach = True
 
     def noise_shape(self, layer: BayesianLayer, mean: torch.Tensor) -> torch.Size:
         return layer.channel_shape(mean)
@@ -107,7 +111,7 @@ class ChannelSampling(SupportSampling):
 
 
 LOCAL = Sampling()
-SAMPLINGS: dict[str, Sampling] = {s.name: s for s in (LOCAL, SupportSampling(), ChannelSampling())}
+SAMPLINGS: dict[str, Sampling] = {s.name: s for s in (LOCAL, SupportSampling(), DetachedSampling(), ChannelSampling())}
 
 
 class BayesianLayer(nn.Module):
