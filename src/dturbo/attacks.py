@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from .algorithms.base import pack_scalars, unpack_scalars
-from .algorithms.bounds import GROWTH, VALUE_CAP
+from .algorithms.bounds import VALUE_CAP, magnitude
 from .algorithms.plain import SUFFIX as PLAIN
+from .algorithms.plain import PlainTensor
 from .codec import (
     decode_dense,
     decode_message,
@@ -314,14 +315,14 @@ class CoordinatedAttack(ValueAttack):
 
 class ScaledSignFlip(CoordinatedAttack):
     """The client's update reversed and stretched until its largest value reaches 0.9 of the bound the server
-    checks (``GROWTH`` times the global layer's largest magnitude, at least 1): the strongest sign flip an upload
+    checks (:func:`dturbo.algorithms.bounds.magnitude` of the global layer): the strongest sign flip an upload
     bound lets through. A field of weights whose global values the downlink does not show is reversed about 0."""
 
     share = 0.9
 
-    def room(self, top_ref: float) -> float:
-        """How far from the global values (largest magnitude ``top_ref``) the reversed update may reach."""
-        return max(self.share * GROWTH * max(1.0, top_ref) - top_ref, 0.0)
+    def bound(self, reference: np.ndarray) -> float:
+        """The largest magnitude the server accepts for the field, from its global values."""
+        return magnitude(reference)
 
     def target(self, own: np.ndarray, reference: np.ndarray | None, honest: Callable[[], np.ndarray],
                ctx: RoundView) -> np.ndarray:
@@ -330,7 +331,9 @@ class ScaledSignFlip(CoordinatedAttack):
         top = float(np.abs(step).max()) if step.size else 0.0
         if top == 0.0:
             return own
-        return ref - step * self.room(float(np.abs(ref).max())) / top
+        # how far from the global values the reversed update may reach
+        room = max(self.share * self.bound(ref) - (float(np.abs(ref).max()) if ref.size else 0.0), 0.0)
+        return ref - step * room / top
 
 
 class ALIE(CoordinatedAttack):
@@ -366,26 +369,27 @@ class IPM(CoordinatedAttack):
         return reference - self.epsilon * (rows.mean(axis=0) - reference)
 
 
-class _StatisticsFlip(ScaledSignFlip):
-    """The scaled sign flip of a running statistic: reversed about the global one and stretched to 0.9 of the cap
-    the server checks (``VALUE_CAP``: statistics follow the data, not the global state)."""
+class _ToLimit(ScaledSignFlip):
+    """The scaled sign flip of one tensor of the state outside the Bayesian layers, to 0.9 of its limit
+    (:meth:`dturbo.algorithms.plain.PlainTensor.limit`)."""
 
-    def room(self, top_ref: float) -> float:
-        return self.share * VALUE_CAP - top_ref
+    def __init__(self, tensor: PlainTensor) -> None:
+        self.tensor = tensor
+
+    def bound(self, reference: np.ndarray) -> float:
+        return self.tensor.limit(reference)
 
 
 class PlainStatePoison(ScaledSignFlip):
     """Only the state outside the Bayesian layers (the ``.plain`` fields) reversed about the global state and
-    stretched to 0.9 of its bound: BatchNorm's affine weights (trained parameters) to that of a weight layer
-    (``GROWTH`` times the global magnitude), its running statistics to 0.9 of ``VALUE_CAP``; the Bayesian layers'
-    fields honest."""
+    stretched to 0.9 of the limit the server checks (BatchNorm's affine weights: a weight layer's; its running
+    statistics: ``VALUE_CAP``); the Bayesian layers' fields honest."""
 
     def payload(self, payload: bytes, layout: str, name: str, ctx: RoundView) -> bytes:
         if not (name.endswith(f".{PLAIN}") and layout == "dense"):
             return payload
-        if any(t.field == name and t.parameter for t in ctx.server.plain.tensors):
-            return super().payload(payload, layout, name, ctx)
-        return _StatisticsFlip().payload(payload, layout, name, ctx)
+        tensor = next((t for t in ctx.server.plain.tensors if t.field == name), None)
+        return payload if tensor is None else _ToLimit(tensor).payload(payload, layout, name, ctx)
 
 
 class CalibrationPoison(Attack):

@@ -30,6 +30,7 @@ from torch import nn
 from ..codec import decode_dense, encode_dense
 from ..nn.bayes import bayesian_layers
 from .base import MessageError, State, need
+from .bounds import VALUE_CAP, magnitude
 
 SUFFIX = "plain"
 LAYOUT = {SUFFIX: "dense"}  # merged into an algorithm's message layouts (dturbo.ledger.message_bits)
@@ -48,6 +49,13 @@ class PlainTensor:
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+    def limit(self, global_values: np.ndarray) -> float:
+        """The largest magnitude an upload of this tensor may hold: a trained parameter's within the growth of the
+        weights' limits (local steps move it little; a large BatchNorm weight scales the next layer's statistics by
+        its square, beyond what the clients' float16 uploads carry), a running statistic's within the cap that keeps
+        every aggregate far inside float16 (it follows the data, not the global state)."""
+        return magnitude(global_values) if self.parameter else VALUE_CAP
 
 
 def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from ..codec import CodecError
 from ..config import Config
 from ..protocol import ServerAlgorithm
 from .base import NO_CLIENT, MessageError, Rejection, State, client_weights, sample_uniform
-from .bounds import VALUE_CAP, Limit, UploadBounds, magnitude
+from .bounds import Limit, UploadBounds
 from .plain import PlainState
 from .robust import RobustAggregation
 
@@ -103,12 +103,8 @@ class ServerBase(ServerAlgorithm, Generic[U]):
         if senders is not None and len(senders) != len(uplinks):
             raise ValueError(f"{len(senders)} senders for {len(uplinks)} uploads")
         bounds = self.bounds(state, round_idx)
-        # the state outside the Bayesian layers passes the same gate: finite, its trained parameters within the
-        # growth of the weights' limits (local steps move them little; a large BatchNorm weight scales the next
-        # layer's statistics by its square, beyond what the clients' float16 uploads carry), its running statistics
-        # within the cap that keeps every aggregate far inside float16 (they follow the data, not the global state)
-        bounds.limits |= {t.field: Limit(magnitude(state[t.field]) if t.parameter else VALUE_CAP)
-                          for t in self.plain.tensors}
+        # the state outside the Bayesian layers passes the same gate: finite, within its tensor's limit
+        bounds.limits |= {t.field: Limit(t.limit(state[t.field])) for t in self.plain.tensors}
         valid: list[U] = []
         rejected: list[Rejection] = []
         answered: set[int] = set()
