@@ -110,6 +110,9 @@ def jobs(rounds: int) -> list[dict[str, Any]]:
                                 "attackers": 1})
                 out += [{"runner": runner, "model": model, "method": method, "attack": a, "attackers": k}
                         for a in attacks for k in ATTACKERS]
+                if runner == "simulator":  # the recommended rule's cost without attackers, against the plain mean
+                    out.append({"runner": runner, "model": model, "method": method, "attack": "none",
+                                "attackers": 0, "candidate": "mean"})
     for j in out:
         j["rounds"] = rounds
     return out
@@ -141,11 +144,13 @@ class MlpBn:
 
 
 def rule_of(job: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a job's rule: a candidate's (--stage candidates), its method's rule with or without the screen
-    (--stage screen: ``rule``, ``rule_screen``), else its method's recommended one."""
+    """The settings of a job's rule: a candidate's (--stage candidates), its method's rule with or without the screens
+    (--stage screen: :data:`SCREENS`), the plain mean (``mean``), else its method's recommended one."""
     cand = job.get("candidate")
     if cand is None:
         return RECOMMENDED[job["method"]]
+    if cand == "mean":
+        return {}
     if cand in SCREENS:
         return RULES[job["method"]] | SCREENS[cand]
     return CANDIDATES[cand]
@@ -159,7 +164,7 @@ def config(job: dict[str, Any]) -> Any:
         "data.limit_train": 3000, "data.limit_test": 1000, "train.local_epochs": 2.0,
         "model.name": "mlp" if job["model"] == "mlp" else "custom",
         **rule_of(job)}
-    if "candidate" in job:  # a candidate rule: chosen on a validation split held out of the training images
+    if job.get("candidate", "mean") != "mean":  # a candidate rule: chosen on a validation split held out
         over["data.validation"] = 0.1
     if job["method"] == "dturbo":
         over |= {"dturbo.sparsity.warmup_rounds": 1, "dturbo.sparsity.ramp_rounds": max(1, job["rounds"] - 4)}
@@ -355,7 +360,12 @@ def run_job(job: dict[str, Any], work: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ report
 def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    plain = {(r["model"], r["method"]): r for r in results if r.get("candidate") == "mean"}
+    results = [r for r in results if r.get("candidate") != "mean"]
     clean = {(r["runner"], r["model"], r["method"]): r for r in results if r["attack"] == "none"}
+    cost = [{"model": model, "method": method, "rule": rule_name(method), "mean_accuracy": p["accuracy"],
+             "accuracy": clean.get(("simulator", model, method), {}).get("accuracy")}
+            for (model, method), p in plain.items()]
     rows, details = [], []
     for r in results:
         if r["attack"] == "none":
@@ -386,7 +396,7 @@ def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     return {"runs": rows, "details": details, "clean": [
         {k: c.get(k) for k in ("runner", "model", "method", "accuracy", "peak_rss_mb", "seconds", "error")}
         for c in clean.values()],
-        "recommended": RECOMMENDED, "rounds": rounds, "goal": GOAL,
+        "recommended": RECOMMENDED, "cost_without_attackers": cost, "rounds": rounds, "goal": GOAL,
         "missed": {"accuracy_or_stop": misses, "memory": memory},
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
         "python": platform.python_version()}
@@ -436,16 +446,22 @@ def summary(res: dict[str, Any]) -> str:
         else:
             text = f"{100 * (r['clean_accuracy'] - r['accuracy']):+.1f}"
         row.setdefault(r["attack"], []).append(text)
+    cost: dict[str, list[str]] = {}
+    for c in res.get("cost_without_attackers", []):
+        if None not in (c["accuracy"], c["mean_accuracy"]):
+            cost.setdefault(c["method"], []).append(f"{100 * (c['mean_accuracy'] - c['accuracy']):+.1f}")
     attacks = [*ATTACKS["mlp"], *ATTACKS["bn"]]
-    lines = ["| method | runner | " + " | ".join(attacks) + " | 200 MB reply: memory |",
-             "|---|---|" + "---|" * (len(attacks) + 1)]
+    lines = ["| method | runner | " + " | ".join(attacks) + " | 200 MB reply: memory | no attack: rule's cost |",
+             "|---|---|" + "---|" * (len(attacks) + 2)]
     for (method, runner), row in cells.items():
         lines.append(f"| {method} | {runner} | " + " | ".join(" / ".join(row.get(a, ["n/a"])) for a in attacks)
-                     + f" | {' '.join(row.get(OVERSIZE, ['n/a']))} |")
+                     + f" | {' '.join(row.get(OVERSIZE, ['n/a']))} | "
+                     + (" / ".join(cost.get(method, ["n/a"])) if runner == "sim" else "") + " |")
     m = res["missed"]["accuracy_or_stop"]
     lines += ["", f"mlp: scaled_sign_flip, alie, ipm; bn (the mlp with BatchNorm): plain_state, calibration; "
                   f"{res['rounds']} rounds. Goal: within 2 points with 1 attacker, 4 with 3: "
-                  f"{len(res['runs']) - len(m)} of {len(res['runs'])} rows."]
+                  f"{len(res['runs']) - len(m)} of {len(res['runs'])} rows. No attack: points below the plain mean "
+                  f"(mlp / bn, simulator)."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,48 @@
+"""benchmarks/attacks_inside.py's report and screen choice, against values computed by hand on synthetic rows."""
+
+from __future__ import annotations
+
+import pytest
+from run_helpers import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def ai():
+    return load_benchmark("attacks_inside")
+
+
+def _row(runner: str, model: str, method: str, attack: str, attackers: int, accuracy: float, **extra) -> dict:
+    return {"runner": runner, "model": model, "method": method, "attack": attack, "attackers": attackers,
+            "accuracy": accuracy, "stopped": False, "resume_ok": True, "peak_rss_mb": 500.0, "error": None,
+            "rounds_done": 12, "clients_rejected": 0, "up_bits": 1.0, "hostile": [], "seconds": 1.0, **extra}
+
+
+def test_the_report_counts_drops_at_a_tenth_of_a_point_and_the_rules_cost_against_the_plain_mean(ai):
+    results = [
+        _row("simulator", "mlp", "fedavg", "none", 0, 0.781),
+        _row("simulator", "mlp", "fedavg", "none", 0, 0.790, candidate="mean"),
+        _row("simulator", "mlp", "fedavg", "scaled_sign_flip", 3, 0.741),  # 4.0 points: within 4
+        _row("simulator", "mlp", "fedavg", "alie", 3, 0.740),  # 4.1 points: missed
+        _row("simulator", "mlp", "fedavg", "ipm", 1, 0.760),  # 2.1 points: missed
+    ]
+    res = ai.report(results, 12)
+    assert [tuple(r) for r in res["runs"]] == [ai.ROW] * 3  # the plain-mean run is no row of the schema
+    assert [why for _, why in res["missed"]["accuracy_or_stop"]] == ["4.1 points", "2.1 points"]
+    assert res["cost_without_attackers"] == [{"model": "mlp", "method": "fedavg", "rule": ai.rule_name("fedavg"),
+                                              "mean_accuracy": 0.790, "accuracy": 0.781}]
+    line = next(x for x in ai.summary(res).splitlines() if x.startswith("| fedavg | sim |"))
+    assert line.endswith("| +0.9 |")  # 0.9 points below the plain mean without attackers
+    assert "+4.0" in line and "+4.1" in line
+
+
+def test_each_method_takes_the_screen_of_highest_validation_accuracy_the_simpler_on_a_tie(ai):
+    runs = ai.CANDIDATE_RUNS
+    vals = {"rule": 0.70, "rule_screen": 0.72, "rule_screen_refuse": 0.72}  # a tie: the simpler screen
+    results = [{"method": m, "candidate": c, "val_accuracy": v} for m in ("dturbo",) for c, v in vals.items()
+               for _ in runs]
+    results += [{"method": "stc", "candidate": c, "val_accuracy": 0.6 + 0.01 * i} for i, c in enumerate(vals)
+                for _ in runs]
+    res = ai.screen_report(results, 12)
+    assert res["chosen"] == {"dturbo": "rule_screen", "stc": "rule_screen_refuse"}
+    assert res["results"]["fedavg"]["rule"] is None  # a method without its runs chooses nothing
+    assert ai.SCREENED.keys() == ai.RULES.keys() and set(ai.SCREENED.values()) <= set(ai.SCREENS)
