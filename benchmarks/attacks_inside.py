@@ -75,8 +75,8 @@ RULES = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM,
 # accuracy, the simpler on a tie.
 SCREENS = {"rule": {}, "rule_screen": {"robust.min_cosine": 0.0},
            "rule_screen_refuse": {"robust.min_cosine": 0.0, "robust.refuse_median": 10.0}}
-SCREENED = {"dturbo": "rule_screen", "fedavg": "rule_screen", "fedpaq": "rule_screen", "dssm": "rule",
-            "stc": "rule_screen", "fedpm": "rule", "feddst": "rule_screen"}
+SCREENED = {"dturbo": "rule_screen_refuse", "fedavg": "rule_screen_refuse", "fedpaq": "rule_screen_refuse",
+            "dssm": "rule_screen_refuse", "stc": "rule_screen_refuse", "fedpm": "rule", "feddst": "rule_screen_refuse"}
 RECOMMENDED = {m: r | SCREENS[SCREENED[m]] for m, r in RULES.items()}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
