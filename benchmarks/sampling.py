@@ -7,6 +7,9 @@ The joint comparison's chosen D-Turbo-VBI setting (``results/joint.json``'s ``ch
 candidate: the setting stays the one the joint rule chose, and the question is what each cheaper sampling costs in
 accuracy, bits and the rounds' shape, seed by seed; a variant enters the report once all its seeds are done. The
 cost per round comes from ``benchmarks/round_time.py`` (``results/round_time.json``).
+The rule, fixed before the runs: the recommended sampling is the cheapest (lowest local training cost in
+round_time.json) whose mean validation accuracy is at most ``MARGIN`` below ``"local"``'s (the seeds' spread is about
+0.4 points), ``"local"`` itself when none is.
 Writes ``benchmarks/results/sampling.{json,md}``.
 
 Usage: .venv/bin/python benchmarks/sampling.py [plan|run|report] [--jobs 2] [--only SAMPLING ...]
@@ -32,6 +35,7 @@ from joint import largest_drop  # noqa: E402
 
 RESULTS = HERE / "results"
 SAMPLINGS = ("channel", "support", "detached")
+MARGIN = 0.002  # in accuracy: 0.2 points
 
 
 def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
@@ -84,7 +88,11 @@ def report(s: h.Settings) -> None:
                       "largest_drop": max(r["largest_drop"] for r in by[name]),
                       "seeds_reaching_t": sum(r["bits_to_t"] is not None for r in by[name]),
                       "ratio_client": ratios.get(name)} for name in by}
-    res = {"setting": chosen, "t": t, "seeds": camp.seeds, "summary": summary,
+    fit = [name for name, v in summary.items() if v["ratio_client"] is not None
+           and v["val_accuracy"] >= summary["local"]["val_accuracy"] - MARGIN]
+    recommended = min(fit, key=lambda name: summary[name]["ratio_client"], default="local")
+    res = {"setting": chosen, "t": t, "seeds": camp.seeds, "summary": summary, "recommended": recommended,
+           "margin": MARGIN,
            "runs": [{k: v for k, v in r.items()} for r in rows],
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
@@ -99,12 +107,14 @@ def report(s: h.Settings) -> None:
         md.append(f"| {r['sampling']} | {r['seed']} | {r['accuracy']:.2%} | {r['val_accuracy']:.2%} | "
                   f"{mbit(r['bits_to_t'])} | {r['total_bits'] / 1e6:.1f} | {r['lowest_accuracy']:.2%} | "
                   f"{r['largest_drop'] * 100:.1f} points |")
-    md += ["", "| sampling | mean test accuracy | mean Mbit to T | seeds reaching T | local training x FedAvg |",
-           "|---|---|---|---|---|"]
+    md += ["", "| sampling | mean validation accuracy | mean test accuracy | mean Mbit to T | seeds reaching T | "
+           "local training x FedAvg |", "|---|---|---|---|---|---|"]
     for name, v in summary.items():
         ratio = "-" if v["ratio_client"] is None else f"{v['ratio_client']:.2f}x"
-        md.append(f"| {name} | {v['accuracy']:.2%} | {mbit(v['bits_to_t'])} | {v['seeds_reaching_t']} of "
-                  f"{len(camp.seeds)} | {ratio} |")
+        md.append(f"| {name} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {mbit(v['bits_to_t'])} | "
+                  f"{v['seeds_reaching_t']} of {len(camp.seeds)} | {ratio} |")
+    md += ["", f"Recommended (the cheapest whose mean validation accuracy is at most {100 * MARGIN:.1f} points below "
+               f"local's): **{recommended}**."]
     h.write_results(s.results, "sampling", res, "\n".join(md) + "\n")
 
 
