@@ -26,6 +26,7 @@ other figures.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -551,10 +552,12 @@ def main_job(work: Path) -> dict[str, Any]:
     D-Turbo-VBI's recommended rule, against the main job of benchmarks/results/presets.json."""
     import subprocess
 
-    out = work / "main_job"
+    rule = RECOMMENDED["dturbo"]
+    # one run folder per rule: a finished run of another rule is not this one's
+    out = work / f"main_job_{hashlib.sha256(json.dumps(rule, sort_keys=True).encode()).hexdigest()[:10]}"
     if not (out / "model.safetensors").exists():
         cmd = [sys.executable, "-m", "dturbo", "run", "--preset", "quick", "--out", str(out), "--no-figures",
-               "--set", "experiment.threads=1", *(x for k, v in RECOMMENDED["dturbo"].items()
+               "--set", "experiment.threads=1", *(x for k, v in rule.items()
                                                   for x in ("--set", f"{k}={json.dumps(v)}"))]
         if out.exists():
             cmd.append("--resume")
