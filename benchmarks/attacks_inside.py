@@ -572,7 +572,7 @@ def main_job(work: Path) -> dict[str, Any]:
 
 def run_cached(jobs: list[dict[str, Any]], work: Path, only: str, workers: int) -> list[dict[str, Any]]:
     """The rows of ``jobs`` whose key starts with ``only``: each run once into ``work`` (a row already in
-    ``work/rows`` is read, not run again), one fresh process a run."""
+    ``work/rows`` is read, not run again), one fresh process a run (its peak RSS is its own)."""
     wanted = [j for j in jobs if key(j).startswith(only)]
     paths = [work / "rows" / (key(j).replace("/", "_") + ".json") for j in wanted]
     todo = [j for j, p in zip(wanted, paths, strict=True) if not p.exists()]
@@ -604,12 +604,8 @@ def main() -> None:
         (RESULTS / "robust_screen.md").write_text(screen_markdown(res))
         print(screen_markdown(res))
         return
-    todo = [j for j in jobs(args.rounds) if key(j).startswith(args.only)
-            and not (args.work / "rows" / (key(j).replace("/", "_") + ".json")).exists()]  # not run yet
     if args.stage in ("runs", "all"):
-        # one fresh process a run (max_tasks_per_child): its peak RSS is its own
-        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-            list(pool.map(run_job, todo, [str(args.work)] * len(todo)))
+        run_cached(jobs(args.rounds), args.work, args.only, args.jobs)
     if args.stage in ("main", "all"):
         (args.work / "main_job.json").write_text(json.dumps(main_job(args.work)))
     if args.stage in ("report", "all"):

@@ -332,7 +332,7 @@ class ScaledSignFlip(CoordinatedAttack):
         if top == 0.0:
             return own
         # how far from the global values the reversed update may reach
-        room = max(self.share * self.bound(ref) - (float(np.abs(ref).max()) if ref.size else 0.0), 0.0)
+        room = max(self.share * self.bound(ref) - float(np.abs(ref).max()), 0.0)
         return ref - step * room / top
 
 

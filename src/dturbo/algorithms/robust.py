@@ -69,6 +69,11 @@ class TrimmedMean(Rule):
         return np.sort(x, axis=0)[cut:k - cut].mean(axis=0)
 
 
+def lengths(x: np.ndarray) -> np.ndarray:
+    """The L2 norm of every row of ``x``."""
+    return np.sqrt(np.einsum("ij,ij->i", x, x))
+
+
 def krum_scores(x: np.ndarray, f: int) -> np.ndarray:
     """Each row's Krum score (Blanchard et al. 2017): the sum of its squared distances to its K - f - 2 nearest
     other rows (at least one)."""
@@ -150,11 +155,11 @@ class CenteredClip(Rule):
         v = np.median(x, axis=0)
         for _ in range(self.iterations):
             d = x - v
-            lengths = np.sqrt(np.einsum("ij,ij->i", d, d))
-            tau = self.radius * float(np.median(lengths))
+            norms = lengths(d)
+            tau = self.radius * float(np.median(norms))
             if not tau > 0:  # half the rows or more sit at the centre
                 break
-            v = v + (d * np.minimum(1.0, tau / np.maximum(lengths, np.finfo(np.float64).tiny))[:, None]).mean(axis=0)
+            v = v + (d * np.minimum(1.0, tau / np.maximum(norms, np.finfo(np.float64).tiny))[:, None]).mean(axis=0)
         return v
 
     def for_state(self) -> Rule:
@@ -181,8 +186,7 @@ def make_rule(cfg: RobustConfig) -> Rule:
 def clip(x: np.ndarray, reference: np.ndarray, norm: float) -> np.ndarray:
     """Each row's update from ``reference`` scaled to L2 norm at most ``norm`` (a row inside is left as it is)."""
     step = x - reference
-    lengths = np.sqrt(np.einsum("ij,ij->i", step, step))
-    scale = np.minimum(1.0, norm / np.maximum(lengths, np.finfo(np.float64).tiny))
+    scale = np.minimum(1.0, norm / np.maximum(lengths(step), np.finfo(np.float64).tiny))
     return reference + step * scale[:, None]
 
 
@@ -190,9 +194,9 @@ def ordinary(step: np.ndarray, ratio: float) -> np.ndarray:
     """Which rows of ``step`` (one update each) have an L2 norm of at most ``ratio`` times the rows' median norm: an
     update stretched to the value bound is orders of magnitude longer than an honest one. Every row is kept when the
     median norm is zero."""
-    lengths = np.sqrt(np.einsum("ij,ij->i", step, step))
-    median = float(np.median(lengths))
-    return lengths <= ratio * median if median > 0 else np.ones(step.shape[0], dtype=bool)
+    norms = lengths(step)
+    median = float(np.median(norms))
+    return norms <= ratio * median if median > 0 else np.ones(step.shape[0], dtype=bool)
 
 
 class RobustAggregation:
@@ -229,7 +233,7 @@ class RobustAggregation:
             x = clip(x, ref, self.clip_norm)
         if self.clip_median is not None:
             step = x - ref
-            median = float(np.median(np.sqrt(np.einsum("ij,ij->i", step, step))))
+            median = float(np.median(lengths(step)))
             if median > 0:  # a round of equal rows (all zero updates) stays as it is
                 x = clip(x, ref, self.clip_median * median)
         if self.min_cosine is not None:
@@ -243,7 +247,7 @@ def aligned(step: np.ndarray, min_cosine: float) -> np.ndarray:
     median update: an attacker's reversed update points away from it while an honest majority holds it. Every row is
     kept when the median or a row is zero (no direction to compare) or when none would be."""
     centre = np.median(step, axis=0)
-    lengths = np.sqrt(np.einsum("ij,ij->i", step, step)) * float(np.sqrt(centre @ centre))
-    cosine = np.divide(step @ centre, lengths, out=np.ones(step.shape[0]), where=lengths > 0)
+    norms = lengths(step) * float(np.sqrt(centre @ centre))
+    cosine = np.divide(step @ centre, norms, out=np.ones(step.shape[0]), where=norms > 0)
     kept = cosine >= min_cosine
     return kept if kept.any() else np.ones(step.shape[0], dtype=bool)
