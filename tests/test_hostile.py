@@ -237,6 +237,18 @@ def test_a_run_with_attackers_finishes_and_counts_every_refusal(tmp_path, toy, a
         assert {int(ln.split("client ")[1].split(":")[0]) for ln in refused} == set(hostile)
 
 
+def test_a_screened_upload_is_logged_with_its_reason_like_every_refusal(tmp_path, toy):
+    """refuse_median's refusals are rejections: in events.log with the client and the reason, counted in the rows."""
+    cfg = parse_config(config(toy, 3, experiment={"algorithm": "dturbo"},
+                              faults={"attackers": 2, "attack": "scaled_sign_flip"},
+                              robust={"rule": "trimmed_mean", "byzantine": 2, "refuse_median": 10.0}))
+    rows = Simulator(cfg, tmp_path / "run").run()
+    refused = [ln for ln in (tmp_path / "run" / "events.log").read_text().splitlines() if "upload rejected" in ln]
+    assert sum(int(r["clients_rejected"]) for r in rows) == len(refused) == 2 * 3
+    assert {int(ln.split("client ")[1].split(":")[0]) for ln in refused} == set(hostile_clients(cfg))
+    assert all("robust.refuse_median = 10" in ln for ln in refused), refused
+
+
 @pytest.mark.parametrize("attack", ["sign_flip", "scaled_sign_flip", "alie", "ipm"])
 def test_attackers_are_reproducible_and_resume_identically(tmp_path, toy, attack):
     cfg = config(toy, 4, experiment={"algorithm": "fedavg"}, faults={"attackers": 2, "attack": attack},
@@ -447,7 +459,10 @@ def test_uploads_that_point_away_from_the_rounds_median_update_are_left_out_befo
     honest = [ref + np.ones(20) + rng.normal(0, 0.5, 20) for _ in range(7)]
     hostile = [ref - 5 * (h - ref) for h in honest[:3]]
     rule = {"rule": "trimmed_mean", "trim": 0.1, "byzantine": 3}
-    got = RobustAggregation(RobustConfig(**rule, min_cosine=0.0)).combine(hostile + honest, np.full(10, 0.1), ref)
+    agg = RobustAggregation(RobustConfig(**rule, min_cosine=0.0))
+    screened = agg.screen(hostile + honest, ref)
+    assert sorted(screened) == [0, 1, 2] and all("robust.min_cosine = 0" in why for why in screened.values())
+    got = agg.combine(honest, np.full(7, 1 / 7), ref, refused=3)
     np.testing.assert_allclose(got, np.mean(honest, axis=0))  # 3 attackers gone: nothing left to trim
     without = RobustAggregation(RobustConfig(**rule)).combine(hostile + honest, np.full(10, 0.1), ref)
     assert np.linalg.norm(without - got) > 0.1
@@ -468,7 +483,9 @@ def test_uploads_far_longer_than_the_rounds_median_update_are_left_out_before_cl
     rule = {"rule": "trimmed_mean", "trim": 0.1, "byzantine": 3, "clip_median": 1.0}
     agg = RobustAggregation(RobustConfig(**rule, refuse_median=10.0))
     assert not agg.plain
-    got = agg.combine(hostile + honest, np.full(10, 0.1), ref)
+    screened = agg.screen(hostile + honest, ref)
+    assert sorted(screened) == [0, 1, 2] and all("robust.refuse_median = 10" in why for why in screened.values())
+    got = agg.combine(honest, np.full(7, 1 / 7), ref, refused=3)
     alone = RobustAggregation(RobustConfig(rule="mean", clip_median=1.0)).combine(honest, np.full(7, 1 / 7), ref)
     np.testing.assert_allclose(got, alone)  # 3 refused count against byzantine: nothing left to trim
     without = RobustAggregation(RobustConfig(**rule)).combine(hostile + honest, np.full(10, 0.1), ref)
@@ -477,6 +494,33 @@ def test_uploads_far_longer_than_the_rounds_median_update_are_left_out_before_cl
     lengths = np.linalg.norm(steps, axis=1)
     np.testing.assert_array_equal(ordinary(steps, 10.0), lengths <= 10 * np.median(lengths))
     assert ordinary(np.zeros((4, 3)), 10.0).all()
+
+
+@pytest.mark.parametrize("algorithm", METHODS)
+def test_screened_uploads_are_rejections_with_their_reason_and_leave_the_round_whole(toy, algorithm):
+    """Two of six clients send the scaled sign flip (stretched to the value bound): refuse_median = 10 refuses both
+    in :meth:`ServerBase.receive`, each with the reason and counted in clients_rejected, and the round's new state is
+    the one the four honest uploads make alone (the plain state, the weights p_t and the rule's count included)."""
+    robust = {"rule": "trimmed_mean", "trim": 0.1, "byzantine": 2, "refuse_median": 10.0}
+    cfg, fed, server, client, state, _ = setup(toy, algorithm, robust=robust)
+    downs = server.downlinks(state, 0, list(range(6)))
+    ups = [client.fit(downs[c], fed.clients[c], c) for c in range(6)]
+    honest_ups = dict(enumerate(ups))
+    bad = [ATTACKS["scaled_sign_flip"]().rewrite(ups[c], RoundView(server, cfg, 0, c, downs[c], honest_ups,
+                                                                     attackers=2)) for c in (0, 1)]
+    result = server.aggregate(state, bad + ups[2:], 0, list(range(6)))
+    assert [r.uplink for r in result.rejected] == [0, 1], result.rejected
+    if algorithm != "fedpm":  # FedPM's mask screen may name the flipped mask first
+        assert all("robust.refuse_median = 10" in r.reason for r in result.rejected), result.rejected
+    assert result.metrics["clients_rejected"] == 2 and result.metrics["clients_ok"] == 4
+    honest = parse_config(config(toy, experiment={"algorithm": algorithm},
+                                 robust={"rule": "trimmed_mean", "trim": 0.1, "byzantine": 0}))
+    alone, _ = build_algorithm(honest, build_federation(honest))
+    expected = alone.aggregate(state, ups[2:], 0, list(range(2, 6))).state
+    assert set(expected) == set(result.state)
+    for key, value in expected.items():
+        np.testing.assert_allclose(np.asarray(result.state[key], dtype=np.float64),
+                                   np.asarray(value, dtype=np.float64), rtol=1e-6, atol=1e-9, err_msg=key)
 
 
 def test_a_hostile_calibration_reply_reaches_the_server_at_the_bound_and_the_rule_holds(tmp_path, toy):

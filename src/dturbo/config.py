@@ -150,11 +150,11 @@ class RobustConfig(_Section):
         "each upload's update scaled to at most this times the median L2 norm of the round's updates before the "
         "rule (after clip_norm); None: no clipping"))
     min_cosine: float | None = Field(None, ge=-1, lt=1, description=(
-        "each upload whose update has a cosine below this with the round's coordinate-wise median update is left "
-        "out before the rule (a reversed update: sign flipping, inner-product manipulation); None: none left out"))
+        "each upload whose update has a cosine below this with the round's coordinate-wise median update is refused "
+        "before the rule, with the reason (a reversed update: sign flipping, inner-product manipulation); None: none"))
     refuse_median: float | None = Field(None, gt=1, description=(
-        "each upload whose update has an L2 norm above this times the round's median update norm is left out before "
-        "clipping (an update stretched to the value bound); None: every upload is clipped instead"))
+        "each upload whose update has an L2 norm above this times the round's median update norm is refused before "
+        "clipping, with the reason (an update stretched to the value bound); None: every upload is clipped instead"))
 
 
 class ModelConfig(_Section):

@@ -361,16 +361,21 @@ class FedDstServer(ServerBase[DstUplink]):
             limits[f"{info.name}.w"] = limits[f"{info.name}.bias"] = Limit(largest)
         return UploadBounds(limits, self.partitions)
 
+    def rows(self, state: State, uploads: list[DstUplink]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each upload's weights and biases, layer by layer, as one vector (a weight the client does not hold: 0), and
+        the global ones."""
+        rows = [np.concatenate([x.reshape(-1) for li in range(len(self.layers)) for x in (u.weights[li], u.biases[li])])
+                for u in uploads]
+        reference = np.concatenate([state[f"{i.name}.{k}"].reshape(-1).astype(np.float64) for i in self.layers
+                                    for k in ("w", "bias")])
+        return rows, reference
+
     def _robust_layers(self, state: State, got: Received[DstUplink]) -> list[tuple[np.ndarray, np.ndarray]] | None:
         """Per layer, ``[robust]``'s combination of the clients' (weights, bias), a weight a client does not hold
         counting as 0 for it; None with the plain mean."""
         if self.robust.plain:
             return None
-        ups = got.uploads
-        rows = [np.concatenate([x.reshape(-1) for li in range(len(self.layers)) for x in (u.weights[li], u.biases[li])])
-                for u in ups]
-        reference = np.concatenate([state[f"{i.name}.{k}"].reshape(-1).astype(np.float64) for i in self.layers
-                                    for k in ("w", "bias")])
+        rows, reference = self.rows(state, got.uploads)
         flat = self.robust.combine(rows, got.p, reference, len(got.rejected))
         out, pos = [], 0
         for info in self.layers:

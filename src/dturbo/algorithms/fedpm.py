@@ -338,7 +338,7 @@ class FedPmServer(ServerBase[FedPmUplink]):
         reset = round_idx % f.reset_every == 0
         new = self.aggregate_plain(state, got)
         new_probs = {}
-        ones = self._robust_ones(got)
+        ones = self._robust_ones(state, got)
         for info in self.layers:
             n = info.name
             a0 = np.full(info.size, f.lambda0) if reset else state[f"{n}.alpha"]
@@ -368,9 +368,14 @@ class FedPmServer(ServerBase[FedPmUplink]):
         }
         return RoundResult(state=new, metrics=metrics, rejected=got.rejected)
 
+    def rows(self, state: State, uploads: list[FedPmUplink]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each upload's masks of every layer as one vector of 0s and 1s, from 0."""
+        return ([np.concatenate([u.masks[i.name] for i in self.layers]).astype(np.float64) for u in uploads],
+                np.zeros(self.n_params))
+
     def screen(self, state: State, uploads: list[FedPmUplink]) -> dict[int, str]:
-        """Masks far less likely under this round's theta_G than the round's median mask (:data:`MASK_SCREEN_BITS`):
-        a flipped or made-up mask, which no bound of one upload can tell."""
+        """``[robust]``'s screens, then the masks far less likely under this round's theta_G than the round's median
+        mask (:data:`MASK_SCREEN_BITS`): a flipped or made-up mask, which no bound of one upload can tell."""
         probs = self.probs(state)
         p = np.clip(np.concatenate([probs[i.name] for i in self.layers]), 1e-12, 1 - 1e-12)
         cost = np.array([float(np.mean(-np.log2(np.where(np.concatenate([u.masks[i.name] for i in self.layers]) > 0,
@@ -378,17 +383,17 @@ class FedPmServer(ServerBase[FedPmUplink]):
         median = float(np.median(cost))
         return {k: f"the mask costs {c:.3f} bits per parameter under the global probabilities, {c - median:.3f} more "
                    f"than the round's median (at most {MASK_SCREEN_BITS})"
-                for k, c in enumerate(cost) if c - median > MASK_SCREEN_BITS}
+                for k, c in enumerate(cost) if c - median > MASK_SCREEN_BITS} | super().screen(state, uploads)
 
-    def _robust_ones(self, got: Received[FedPmUplink]) -> dict[str, np.ndarray] | None:
+    def _robust_ones(self, state: State, got: Received[FedPmUplink]) -> dict[str, np.ndarray] | None:
         """Per layer, the ones of the round's masks as ``[robust]``'s rule counts them (K times its combination of
         the masks, every client alike as in the count); None with the plain mean (the exact count of
         :func:`beta_update`)."""
         if self.robust.plain:
             return None
         ups = got.uploads
-        flat = self.robust.combine([np.concatenate([u.masks[i.name] for i in self.layers]).astype(np.float64)
-                                    for u in ups], np.ones(len(ups)), np.zeros(self.n_params), len(got.rejected))
+        rows, reference = self.rows(state, ups)
+        flat = self.robust.combine(rows, np.ones(len(ups)), reference, len(got.rejected))
         sizes = np.cumsum([0] + [info.size for info in self.layers])
         return {info.name: len(ups) * flat[a:b] for info, a, b in zip(self.layers, sizes[:-1], sizes[1:],
                                                                        strict=True)}

@@ -221,6 +221,13 @@ class PointServer(ServerBase[PointUplink]):
             limits[f"{info.name}.theta"] = Limit(magnitude(theta), theta if self.semantics == "update" else None)
         return UploadBounds(limits, self.partitions)
 
+    def rows(self, state: State, uploads: list[PointUplink]) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Each upload's theta of every layer as one vector, and the global weights (None for updates: from 0)."""
+        reference = None
+        if self.semantics == "weights":
+            reference = np.concatenate([self.global_theta(state, info) for info in self.layers])
+        return [np.concatenate([u.theta[i.name] for i in self.layers]) for u in uploads], reference
+
     def _combined(self, state: State, got: Received[PointUplink]) -> dict[str, np.ndarray]:
         """Each layer's combination of the uploads' theta: the weighted mean, or ``[robust]``'s rule on the whole
         vectors (the update's reference: the global weights, or 0 for updates)."""
@@ -233,11 +240,8 @@ class PointServer(ServerBase[PointUplink]):
                     combined += pt * u.theta[info.name]
                 out[info.name] = combined
             return out
-        reference = None
-        if self.semantics == "weights":
-            reference = np.concatenate([self.global_theta(state, info) for info in self.layers])
-        flat = self.robust.combine([np.concatenate([u.theta[i.name] for i in self.layers]) for u in ups], p,
-                                   reference, len(got.rejected))
+        rows, reference = self.rows(state, ups)
+        flat = self.robust.combine(rows, p, reference, len(got.rejected))
         sizes = np.cumsum([0] + [info.size for info in self.layers])
         return {info.name: flat[a:b] for info, a, b in zip(self.layers, sizes[:-1], sizes[1:], strict=True)}
 

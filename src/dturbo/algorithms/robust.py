@@ -199,11 +199,27 @@ def ordinary(step: np.ndarray, ratio: float) -> np.ndarray:
     return norms <= ratio * median if median > 0 else np.ones(step.shape[0], dtype=bool)
 
 
+def cosines(step: np.ndarray) -> np.ndarray:
+    """Each row's cosine with the coordinate-wise median of the rows (1 where the median or the row is zero: no
+    direction to compare)."""
+    centre = np.median(step, axis=0)
+    norms = lengths(step) * float(np.sqrt(centre @ centre))
+    return np.divide(step @ centre, norms, out=np.ones(step.shape[0]), where=norms > 0)
+
+
+def aligned(step: np.ndarray, min_cosine: float) -> np.ndarray:
+    """Which rows of ``step`` (one update each) have a cosine of at least ``min_cosine`` with the coordinate-wise
+    median update (:func:`cosines`): an attacker's reversed update points away from it while an honest majority
+    holds it. Every row is kept when none would be."""
+    kept = cosines(step) >= min_cosine
+    return kept if kept.any() else np.ones(step.shape[0], dtype=bool)
+
+
 class RobustAggregation:
-    """``[robust]``: the uploads whose update is far longer than the round's median left out (``refuse_median``,
-    :func:`ordinary`), clipping (to ``clip_norm``, then to ``clip_median`` times the round's median update norm), the
-    uploads that point away from the round's median update left out (``min_cosine``, :func:`aligned`), then the rule,
-    on a round's matrix of client vectors."""
+    """``[robust]`` on a round's matrix of client vectors: :meth:`screen` names the uploads to refuse (their update
+    far longer than the round's median, ``refuse_median``; pointing away from the round's median update,
+    ``min_cosine``), :meth:`combine` clips the rest (to ``clip_norm``, then to ``clip_median`` times the round's median
+    update norm) and applies the rule."""
 
     def __init__(self, cfg: RobustConfig) -> None:
         self.rule = make_rule(cfg)
@@ -215,39 +231,62 @@ class RobustAggregation:
     @property
     def plain(self) -> bool:
         """Whether this is the plain weighted mean: the algorithms then keep their own sums, bit for bit."""
-        return (isinstance(self.rule, Mean) and self.clip_norm is None and self.clip_median is None
-                and self.min_cosine is None and self.refuse_median is None)
+        return isinstance(self.rule, Mean) and self.clip_norm is None and self.clip_median is None and not self.screens
+
+    @property
+    def screens(self) -> bool:
+        """Whether :meth:`screen` can refuse an upload."""
+        return self.min_cosine is not None or self.refuse_median is not None
+
+    def screen(self, rows: list[np.ndarray], reference: np.ndarray | None = None) -> dict[int, str]:
+        """The rows (by index) to refuse, with the reason: those whose update from ``reference`` (None: the rows are
+        updates) is more than ``refuse_median`` times the median update norm, then among the rest, clipped as
+        :meth:`combine` clips them, those whose cosine with the median update is below ``min_cosine`` (all of them
+        failing: none refused)."""
+        x = self._stack(rows)
+        step = x - self._reference(reference, x)
+        out: dict[int, str] = {}
+        left = np.arange(x.shape[0])
+        if self.refuse_median is not None:
+            norms = lengths(step)
+            median = float(np.median(norms))
+            kept = ordinary(step, self.refuse_median)
+            out |= {int(k): f"its update is {norms[k] / median:.3g} times the round's median update norm (at most "
+                            f"robust.refuse_median = {self.refuse_median:g})" for k in np.flatnonzero(~kept)}
+            left = left[kept]
+        if self.min_cosine is not None and left.size:
+            ref = self._reference(reference, x)
+            clipped = self._clip(x[left], ref) - ref
+            cos = cosines(clipped)
+            kept = aligned(clipped, self.min_cosine)
+            out |= {int(left[k]): f"its update has a cosine of {cos[k]:.3f} with the round's median update (at least "
+                                  f"robust.min_cosine = {self.min_cosine:g})" for k in np.flatnonzero(~kept)}
+        return dict(sorted(out.items()))
 
     def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None,
                 refused: int = 0) -> np.ndarray:
         """The combined vector of ``rows`` (one float vector per upload, all of one length) with weights ``p``;
         ``reference``: the global values the rows move from (None: the rows are updates, from 0); ``refused``: the
-        round's uploads refused already."""
-        x = np.stack([np.asarray(r, dtype=np.float64).reshape(-1) for r in rows])
+        round's uploads refused already (:meth:`screen`'s among them)."""
+        x = self._stack(rows)
         w = np.asarray(p, dtype=np.float64)
-        ref = np.zeros(x.shape[1]) if reference is None else np.asarray(reference, np.float64).reshape(-1)
-        if self.refuse_median is not None:
-            kept = ordinary(x - ref, self.refuse_median)
-            x, w, refused = x[kept], w[kept], refused + int(np.sum(~kept))
+        return self.rule.combine(self._clip(x, self._reference(reference, x)), w / w.sum(), refused)
+
+    def _clip(self, x: np.ndarray, ref: np.ndarray) -> np.ndarray:
+        """The rows of ``x`` with their update from ``ref`` clipped to ``clip_norm``, then to ``clip_median`` times
+        the rows' median update norm."""
         if self.clip_norm is not None:
             x = clip(x, ref, self.clip_norm)
         if self.clip_median is not None:
-            step = x - ref
-            median = float(np.median(lengths(step)))
+            median = float(np.median(lengths(x - ref)))
             if median > 0:  # a round of equal rows (all zero updates) stays as it is
                 x = clip(x, ref, self.clip_median * median)
-        if self.min_cosine is not None:
-            kept = aligned(x - ref, self.min_cosine)
-            x, w, refused = x[kept], w[kept], refused + int(np.sum(~kept))
-        return self.rule.combine(x, w / w.sum(), refused)
+        return x
 
+    @staticmethod
+    def _stack(rows: list[np.ndarray]) -> np.ndarray:
+        return np.stack([np.asarray(r, dtype=np.float64).reshape(-1) for r in rows])
 
-def aligned(step: np.ndarray, min_cosine: float) -> np.ndarray:
-    """Which rows of ``step`` (one update each) have a cosine of at least ``min_cosine`` with the coordinate-wise
-    median update: an attacker's reversed update points away from it while an honest majority holds it. Every row is
-    kept when the median or a row is zero (no direction to compare) or when none would be."""
-    centre = np.median(step, axis=0)
-    norms = lengths(step) * float(np.sqrt(centre @ centre))
-    cosine = np.divide(step @ centre, norms, out=np.ones(step.shape[0]), where=norms > 0)
-    kept = cosine >= min_cosine
-    return kept if kept.any() else np.ones(step.shape[0], dtype=bool)
+    @staticmethod
+    def _reference(reference: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+        return np.zeros(x.shape[1]) if reference is None else np.asarray(reference, np.float64).reshape(-1)

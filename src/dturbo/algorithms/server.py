@@ -3,7 +3,7 @@ decode -> bounds -> reject -> weights on the uploads of a round. An algorithm im
 :meth:`ServerBase.decode_uplink` (one upload's bytes -> its typed record, or a reason), :meth:`ServerBase.bounds`
 (what a valid upload of the round may hold, :mod:`~dturbo.algorithms.bounds`) and its own aggregation over
 :meth:`ServerBase.receive`'s :class:`Received`, combining the clients' vectors with ``robust``
-(:mod:`~dturbo.algorithms.robust`) unless that is the plain mean; a variant overrides
+(:mod:`~dturbo.algorithms.robust`, on :meth:`ServerBase.rows`) unless that is the plain mean; a variant overrides
 :meth:`ServerBase.select_clients` or ``weighting``.
 """
 
@@ -136,8 +136,13 @@ class ServerBase(ServerAlgorithm, Generic[U]):
 
     def screen(self, state: State, uploads: list[U]) -> dict[int, str]:
         """With a robust rule: the uploads (by position in ``uploads``) to refuse next to the round's others, with
-        the reason; none by default."""
-        return {}
+        the reason: ``[robust]``'s screens on their :meth:`rows` (:meth:`RobustAggregation.screen`)."""
+        return self.robust.screen(*self.rows(state, uploads)) if self.robust.screens else {}
+
+    def rows(self, state: State, uploads: list[U]) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Each upload as the one float vector ``[robust]`` combines, and the global values the vectors move from
+        (None: they are updates, from 0)."""
+        raise NotImplementedError
 
     def aggregate_plain(self, state: State, got: Received[U]) -> State:
         """``state`` with the uploads' plain state combined: their n_t-weighted mean (whatever ``weighting`` is), or

@@ -373,6 +373,10 @@ class StcServer(ServerBase[StcUplink]):
         theta = _flat_state(state, self.layers).astype(np.float64)
         return UploadBounds({"update": Limit(magnitude(theta), theta)}, self.partitions)
 
+    def rows(self, state: State, uploads: list[StcUplink]) -> tuple[list[np.ndarray], None]:
+        """Each upload's ternary update, dense."""
+        return [u.update for u in uploads], None
+
     def aggregate(self, state: State, uplinks: list[bytes], round_idx: int, senders: list[int] | None = None
                   ) -> RoundResult:
         t0 = time.perf_counter()
@@ -381,7 +385,7 @@ class StcServer(ServerBase[StcUplink]):
         if self.robust.plain:
             mean = w @ np.stack([u.update for u in ups])  # sum_i w_i S_i, float64
         else:
-            mean = self.robust.combine([u.update for u in ups], w, refused=len(got.rejected))
+            mean = self.robust.combine(self.rows(state, ups)[0], w, refused=len(got.rejected))
         theta = _flat_state(state, self.layers)
         new = self.aggregate_plain(state, got)
         step = np.zeros(self.size, dtype=np.float32)

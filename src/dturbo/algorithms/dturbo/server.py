@@ -168,7 +168,21 @@ class DturboServer(ServerBase[DturboUplink]):
             limits[f"{n}.sigma"] = Limit(sigma_limit(state[f"{n}.sigma"]), positive=True)
         return UploadBounds(limits, self.partitions)
 
-    def _combined(self, state: State, got: Received[DturboUplink], trained: list[np.ndarray]
+    def rows(self, state: State, uploads: list[DturboUplink]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each upload's (mu on S, sigma as sent, bias) of every layer as one vector, and the global values they move
+        from (for an update, 0 on S)."""
+        updates = self.messages.up_values.sends_update
+        reference = []
+        for info in self.layers:
+            n, mask = info.name, self.support(state, info)
+            mu = state[f"{n}.mu"][mask]
+            reference += [np.zeros(mu.size) if updates else mu, sigma_as_sent(state[f"{n}.sigma"], mask),
+                          state[f"{n}.bias"]]
+        rows = [np.concatenate([np.concatenate([(x := u.layers[i.name]).mu, x.sigma, x.bias]).astype(np.float64)
+                                for i in self.layers]) for u in uploads]
+        return rows, np.concatenate([np.asarray(r, np.float64).reshape(-1) for r in reference])
+
+    def _combined(self, state: State, got: Received[DturboUplink]
                   ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Per layer, the combination of the uploads' (mu on S, sigma as sent, bias): their weighted mean, or
         ``[robust]``'s rule on the whole vectors (the global values as the reference of an update)."""
@@ -181,18 +195,8 @@ class DturboServer(ServerBase[DturboUplink]):
                                   sum(pt * x.sigma.astype(np.float64) for pt, x in zip(p, mine, strict=True)),
                                   sum(pt * x.bias for pt, x in zip(p, mine, strict=True)))
             return out
-        updates = self.messages.up_values.sends_update
-        parts, reference = [], []
-        for info, mask in zip(self.layers, trained, strict=True):
-            n = info.name
-            mu = state[f"{n}.mu"][mask]
-            reference += [np.zeros(mu.size) if updates else mu, sigma_as_sent(state[f"{n}.sigma"], mask),
-                          state[f"{n}.bias"]]
-            parts.append([u.layers[n] for u in ups])
-        rows = [np.concatenate([np.concatenate([layer.mu, layer.sigma, layer.bias]).astype(np.float64)
-                                for layer in (layers[i] for layers in parts)]) for i in range(len(ups))]
-        flat = self.robust.combine(rows, p, np.concatenate([np.asarray(r, np.float64).reshape(-1)
-                                                            for r in reference]), len(got.rejected))
+        rows, reference = self.rows(state, ups)
+        flat = self.robust.combine(rows, p, reference, len(got.rejected))
         out, pos = {}, 0
         for info in self.layers:
             first = ups[0].layers[info.name]
@@ -210,7 +214,7 @@ class DturboServer(ServerBase[DturboUplink]):
         new = self.aggregate_plain(state, got)
         if self.messages.delta:
             new |= self._held_after(state, round_idx, trained, [u.client_id for u in ups])
-        combined = self._combined(state, got, trained)
+        combined = self._combined(state, got)
         for info, mask in zip(self.layers, trained, strict=True):
             n = info.name
             mu_on_s, sig, bias = combined[n]
