@@ -36,13 +36,17 @@ def joint_table(res: dict) -> list[str] | None:
     out = [f"Fashion-MNIST, 10 clients, {res['protocol']['config']['experiment']['rounds']} rounds, mean of "
            f"{len(res['protocol']['seeds'])} seeds; T = {100 * res['t']:.2f}% "
            "([results](docs/results.md)):", "",
-           "| method | test accuracy | nonzero weights | bits to T (x FedAvg 16-bit) | exported model's speedup |",
-           "|---|---|---|---|---|"]
+           "| method | test accuracy | nonzero weights | bits to T (x FedAvg 16-bit) | bits to T after round 1's "
+           "downlink (the initial model) | exported model's speedup |",
+           "|---|---|---|---|---|---|"]
     for m in JOINT_ROWS + tuple(m for m in JOINT_MORE if m in rows):
         r = rows[m]
         bits = "never" if r["bits_to_t"] is None else f"{r['bits_to_t'] / 1e6:.1f} Mbit ({r['bits_to_t'] / ref:.2f}x)"
+        after = r.get("bits_to_t_after_initial")
+        after = "never" if after is None else f"{after / 1e6:.1f} Mbit"
         speed = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        out.append(f"| {r['name']} | {100 * r['accuracy']:.2f}% | {100 * r['density']:.0f}% | {bits} | {speed} |")
+        out.append(f"| {r['name']} | {100 * r['accuracy']:.2f}% | {100 * r['density']:.0f}% | {bits} | {after} | "
+                   f"{speed} |")
     return out
 
 

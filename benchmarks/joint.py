@@ -165,6 +165,8 @@ def line(method: str, runs: list[h.Run], t: float, speed: dict[str, float], n_pa
     """One method's chosen setting over its seeds: accuracy, nonzeros, bits to T (None unless every seed reaches
     it), total bits, steady bits per parameter per round up and down, speedup (each seed's own model)."""
     to_t = [r.bits_to(t) for r in runs]
+    # round 1's downlink carries the initial model, at each method's own precision
+    initial = [float(r.m["down_bits"][0]) for r in runs]
     cfg = runs[0].cfg
     # a narrow network's nonzero weights as a share of the protocol's network, as every other row's
     widths = None if cfg.model.widths is None else tuple(cfg.model.widths)
@@ -178,6 +180,9 @@ def line(method: str, runs: list[h.Run], t: float, speed: dict[str, float], n_pa
         "bits_to_t_seeds": to_t,
         "bits_to_t": _mean(to_t) if all(b is not None for b in to_t) else None,
         "seeds_reaching_t": sum(b is not None for b in to_t),
+        "initial_bits": _mean(initial),
+        "bits_to_t_after_initial": (_mean([b - i for b, i in zip(to_t, initial, strict=True)])
+                                    if all(b is not None for b in to_t) else None),
         "total_bits": _mean([r.total_bits for r in runs]),
         "up_bits_per_param": _mean([per_param(r, "up", n_params) for r in runs]),
         "down_bits_per_param": _mean([per_param(r, "down", n_params) for r in runs]),
@@ -337,6 +342,7 @@ def markdown(res: dict[str, Any]) -> str:
     if res["goals"]:
         out += ["", "D-Turbo-VBI's goals:", ""]
         out += [f"* {g['goal']}: {g['value']}: **{'met' if g['met'] else 'missed'}**" for g in res["goals"]]
+    out += initial_model(res["table"])
     if wins := peer_wins(res["table"]):
         out += ["", "Where a peer wins against D-Turbo-VBI:", "", *(f"* {w}" for w in wins)]
     out += ["", "Candidates (seed 0, validation split; T_val = "
@@ -349,6 +355,20 @@ def markdown(res: dict[str, Any]) -> str:
                        f"{'' if c['val_accuracy'] is None else _mbit(c['val_bits_to_t_val'])} | "
                        f"{'**yes**' if c['chosen'] else ''} |")
     return "\n".join(out) + "\n"
+
+
+def initial_model(table: list[dict[str, Any]]) -> list[str]:
+    """The report's table of round 1's downlink (the initial model, at each method's own precision) and the bits to
+    T after it: what bits to T would be if every client built the initial model from a shared seed."""
+    rows = {r["method"]: r for r in table}
+    stc = rows.get("stc", {}).get("bits_to_t_after_initial")
+    out = ["", "Round 1's downlink carries the initial model, at each method's own precision. Bits to T after it:",
+           "", "| method | round 1 downlink (Mbit) | bits to T after it (Mbit) | x STC's |", "|---|---|---|---|"]
+    for r in table:
+        after = r["bits_to_t_after_initial"]
+        ratio = "" if after is None or not stc else f"{after / stc:.3f}"
+        out.append(f"| {r['name']} | {r['initial_bits'] / 1e6:.2f} | {_mbit(after)} | {ratio} |")
+    return out
 
 
 def figure(res: dict[str, Any], path: Path) -> None:

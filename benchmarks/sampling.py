@@ -54,8 +54,13 @@ def jobs(camp: h.Campaign, s: h.Settings) -> list[h.Job]:
 
 
 def row(run: h.Run, t: float) -> dict[str, Any]:
+    return {"sampling": run.cfg.dturbo.sampling} | shape(run, t)
+
+
+def shape(run: h.Run, t: float) -> dict[str, Any]:
+    """One run's seed, accuracy, bits (to T = ``t``: None, never) and its curve's lowest round and largest drop."""
     m = run.m
-    return {"seed": run.seed, "sampling": run.cfg.dturbo.sampling, "accuracy": run.final_acc,
+    return {"seed": run.seed, "accuracy": run.final_acc,
             "val_accuracy": run.final_val, "final_density": run.density, "bits_to_t": run.bits_to(t),
             "total_bits": run.total_bits, "lowest_accuracy": float(np.min(m["accuracy"])),
             "largest_drop": largest_drop(m["accuracy"]), "round_seconds": float(np.median(m["seconds"])),

@@ -93,9 +93,11 @@ def test_the_update_is_unbiased(messages):
 
 
 # ----------------------------------------------------------------------------- server and client halves
-@pytest.fixture
-def halves(toy):
-    cfg = parse_config(config(toy, 4, federation={"clients": 3}))
+@pytest.fixture(params=[(BITS, "max"), (2, "clipped"), (1, "clipped")], ids=["4max", "2clipped", "1clipped"])
+def halves(toy, request):
+    bits, levels = request.param
+    cfg = parse_config(config(toy, 4, down_bits=bits, federation={"clients": 3},
+                              dturbo={"transmission": {"down_quantizer": levels}}))
     fed = build_federation(cfg)
     server, client = build_algorithm(cfg, fed)
     return cfg, fed, server, client

@@ -151,6 +151,11 @@ def test_summary_bits_to_t_dominance_and_goals(setup):
     assert rows["fedavg16"]["bits_to_t"] == pytest.approx(60e6)  # rounds 3, 3, 3
     assert rows["stc"]["bits_to_t"] is None and rows["stc"]["seeds_reaching_t"] == 0
     assert rows["dturbo"]["speedup"] == pytest.approx(2.1)
+    # round 1's downlink: three quarters of round 1's Mbit (dt_few 2, fa16_a 20); bits to T after it, by hand
+    assert rows["dturbo"]["initial_bits"] == pytest.approx(1.5e6)
+    assert rows["dturbo"]["bits_to_t_after_initial"] == pytest.approx((4.5e6 + 2.5e6 + 4.5e6) / 3)
+    assert rows["fedavg16"]["bits_to_t_after_initial"] == pytest.approx(45e6)
+    assert rows["stc"]["bits_to_t_after_initial"] is None
     # bits per parameter per round: up = a quarter of round 1's Mbit over 10 clients
     n = j.params("alexnet-small", "fashion-mnist")
     assert rows["dturbo"]["up_bits_per_param"] == pytest.approx(0.5e6 / (10 * n))
@@ -177,6 +182,7 @@ def test_summary_bits_to_t_dominance_and_goals(setup):
     assert one["curve"][0] == [1, pytest.approx(one["curve"][0][1]), pytest.approx(one["curve"][0][2])]
     text = j.markdown(res)
     assert "D-Turbo-VBI" in text and "**missed**" in text and "**met**" in text
+    assert "| D-Turbo-VBI | 1.50 | 3.8 |  |" in text  # no ratio: STC never reaches T
 
 
 def test_the_curve_goals_find_a_round_at_chance_and_a_drop_by_hand(mods):
