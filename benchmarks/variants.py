@@ -33,8 +33,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness as h  # noqa: E402
-from joint import largest_drop  # noqa: E402
-from sampling import jobs, shape  # noqa: E402
+from joint import _mbit, largest_drop  # noqa: E402
+from sampling import jobs, seed_table, shape  # noqa: E402
 
 # name: (the options it changes, what it is, the row's key it is judged on; lower is better)
 VARIANTS: dict[str, tuple[dict[str, Any], str, str]] = {
@@ -111,8 +111,7 @@ def report(s: h.Settings) -> None:
            "summary": summary, "recommended": recommended, "runs": rows,
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
-    def mbit(x: float | None) -> str:
-        return "never" if x is None else f"{x / 1e6:.1f}"
+    mbit = _mbit
 
     def vs_stc(x: float | None, key: str) -> str:
         return "" if x is None or stc is None or not stc.get(key) else f" ({x / stc[key]:.3f}x STC's)"
@@ -120,12 +119,10 @@ def report(s: h.Settings) -> None:
     what = {REFERENCE: "the chosen setting"} | {name: v[1] for name, v in VARIANTS.items()}
     md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` with one option changed, on the joint protocol (3 seeds; "
           f"T = {t:.2%}).", "",
-          "| variant | seed | test accuracy | validation accuracy | Mbit to T | total Mbit | steady downlink (Mbit a "
-          "client) | largest drop after round 3 (test / validation) |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {what[r['variant']]} | {r['seed']} | {r['accuracy']:.2%} | {r['val_accuracy']:.2%} | "
-                  f"{mbit(r['bits_to_t'])} | {r['total_bits'] / 1e6:.1f} | {r['steady_down_mbit']:.3f} | "
-                  f"{r['largest_drop'] * 100:.1f} / {r['val_drop'] * 100:.1f} points |")
+          *seed_table(rows, "variant", lambda r: what[r["variant"]],
+                      {"steady downlink (Mbit a client)": lambda r: f"{r['steady_down_mbit']:.3f}",
+                       "largest drop after round 3 (test / validation)":
+                           lambda r: f"{r['largest_drop'] * 100:.1f} / {r['val_drop'] * 100:.1f} points"})]
     md += ["", "| variant | mean validation accuracy | mean test accuracy | seeds reaching T | mean Mbit to T | "
                "after round 1's downlink | mean total Mbit | largest drop after round 3 (test) | recommended |",
            "|---|---|---|---|---|---|---|---|---|"]
