@@ -141,12 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     s = h.Settings()
     _, camp, _ = campaigns(s)
-    if args.command == "plan":
+    return dispatch(args.command, camp, s, lambda j: j.cand.overrides["dturbo.sampling"] in args.only, args.jobs,
+                    report)
+
+
+def dispatch(command: str, camp: h.Campaign, s: h.Settings, keep: Callable[[h.Job], bool], n_jobs: int,
+             report: Callable[[h.Settings], None]) -> int:
+    """A study's command: ``plan`` its runs, ``run`` those ``keep`` selects, ``n_jobs`` at a time, or ``report``."""
+    if command == "plan":
         h.print_plan(f"{', '.join(c.label for c in camp.candidates)}, every seed", jobs(camp, s))
-    elif args.command == "run":
-        failed = h.run_jobs([j for j in jobs(camp, s) if j.cand.overrides["dturbo.sampling"] in args.only],
-                            args.jobs)
-        return 1 if failed else 0
+    elif command == "run":
+        return 1 if h.run_jobs([j for j in jobs(camp, s) if keep(j)], n_jobs) else 0
     else:
         report(s)
     return 0

@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 
 import harness as h  # noqa: E402
 from joint import _mbit, largest_drop  # noqa: E402
-from sampling import jobs, seed_table, shape  # noqa: E402
+from sampling import dispatch, seed_table, shape  # noqa: E402
 
 # name: (the options it changes, what it is, the row's key it is judged on; lower is better)
 VARIANTS: dict[str, tuple[dict[str, Any], str, str]] = {
@@ -148,15 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     s = h.Settings()
     _, camp, chosen = campaigns(s)
-    if args.command == "plan":
-        h.print_plan(f"{', '.join(c.label for c in camp.candidates)}, every seed", jobs(camp, s))
-    elif args.command == "run":
-        wanted = {f"{chosen}_{name}" for name in args.only}
-        failed = h.run_jobs([j for j in jobs(camp, s) if j.cand.label in wanted], args.jobs)
-        return 1 if failed else 0
-    else:
-        report(s)
-    return 0
+    wanted = {f"{chosen}_{name}" for name in args.only}
+    return dispatch(args.command, camp, s, lambda j: j.cand.label in wanted, args.jobs, report)
 
 
 if __name__ == "__main__":
