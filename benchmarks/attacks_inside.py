@@ -553,8 +553,11 @@ def main_job(work: Path) -> dict[str, Any]:
     import subprocess
 
     rule = RECOMMENDED["dturbo"]
-    # one run folder per rule: a finished run of another rule is not this one's
-    out = work / f"main_job_{hashlib.sha256(json.dumps(rule, sort_keys=True).encode()).hexdigest()[:10]}"
+    # one run folder per rule and source: a finished run of another rule, or of other code, is not this one's
+    digest = hashlib.sha256(json.dumps(rule, sort_keys=True).encode())
+    for path in sorted((ROOT / "src" / "dturbo").rglob("*.py")):
+        digest.update(path.read_bytes())
+    out = work / f"main_job_{digest.hexdigest()[:10]}"
     if not (out / "model.safetensors").exists():
         cmd = [sys.executable, "-m", "dturbo", "run", "--preset", "quick", "--out", str(out), "--no-figures",
                "--set", "experiment.threads=1", *(x for k, v in rule.items()
