@@ -227,3 +227,33 @@ def test_erk_targets_keep_the_budget_and_follow_the_rule():
     assert np.isnan(layer_targets(layers, SparsityConfig(target_density=0.3, distribution="evidence"))).all()
     assert np.isnan(layer_targets(_erk_layers((False,) * 4), sp)).all()  # no BatchNorm: the shared field, as ever
     assert (budget_sizes(layers, sp) == sizes).all()
+
+
+def test_the_trained_global_model_is_the_aggregate_before_the_cut(tmp_path, tiny_config):
+    """``global_model = "trained"`` changes which model a round ends with, not the training: the messages (bits)
+    are the same bytes as the default's, the model of round r carries the support of round r - 1 (its clients
+    trained on it; the default's density one round later), and its weights are the default's wherever both hold
+    one."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(240, 12)).astype(np.float32)
+    y = ((x[:, :3].sum(1) > 0).astype(np.int64) + 2 * (x[:, 3] > 0))
+    rows, models = {}, {}
+    for mode in ("cut", "trained"):
+        cfg = tiny_config(rounds=5, dturbo={"global_model": mode,
+                                            "sparsity": {"target_density": 0.3, "warmup_rounds": 1, "ramp_rounds": 3}})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = dturbo.Experiment(cfg, data=(x, y, x[:100], y[:100]), out=tmp_path / mode, progress=False,
+                                    figures=False).run()
+        with open(tmp_path / mode / "metrics.csv") as f:
+            rows[mode] = list(csv.DictReader(f))
+        models[mode] = {n: p.detach().numpy() for n, p in res.model.named_parameters() if n.endswith("weight_mu")}
+    cut, trained = rows["cut"], rows["trained"]
+    for key in ("up_bits", "down_bits", "cum_bits"):
+        assert [r[key] for r in cut] == [r[key] for r in trained], key
+    density = [float(r["density"]) for r in cut]
+    assert density[1] < density[0] == 1.0  # the ramp cuts
+    assert [float(r["density"]) for r in trained] == pytest.approx([1.0, *density[:-1]])
+    for name, w in models["trained"].items():
+        both = (w != 0) & (models["cut"][name] != 0)
+        np.testing.assert_array_equal(w[both], models["cut"][name][both])
