@@ -257,3 +257,17 @@ def test_the_trained_global_model_is_the_aggregate_before_the_cut(tmp_path, tiny
     for name, w in models["trained"].items():
         both = (w != 0) & (models["cut"][name] != 0)
         np.testing.assert_array_equal(w[both], models["cut"][name][both])
+
+
+def test_a_resumed_trained_model_run_equals_an_uninterrupted_one(tmp_path, tiny_config, make_toy):
+    """The round's model before the cut is checkpointed with the state: a run stopped during the ramp and resumed
+    writes the uninterrupted run's metrics."""
+    from run_helpers import cut_and_resume, rows_of
+
+    cfg = tiny_config(rounds=4, data={"name": "npz", "path": str(make_toy(300))},
+                      dturbo={"global_model": "trained",
+                              "sparsity": {"target_density": 0.3, "warmup_rounds": 1, "ramp_rounds": 3}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", 2)
+    assert rows_of(tmp_path / "whole") == rows_of(tmp_path / "part")

@@ -161,7 +161,7 @@ class DturboConfig(Section):
         "the model a round ends with (evaluated, checkpointed, exported): cut, mu_G on the support the server decides "
         "from the round's aggregate (weights leaving it at 0 before any client trains without them); trained, the "
         "round's aggregate on the support its clients trained, the decided support applying from the next round's "
-        "training on (docs/sparsity.md)"))
+        "training on"))
     prior_std_dtype: Literal["float16", "float32", "log8"] = Field(
         "log8", description="how sigma_prior on S is sent with transmission.prior_std = 'sent': float16/32, or 8-bit "
                             "log-scale levels"
