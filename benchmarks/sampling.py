@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness as h  # noqa: E402
-from joint import largest_drop  # noqa: E402
+from joint import _mbit, largest_drop  # noqa: E402
 
 RESULTS = HERE / "results"
 SAMPLINGS = ("channel", "support", "detached")
@@ -65,6 +66,19 @@ def shape(run: h.Run, t: float) -> dict[str, Any]:
             "total_bits": run.total_bits, "lowest_accuracy": float(np.min(m["accuracy"])),
             "largest_drop": largest_drop(m["accuracy"]), "round_seconds": float(np.median(m["seconds"])),
             "curve": run.curve()}
+
+
+def seed_table(rows: list[dict[str, Any]], first: str, label: Callable[[dict[str, Any]], str],
+               extra: dict[str, Callable[[dict[str, Any]], str]]) -> list[str]:
+    """A table of one line per run of :func:`shape`'s rows: ``first`` (each row's ``label``), the seed, accuracies
+    and bits, then the ``extra`` columns."""
+    head = [first, "seed", "test accuracy", "validation accuracy", "Mbit to T", "total Mbit", *extra]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [label(r), str(r["seed"]), f"{r['accuracy']:.2%}", f"{r['val_accuracy']:.2%}", _mbit(r["bits_to_t"]),
+                 f"{r['total_bits'] / 1e6:.1f}", *(f(r) for f in extra.values())]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def report(s: h.Settings) -> None:
@@ -101,17 +115,12 @@ def report(s: h.Settings) -> None:
            "runs": [{k: v for k, v in r.items()} for r in rows],
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
-    def mbit(x: float | None) -> str:
-        return "never" if x is None else f"{x / 1e6:.1f}"
-
+    mbit = _mbit
     md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` under each `[dturbo] sampling`, on the joint protocol "
           f"(3 seeds; T = {t:.2%}); local training's cost against FedAvg's from round_time.md.", "",
-          "| sampling | seed | test accuracy | validation accuracy | Mbit to T | total Mbit | lowest round | "
-          "largest drop after round 3 |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['sampling']} | {r['seed']} | {r['accuracy']:.2%} | {r['val_accuracy']:.2%} | "
-                  f"{mbit(r['bits_to_t'])} | {r['total_bits'] / 1e6:.1f} | {r['lowest_accuracy']:.2%} | "
-                  f"{r['largest_drop'] * 100:.1f} points |")
+          *seed_table(rows, "sampling", lambda r: r["sampling"],
+                      {"lowest round": lambda r: f"{r['lowest_accuracy']:.2%}",
+                       "largest drop after round 3": lambda r: f"{r['largest_drop'] * 100:.1f} points"})]
     md += ["", "| sampling | mean validation accuracy | mean test accuracy | mean Mbit to T | seeds reaching T | "
            "local training x FedAvg |", "|---|---|---|---|---|---|"]
     for name, v in summary.items():
@@ -132,12 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     s = h.Settings()
     _, camp, _ = campaigns(s)
-    if args.command == "plan":
+    return dispatch(args.command, camp, s, lambda j: j.cand.overrides["dturbo.sampling"] in args.only, args.jobs,
+                    report)
+
+
+def dispatch(command: str, camp: h.Campaign, s: h.Settings, keep: Callable[[h.Job], bool], n_jobs: int,
+             report: Callable[[h.Settings], None]) -> int:
+    """A study's command: ``plan`` its runs, ``run`` those ``keep`` selects, ``n_jobs`` at a time, or ``report``."""
+    if command == "plan":
         h.print_plan(f"{', '.join(c.label for c in camp.candidates)}, every seed", jobs(camp, s))
-    elif args.command == "run":
-        failed = h.run_jobs([j for j in jobs(camp, s) if j.cand.overrides["dturbo.sampling"] in args.only],
-                            args.jobs)
-        return 1 if failed else 0
+    elif command == "run":
+        return 1 if h.run_jobs([j for j in jobs(camp, s) if keep(j)], n_jobs) else 0
     else:
         report(s)
     return 0

@@ -1,0 +1,156 @@
+"""D-Turbo-VBI's chosen joint setting with one option changed at a time, on the joint protocol.
+
+The joint comparison's chosen setting (``results/joint.json``'s ``chosen``) runs its 3 seeds again once per entry of
+:data:`VARIANTS` (``runs/variants/``, curves committed in ``results/variants_runs/``); the chosen setting's own runs
+are the joint campaign's. Not tuning candidates: each asks what one option costs and saves, seed by seed.
+
+* ``down2``: the downlink (the update from what each client holds, clipped levels, error feedback) at 2 bits
+  instead of 3; its axis: total bits.
+* ``trained``: ``global_model = "trained"``, the round's model the aggregate on the support its clients trained
+  (the same messages); its axis: the largest drop of validation accuracy from one round to the next after round 3.
+
+The rule, fixed before the runs: a variant is recommended when its mean final validation accuracy is at most
+``MARGIN`` below the chosen setting's and it is better on its axis (means over the seeds; validation only, test
+accuracy and bits to T are reported).
+Writes ``benchmarks/results/variants.{json,md}``.
+
+Usage: .venv/bin/python benchmarks/variants.py [plan|run|report] [--jobs 2] [--only VARIANT ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import harness as h  # noqa: E402
+from joint import _mbit, largest_drop  # noqa: E402
+from sampling import dispatch, seed_table, shape  # noqa: E402
+
+# name: (the options it changes, what it is, the row's key it is judged on; lower is better)
+VARIANTS: dict[str, tuple[dict[str, Any], str, str]] = {
+    "down2": ({"dturbo.transmission.down_bits": 2}, "down_bits = 2", "total_bits"),
+    "trained": ({"dturbo.global_model": "trained"}, 'global_model = "trained"', "val_drop"),
+}
+REFERENCE = "chosen"
+MARGIN = 0.002  # in accuracy: 0.2 points, as sampling.py's
+
+
+def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
+    """(the joint campaign, this one: its chosen D-Turbo-VBI setting once per variant, that setting's label)."""
+    joint = h.load_campaign(HERE / "joint.toml")
+    chosen = json.loads((s.results / "joint.json").read_text())["chosen"]["dturbo"]
+    base = joint.by_label()[chosen]
+    cands = [replace(base, label=f"{chosen}_{name}", overrides={**base.overrides, **changes},
+                     note=f"{base.note}; {what}") for name, (changes, what, _) in VARIANTS.items()]
+    return joint, h.Campaign("variants", joint.protocol, cands), chosen
+
+
+def row(run: h.Run, variant: str, t: float) -> dict[str, Any]:
+    m = run.m
+    n = max(1, min(5, len(m["round"])))
+    return ({"variant": variant} | shape(run, t)
+            | {"initial_bits": float(m["down_bits"][0]), "val_drop": largest_drop(m["val_accuracy"]),
+               # the steady state: the mean downlink of the last rounds, per participating client, in Mbit
+               "steady_down_mbit": float(np.mean(m["down_bits"][-n:] / np.maximum(m["participants"][-n:], 1))) / 1e6})
+
+
+def summarize(rows: list[dict[str, Any]], seeds: int) -> dict[str, dict[str, Any]]:
+    """Per variant: the seeds' means (None where a seed never reaches T), the largest drops, the seeds reaching T."""
+    out = {}
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == name]
+
+        def mean(key: str, mine: list[dict[str, Any]] = mine) -> float | None:
+            xs = [r[key] for r in mine]
+            return None if any(x is None for x in xs) else float(np.mean(xs))
+
+        after = [None if r["bits_to_t"] is None else r["bits_to_t"] - r["initial_bits"] for r in mine]
+        out[name] = {"accuracy": mean("accuracy"), "val_accuracy": mean("val_accuracy"),
+                     "bits_to_t": mean("bits_to_t"),
+                     "bits_to_t_after_initial": None if None in after else float(np.mean(after)),
+                     "total_bits": mean("total_bits"), "steady_down_mbit": mean("steady_down_mbit"),
+                     "largest_drop": max(r["largest_drop"] for r in mine), "val_drop": mean("val_drop"),
+                     "seeds_reaching_t": sum(r["bits_to_t"] is not None for r in mine), "seeds": seeds}
+    return out
+
+
+def recommend(summary: dict[str, dict[str, Any]]) -> dict[str, bool]:
+    """The rule of the module docstring, per variant: validation only."""
+    ref = summary[REFERENCE]
+    return {name: (summary[name]["val_accuracy"] >= ref["val_accuracy"] - MARGIN
+                   and summary[name][axis] < ref[axis])
+            for name, (_, _, axis) in VARIANTS.items() if name in summary}
+
+
+def report(s: h.Settings) -> None:
+    joint, camp, chosen = campaigns(s)
+    res_joint = json.loads((s.results / "joint.json").read_text())
+    t = float(res_joint["t"])
+    runs = h.load_runs(camp, s)
+    done = [r for r in runs if sum(o.cand.label == r.cand.label for o in runs) == len(camp.seeds)]
+    if not done:
+        raise h.HarnessError(f"no variant has all {len(camp.seeds)} seeds done: run `benchmarks/variants.py run` "
+                             f"first")
+    rows = [row(r, REFERENCE, t) for r in h.load_runs(joint, s) if r.cand.label == chosen]
+    rows += [row(r, r.cand.label.removeprefix(f"{chosen}_"), t) for r in sorted(done, key=lambda r: r.seed)]
+    summary = summarize(rows, len(camp.seeds))
+    recommended = recommend(summary)
+    stc = next((r for r in res_joint["table"] if r["method"] == "stc"), None)
+    res = {"setting": chosen, "t": t, "seeds": camp.seeds, "margin": MARGIN,
+           "variants": {name: {"set": changes, "axis": axis} for name, (changes, _, axis) in VARIANTS.items()},
+           "summary": summary, "recommended": recommended, "runs": rows,
+           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
+
+    mbit = _mbit
+
+    def vs_stc(x: float | None, key: str) -> str:
+        return "" if x is None or stc is None or not stc.get(key) else f" ({x / stc[key]:.3f}x STC's)"
+
+    what = {REFERENCE: "the chosen setting"} | {name: v[1] for name, v in VARIANTS.items()}
+    md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` with one option changed, on the joint protocol (3 seeds; "
+          f"T = {t:.2%}).", "",
+          *seed_table(rows, "variant", lambda r: what[r["variant"]],
+                      {"steady downlink (Mbit a client)": lambda r: f"{r['steady_down_mbit']:.3f}",
+                       "largest drop after round 3 (test / validation)":
+                           lambda r: f"{r['largest_drop'] * 100:.1f} / {r['val_drop'] * 100:.1f} points"})]
+    md += ["", "| variant | mean validation accuracy | mean test accuracy | seeds reaching T | mean Mbit to T | "
+               "after round 1's downlink | mean total Mbit | largest drop after round 3 (test) | recommended |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for name, v in summary.items():
+        rec = "" if name == REFERENCE else ("yes" if recommended[name] else "no")
+        md.append(f"| {what[name]} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {v['seeds_reaching_t']} of "
+                  f"{v['seeds']} | {mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t')} | "
+                  f"{mbit(v['bits_to_t_after_initial'])}"
+                  f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial')} | {mbit(v['total_bits'])} | "
+                  f"{v['largest_drop'] * 100:.1f} points | {rec} |")
+    md += ["", f"Recommended: a variant whose mean validation accuracy is at most {100 * MARGIN:.1f} points below the "
+               f"chosen setting's and that is better on its axis ("
+               + ", ".join(f"{what[name]}: {axis}" for name, (_, _, axis) in VARIANTS.items()) + ")."]
+    h.write_results(s.results, "variants", res, "\n".join(md) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("command", nargs="?", default="plan", choices=["plan", "run", "report"])
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
+    ap.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="train these variants' runs (another process may be training the others)")
+    args = ap.parse_args(argv)
+    s = h.Settings()
+    _, camp, chosen = campaigns(s)
+    wanted = {f"{chosen}_{name}" for name in args.only}
+    return dispatch(args.command, camp, s, lambda j: j.cand.label in wanted, args.jobs, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

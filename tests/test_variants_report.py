@@ -1,0 +1,31 @@
+"""benchmarks/variants.py's summary and rule on hand-made rows: the means, bits to T after round 1's downlink, and
+each variant judged on validation accuracy and its own axis."""
+
+from __future__ import annotations
+
+import pytest
+from run_helpers import load_benchmark
+
+
+def rows(variant: str, val: list[float], total: float, to_t: list[float | None], drop: float) -> list[dict]:
+    return [{"variant": variant, "seed": k, "accuracy": v - 0.01, "val_accuracy": v, "bits_to_t": b,
+             "initial_bits": 2e6, "total_bits": total, "steady_down_mbit": 0.1, "largest_drop": drop + 0.01 * k,
+             "val_drop": drop} for k, (v, b) in enumerate(zip(val, to_t, strict=True))]
+
+
+def test_the_summary_and_the_rule_by_hand():
+    v = load_benchmark("variants")
+    chosen = rows("chosen", [0.890, 0.886, 0.884], 33e6, [28e6, 30e6, 32e6], 0.06)
+    down2 = rows("down2", [0.889, 0.884, 0.883], 26e6, [24e6, 25e6, None], 0.07)  # 0.13 points below: within 0.2
+    trained = rows("trained", [0.885, 0.883, 0.880], 33e6, [28e6, 29e6, 31e6], 0.01)  # 0.4 points below
+    summary = v.summarize(chosen + down2 + trained, 3)
+    assert list(summary) == ["chosen", "down2", "trained"]
+    assert summary["chosen"]["bits_to_t_after_initial"] == pytest.approx(28e6)  # (26 + 28 + 30) / 3
+    assert summary["down2"]["bits_to_t"] is None and summary["down2"]["seeds_reaching_t"] == 2
+    assert summary["down2"]["val_accuracy"] == pytest.approx((0.889 + 0.884 + 0.883) / 3)
+    assert summary["trained"]["largest_drop"] == pytest.approx(0.03)
+    # down2: fewer total bits within 0.2 validation points; trained: a smaller drop but 0.4 points below
+    assert v.recommend(summary) == {"down2": True, "trained": False}
+    summary["trained"]["val_accuracy"] = summary["chosen"]["val_accuracy"]
+    summary["down2"]["total_bits"] = 34e6
+    assert v.recommend(summary) == {"down2": False, "trained": True}
