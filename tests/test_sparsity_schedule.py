@@ -271,3 +271,30 @@ def test_a_resumed_trained_model_run_equals_an_uninterrupted_one(tmp_path, tiny_
         warnings.simplefilter("ignore")
         cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", 2)
     assert rows_of(tmp_path / "whole") == rows_of(tmp_path / "part")
+
+
+def test_the_evaluation_downlink_carries_the_trained_model(make_toy):
+    """BatchNorm calibration and Flower's federated evaluation load the model the server evaluates: with
+    ``global_model = "trained"`` a client receiving the evaluation downlink holds the support of :meth:`global_model`,
+    which keeps weights the decided support has cut."""
+    from dturbo.algorithms.registry import build_algorithm
+    from dturbo.federation import build_federation
+    from dturbo.nn.bayes import bayesian_layers
+
+    cfg = parse_config({"experiment": {"seed": 2, "rounds": 3, "threads": 1},
+                        "data": {"name": "npz", "path": str(make_toy(300))},
+                        "federation": {"clients": 3, "partition": "iid"}, "model": {"name": "mlp", "hidden": [16]},
+                        "train": {"local_steps": 3, "lr": 0.01},
+                        "dturbo": {"global_model": "trained",
+                                   "sparsity": {"target_density": 0.3, "warmup_rounds": 0, "ramp_rounds": 1}}})
+    fed = build_federation(cfg)
+    server, client = build_algorithm(cfg, fed)
+    state = server.init()
+    down = server.downlinks(state, 0, [0, 1, 2])
+    state = server.aggregate(state, [client.fit(down[c], fed.clients[c], c) for c in range(3)], 0).state
+    held = [layer.mask.numpy() for _, layer in bayesian_layers(client.receive(server.evaluation_downlink(state, 1), 0))]
+    model = [layer.mask.numpy() for _, layer in bayesian_layers(server.global_model(state))]
+    decided = [server.support(state, info) for info in server.layers]
+    assert any(m.sum() > d.sum() for m, d in zip(model, decided, strict=True))  # the ramp cut weights
+    for h, m in zip(held, model, strict=True):
+        np.testing.assert_array_equal(h.reshape(m.shape), m)

@@ -135,6 +135,13 @@ class DturboServer(ServerBase[DturboUplink]):
                                               bases, self.held_supports(state, set(bases.values())),
                                               self.held_weights(state, clients))
 
+    def evaluation_downlink(self, state: State, round_idx: int) -> bytes:
+        """The round's model (:meth:`global_model`) as the downlink of a client that holds nothing: what BatchNorm
+        calibration measures and Flower's federated evaluation tests."""
+        if self.trained_model:
+            state = dict(state) | {f"{i.name}.mu": self.model_mu(state, i) for i in self.layers}
+        return self.downlink(state, round_idx)
+
     def held_weights(self, state: State, clients: list[int]) -> dict[int, list[np.ndarray]]:
         """``down_mu = "update"``: the weights each of ``clients`` that holds a downlink holds (none: absent)."""
         if not self.messages.update:
