@@ -227,3 +227,74 @@ def test_erk_targets_keep_the_budget_and_follow_the_rule():
     assert np.isnan(layer_targets(layers, SparsityConfig(target_density=0.3, distribution="evidence"))).all()
     assert np.isnan(layer_targets(_erk_layers((False,) * 4), sp)).all()  # no BatchNorm: the shared field, as ever
     assert (budget_sizes(layers, sp) == sizes).all()
+
+
+def test_the_trained_global_model_is_the_aggregate_before_the_cut(tmp_path, tiny_config):
+    """``global_model = "trained"`` changes which model a round ends with, not the training: the messages (bits)
+    are the same bytes as the default's, the model of round r carries the support of round r - 1 (its clients
+    trained on it; the default's density one round later), and its weights are the default's wherever both hold
+    one."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(240, 12)).astype(np.float32)
+    y = ((x[:, :3].sum(1) > 0).astype(np.int64) + 2 * (x[:, 3] > 0))
+    rows, models = {}, {}
+    for mode in ("cut", "trained"):
+        cfg = tiny_config(rounds=5, dturbo={"global_model": mode,
+                                            "sparsity": {"target_density": 0.3, "warmup_rounds": 1, "ramp_rounds": 3}})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = dturbo.Experiment(cfg, data=(x, y, x[:100], y[:100]), out=tmp_path / mode, progress=False,
+                                    figures=False).run()
+        with open(tmp_path / mode / "metrics.csv") as f:
+            rows[mode] = list(csv.DictReader(f))
+        models[mode] = {n: p.detach().numpy() for n, p in res.model.named_parameters() if n.endswith("weight_mu")}
+    cut, trained = rows["cut"], rows["trained"]
+    for key in ("up_bits", "down_bits", "cum_bits"):
+        assert [r[key] for r in cut] == [r[key] for r in trained], key
+    density = [float(r["density"]) for r in cut]
+    assert density[1] < density[0] == 1.0  # the ramp cuts
+    assert [float(r["density"]) for r in trained] == pytest.approx([1.0, *density[:-1]])
+    for name, w in models["trained"].items():
+        both = (w != 0) & (models["cut"][name] != 0)
+        np.testing.assert_array_equal(w[both], models["cut"][name][both])
+
+
+def test_a_resumed_trained_model_run_equals_an_uninterrupted_one(tmp_path, tiny_config, make_toy):
+    """The round's model before the cut is checkpointed with the state: a run stopped during the ramp and resumed
+    writes the uninterrupted run's metrics."""
+    from run_helpers import cut_and_resume, rows_of
+
+    cfg = tiny_config(rounds=4, data={"name": "npz", "path": str(make_toy(300))},
+                      dturbo={"global_model": "trained",
+                              "sparsity": {"target_density": 0.3, "warmup_rounds": 1, "ramp_rounds": 3}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", 2)
+    assert rows_of(tmp_path / "whole") == rows_of(tmp_path / "part")
+
+
+def test_the_evaluation_downlink_carries_the_trained_model(make_toy):
+    """BatchNorm calibration and Flower's federated evaluation load the model the server evaluates: with
+    ``global_model = "trained"`` a client receiving the evaluation downlink holds the support of :meth:`global_model`,
+    which keeps weights the decided support has cut."""
+    from dturbo.algorithms.registry import build_algorithm
+    from dturbo.federation import build_federation
+    from dturbo.nn.bayes import bayesian_layers
+
+    cfg = parse_config({"experiment": {"seed": 2, "rounds": 3, "threads": 1},
+                        "data": {"name": "npz", "path": str(make_toy(300))},
+                        "federation": {"clients": 3, "partition": "iid"}, "model": {"name": "mlp", "hidden": [16]},
+                        "train": {"local_steps": 3, "lr": 0.01},
+                        "dturbo": {"global_model": "trained",
+                                   "sparsity": {"target_density": 0.3, "warmup_rounds": 0, "ramp_rounds": 1}}})
+    fed = build_federation(cfg)
+    server, client = build_algorithm(cfg, fed)
+    state = server.init()
+    down = server.downlinks(state, 0, [0, 1, 2])
+    state = server.aggregate(state, [client.fit(down[c], fed.clients[c], c) for c in range(3)], 0).state
+    held = [layer.mask.numpy() for _, layer in bayesian_layers(client.receive(server.evaluation_downlink(state, 1), 0))]
+    model = [layer.mask.numpy() for _, layer in bayesian_layers(server.global_model(state))]
+    decided = [server.support(state, info) for info in server.layers]
+    assert any(m.sum() > d.sum() for m, d in zip(model, decided, strict=True))  # the ramp cut weights
+    for h, m in zip(held, model, strict=True):
+        np.testing.assert_array_equal(h.reshape(m.shape), m)

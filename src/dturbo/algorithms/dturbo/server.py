@@ -80,6 +80,8 @@ class DturboServer(ServerBase[DturboUplink]):
             ).entries(info.name)
             bias = layer.bias.detach().numpy().copy() if layer.bias is not None else np.zeros(0, np.float32)
             state[f"{info.name}.bias"] = bias
+            if self.trained_model:
+                state[f"{info.name}.mu_trained"] = state[f"{info.name}.mu"].copy()
         state |= self.plain.init(model)
         if self.messages.delta:  # no client holds a support yet
             state |= self.held.init()
@@ -100,6 +102,16 @@ class DturboServer(ServerBase[DturboUplink]):
     def support(self, state: State, info: LayerInfo) -> np.ndarray:
         """S of a layer: the nonzeros of its mu_G in float16, the weights the downlink carries."""
         return turbo.support(state[f"{info.name}.mu"])
+
+    @property
+    def trained_model(self) -> bool:
+        """``global_model = "trained"``: the round's model is its aggregate on the support its clients trained."""
+        return self.cfg.dturbo.global_model == "trained"
+
+    def model_mu(self, state: State, info: LayerInfo) -> np.ndarray:
+        """A layer's weights in the round's model (:meth:`global_model`): mu_G, or with ``global_model = "trained"``
+        the round's aggregate before the support rule (§7.5) cut it."""
+        return state[f"{info.name}.mu_trained" if self.trained_model else f"{info.name}.mu"]
 
     def prior_std(self, state: State, info: LayerInfo) -> np.ndarray:
         """(E5) sigma_prior = sqrt(b~ / a~) per weight."""
@@ -122,6 +134,13 @@ class DturboServer(ServerBase[DturboUplink]):
         return self.messages.encode_downlinks(self._downlink_record(state, round_idx), self.plain.encode_state(state),
                                               bases, self.held_supports(state, set(bases.values())),
                                               self.held_weights(state, clients))
+
+    def evaluation_downlink(self, state: State, round_idx: int) -> bytes:
+        """The round's model (:meth:`global_model`) as the downlink of a client that holds nothing: what BatchNorm
+        calibration measures and Flower's federated evaluation tests."""
+        if self.trained_model:
+            state = dict(state) | {f"{i.name}.mu": self.model_mu(state, i) for i in self.layers}
+        return self.downlink(state, round_idx)
 
     def held_weights(self, state: State, clients: list[int]) -> dict[int, list[np.ndarray]]:
         """``down_mu = "update"``: the weights each of ``clients`` that holds a downlink holds (none: absent)."""
@@ -228,6 +247,8 @@ class DturboServer(ServerBase[DturboUplink]):
                 full[mask] = sig
                 sig = full.reshape(-1)
             new[f"{n}.mu"] = mu
+            if self.trained_model:
+                new[f"{n}.mu_trained"] = turbo.restrict_to_support(mu)
             new[f"{n}.sigma"] = np.asarray(sig, dtype=np.float32).reshape(state[f"{n}.sigma"].shape)
             new[f"{n}.bias"] = np.asarray(bias).astype(np.float32)
         t0 = time.perf_counter()
@@ -288,8 +309,8 @@ class DturboServer(ServerBase[DturboUplink]):
         total = kept = 0
         flops = flops_kept = 0.0
         layer_density = {}
-        for info in self.layers:
-            mask = self.support(state, info)
+        for info in self.layers:  # of the round's model
+            mask = turbo.support(self.model_mu(state, info))
             total += mask.size
             kept += int(mask.sum())
             flops += info.cost
@@ -322,11 +343,13 @@ class DturboServer(ServerBase[DturboUplink]):
 
     # ------------------------------------------------------------ the model
     def global_model(self, state: State) -> nn.Module:
-        """The global model with mean weights mu_G on S (zeros elsewhere), in eval mode."""
+        """The global model with mean weights mu_G on S (zeros elsewhere; with ``global_model = "trained"`` the
+        round's aggregate on the support its clients trained), in eval mode."""
         model = self.model_factory()
         for info, (_, layer) in zip(self.layers, bayesian_layers(model), strict=True):
             n = info.name
-            load_layer(layer, state[f"{n}.mu"], self.support(state, info), state[f"{n}.sigma"],
+            mu = self.model_mu(state, info)
+            load_layer(layer, mu, turbo.support(mu), state[f"{n}.sigma"],
                         state[f"{n}.bias"] if layer.bias is not None else None, self.prior_std(state, info))
         self.plain.load_state(model, state)
         return model.eval()
