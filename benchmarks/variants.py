@@ -41,6 +41,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str]] = {
     "down2": ({"dturbo.transmission.down_bits": 2}, "down_bits = 2", "total_bits"),
     "trained": ({"dturbo.global_model": "trained"}, 'global_model = "trained"', "val_drop"),
 }
+AXES = {"total_bits": "fewer total bits", "val_drop": "a smaller largest drop of validation accuracy after round 3"}
 REFERENCE = "chosen"
 MARGIN = 0.002  # in accuracy: 0.2 points, as sampling.py's
 
@@ -135,7 +136,7 @@ def report(s: h.Settings) -> None:
                   f"{v['largest_drop'] * 100:.1f} points | {rec} |")
     md += ["", f"Recommended: a variant whose mean validation accuracy is at most {100 * MARGIN:.1f} points below the "
                f"chosen setting's and that is better on its axis ("
-               + ", ".join(f"{what[name]}: {axis}" for name, (_, _, axis) in VARIANTS.items()) + ")."]
+               + "; ".join(f"{what[name]}: {AXES[axis]}" for name, (_, _, axis) in VARIANTS.items()) + ")."]
     h.write_results(s.results, "variants", res, "\n".join(md) + "\n")
 
 
