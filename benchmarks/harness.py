@@ -301,6 +301,10 @@ def execute(job: Job) -> bool:
         say(f"{job.name}: reused {job.source.parent.name}/{job.source.name} (the same resolved config)")
         return True
     if job.status in ("todo", "resume"):
+        plan(job)  # again: another campaign process may have finished or started it since the plan
+    if job.status == "copy":
+        say(f"{job.name}: finished by another process")
+    if job.status in ("todo", "resume"):
         if job.status == "todo" and job.run_dir.exists():
             try:  # another campaign process may be running it: its lock says so, and the folder stays
                 held = RunDir(job.run_dir)

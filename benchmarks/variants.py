@@ -103,7 +103,8 @@ def report(s: h.Settings) -> None:
         raise h.HarnessError(f"no variant has all {len(camp.seeds)} seeds done: run `benchmarks/variants.py run` "
                              f"first")
     rows = [row(r, REFERENCE, t) for r in h.load_runs(joint, s) if r.cand.label == chosen]
-    rows += [row(r, r.cand.label.removeprefix(f"{chosen}_"), t) for r in sorted(done, key=lambda r: r.seed)]
+    rows += [row(r, r.cand.label.removeprefix(f"{chosen}_"), t)
+             for r in sorted(done, key=lambda r: (r.cand.label, r.seed))]
     summary = summarize(rows, len(camp.seeds))
     recommended = recommend(summary)
     stc = next((r for r in res_joint["table"] if r["method"] == "stc"), None)

@@ -349,3 +349,24 @@ def test_a_label_with_dots_is_committed_under_its_whole_name(mods, tmp_path):
     job = h.Job(camp, camp.by_label()["fa16_lr1.5e-3"], 0, s, status="reuse", source=src)
     assert h.execute(job)
     assert sorted(p.name for p in job.committed.iterdir()) == ["fa16_lr1.5e-3_s0.csv", "fa16_lr1.5e-3_s0.toml"]
+
+
+def test_a_run_another_process_finished_since_the_plan_is_copied_not_run_again(mods, tmp_path):
+    """Two campaign processes share the run folders: a job planned as todo whose run another process has finished
+    by the time it starts is copied, and the finished run folder is kept (it was removed and trained again)."""
+    h, _ = mods
+    path = tmp_path / "c.toml"
+    path.write_text(CAMPAIGN)
+    camp = h.load_campaign(path)
+    s = h.Settings(results=tmp_path / "results", runs_root=tmp_path / "runs", data_path="/nowhere")
+    job = h.plan(h.Job(camp, camp.by_label()["fa16_a"], 0, s))
+    assert job.status == "todo"
+    job.run_dir.mkdir(parents=True)  # the other process's run, finished
+    (job.run_dir / "config.toml").write_text(parse_config(job.tree).to_toml())
+    rows = "".join(f"{r},0.5,0.5,1.0,1,1,{r},10\n" for r in range(1, job.rounds + 1))
+    (job.run_dir / "metrics.csv").write_text("round,accuracy,val_accuracy,density,up_bits,down_bits,cum_bits,"
+                                             "participants\n" + rows)
+    (job.run_dir / "model.safetensors").write_bytes(b"x")
+    assert h.execute(job)
+    assert (job.run_dir / "model.safetensors").exists()
+    assert (job.committed / f"{job.name}.csv").read_text() == (job.run_dir / "metrics.csv").read_text()
