@@ -302,8 +302,11 @@ def execute(job: Job) -> bool:
         return True
     if job.status in ("todo", "resume"):
         plan(job)  # again: another campaign process may have finished or started it since the plan
-    if job.status == "copy":
-        say(f"{job.name}: finished by another process")
+        if job.status == "conflict":
+            say(f"{job.name}: skipped: {job.run_dir} holds a run of another config")
+            return False
+        if job.status in ("copy", "done"):
+            say(f"{job.name}: finished by another process")
     if job.status in ("todo", "resume"):
         if job.status == "todo" and job.run_dir.exists():
             try:  # another campaign process may be running it: its lock says so, and the folder stays

@@ -115,7 +115,6 @@ def report(s: h.Settings) -> None:
            "runs": [{k: v for k, v in r.items()} for r in rows],
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
-    mbit = _mbit
     md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` under each `[dturbo] sampling`, on the joint protocol "
           f"(3 seeds; T = {t:.2%}); local training's cost against FedAvg's from round_time.md.", "",
           *seed_table(rows, "sampling", lambda r: r["sampling"],
@@ -125,7 +124,7 @@ def report(s: h.Settings) -> None:
            "local training x FedAvg |", "|---|---|---|---|---|---|"]
     for name, v in summary.items():
         ratio = "-" if v["ratio_client"] is None else f"{v['ratio_client']:.2f}x"
-        md.append(f"| {name} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {mbit(v['bits_to_t'])} | "
+        md.append(f"| {name} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {_mbit(v['bits_to_t'])} | "
                   f"{v['seeds_reaching_t']} of {len(camp.seeds)} | {ratio} |")
     md += ["", f"Recommended (the cheapest whose mean validation accuracy is at most {100 * MARGIN:.1f} points below "
                f"local's): **{recommended}**."]

@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness as h  # noqa: E402
-from joint import _mbit, largest_drop  # noqa: E402
+from joint import _mbit, largest_drop, per_param  # noqa: E402
 from sampling import dispatch, seed_table, shape  # noqa: E402
 
 # name: (the options it changes, what it is, the row's key it is judged on; lower is better)
@@ -57,12 +57,10 @@ def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
 
 
 def row(run: h.Run, variant: str, t: float) -> dict[str, Any]:
-    m = run.m
-    n = max(1, min(5, len(m["round"])))
     return ({"variant": variant} | shape(run, t)
-            | {"initial_bits": float(m["down_bits"][0]), "val_drop": largest_drop(m["val_accuracy"]),
-               # the steady state: the mean downlink of the last rounds, per participating client, in Mbit
-               "steady_down_mbit": float(np.mean(m["down_bits"][-n:] / np.maximum(m["participants"][-n:], 1))) / 1e6})
+            | {"initial_bits": float(run.m["down_bits"][0]), "val_drop": largest_drop(run.m["val_accuracy"]),
+               # the steady state, as joint.py's: the mean downlink of the last rounds, per participating client
+               "steady_down_mbit": per_param(run, "down", 1) / 1e6})
 
 
 def summarize(rows: list[dict[str, Any]], seeds: int) -> dict[str, dict[str, Any]]:
@@ -113,8 +111,6 @@ def report(s: h.Settings) -> None:
            "summary": summary, "recommended": recommended, "runs": rows,
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
-    mbit = _mbit
-
     def vs_stc(x: float | None, key: str) -> str:
         return "" if x is None or stc is None or not stc.get(key) else f" ({x / stc[key]:.3f}x STC's)"
 
@@ -131,9 +127,9 @@ def report(s: h.Settings) -> None:
     for name, v in summary.items():
         rec = "" if name == REFERENCE else ("yes" if recommended[name] else "no")
         md.append(f"| {what[name]} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {v['seeds_reaching_t']} of "
-                  f"{v['seeds']} | {mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t')} | "
-                  f"{mbit(v['bits_to_t_after_initial'])}"
-                  f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial')} | {mbit(v['total_bits'])} | "
+                  f"{v['seeds']} | {_mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t')} | "
+                  f"{_mbit(v['bits_to_t_after_initial'])}"
+                  f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial')} | {_mbit(v['total_bits'])} | "
                   f"{v['largest_drop'] * 100:.1f} points | {rec} |")
     md += ["", f"Recommended: a variant whose mean validation accuracy is at most {100 * MARGIN:.1f} points below the "
                f"chosen setting's and that is better on its axis ("

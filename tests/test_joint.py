@@ -370,3 +370,20 @@ def test_a_run_another_process_finished_since_the_plan_is_copied_not_run_again(m
     assert h.execute(job)
     assert (job.run_dir / "model.safetensors").exists()
     assert (job.committed / f"{job.name}.csv").read_text() == (job.run_dir / "metrics.csv").read_text()
+
+
+def test_a_run_of_another_config_started_since_the_plan_is_left_alone(mods, tmp_path):
+    """A job planned as todo whose folder another process has since filled with a run of another config is skipped,
+    the folder untouched (it is neither removed nor copied as this job's)."""
+    h, _ = mods
+    path = tmp_path / "c.toml"
+    path.write_text(CAMPAIGN)
+    camp = h.load_campaign(path)
+    s = h.Settings(results=tmp_path / "results", runs_root=tmp_path / "runs", data_path="/nowhere")
+    job = h.plan(h.Job(camp, camp.by_label()["fa16_a"], 0, s))
+    assert job.status == "todo"
+    job.run_dir.mkdir(parents=True)
+    other = h.plan(h.Job(camp, camp.by_label()["fa16_b"], 0, s))
+    (job.run_dir / "config.toml").write_text(parse_config(other.tree).to_toml())
+    assert not h.execute(job)
+    assert (job.run_dir / "config.toml").exists() and not (job.committed / f"{job.name}.csv").exists()

@@ -211,8 +211,12 @@ def aligned(step: np.ndarray, min_cosine: float) -> np.ndarray:
     """Which rows of ``step`` (one update each) have a cosine of at least ``min_cosine`` with the coordinate-wise
     median update (:func:`cosines`): an attacker's reversed update points away from it while an honest majority
     holds it. Every row is kept when none would be."""
-    kept = cosines(step) >= min_cosine
-    return kept if kept.any() else np.ones(step.shape[0], dtype=bool)
+    return _some(cosines(step) >= min_cosine)
+
+
+def _some(kept: np.ndarray) -> np.ndarray:
+    """``kept``, or every row when it keeps none."""
+    return kept if kept.any() else np.ones(kept.shape[0], dtype=bool)
 
 
 class RobustAggregation:
@@ -244,21 +248,20 @@ class RobustAggregation:
         :meth:`combine` clips them, those whose cosine with the median update is below ``min_cosine`` (all of them
         failing: none refused)."""
         x = self._stack(rows)
-        step = x - self._reference(reference, x)
+        ref = self._reference(reference, x)
         out: dict[int, str] = {}
         left = np.arange(x.shape[0])
         if self.refuse_median is not None:
+            step = x - ref
+            kept = ordinary(step, self.refuse_median)
             norms = lengths(step)
             median = float(np.median(norms))
-            kept = ordinary(step, self.refuse_median)
             out |= {int(k): f"its update is {norms[k] / median:.3g} times the round's median update norm (at most "
                             f"robust.refuse_median = {self.refuse_median:g})" for k in np.flatnonzero(~kept)}
             left = left[kept]
         if self.min_cosine is not None and left.size:
-            ref = self._reference(reference, x)
-            clipped = self._clip(x[left], ref) - ref
-            cos = cosines(clipped)
-            kept = aligned(clipped, self.min_cosine)
+            cos = cosines(self._clip(x[left], ref) - ref)
+            kept = _some(cos >= self.min_cosine)
             out |= {int(left[k]): f"its update has a cosine of {cos[k]:.3f} with the round's median update (at least "
                                   f"robust.min_cosine = {self.min_cosine:g})" for k in np.flatnonzero(~kept)}
         return dict(sorted(out.items()))
