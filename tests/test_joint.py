@@ -351,9 +351,9 @@ def test_a_label_with_dots_is_committed_under_its_whole_name(mods, tmp_path):
     assert sorted(p.name for p in job.committed.iterdir()) == ["fa16_lr1.5e-3_s0.csv", "fa16_lr1.5e-3_s0.toml"]
 
 
-def test_a_run_another_process_finished_since_the_plan_is_copied_not_run_again(mods, tmp_path):
-    """Two campaign processes share the run folders: a job planned as todo whose run another process has finished
-    by the time it starts is copied, and the finished run folder is kept (it was removed and trained again)."""
+@pytest.fixture()
+def planned(mods, tmp_path):
+    """(the harness, the campaign, its settings, fa16_a seed 0 planned as todo: nothing of it exists yet)."""
     h, _ = mods
     path = tmp_path / "c.toml"
     path.write_text(CAMPAIGN)
@@ -361,6 +361,13 @@ def test_a_run_another_process_finished_since_the_plan_is_copied_not_run_again(m
     s = h.Settings(results=tmp_path / "results", runs_root=tmp_path / "runs", data_path="/nowhere")
     job = h.plan(h.Job(camp, camp.by_label()["fa16_a"], 0, s))
     assert job.status == "todo"
+    return h, camp, s, job
+
+
+def test_a_run_another_process_finished_since_the_plan_is_copied_not_run_again(planned):
+    """Two campaign processes share the run folders: a job planned as todo whose run another process has finished
+    by the time it starts is copied, and the finished run folder is kept (it was removed and trained again)."""
+    h, camp, s, job = planned
     job.run_dir.mkdir(parents=True)  # the other process's run, finished
     (job.run_dir / "config.toml").write_text(parse_config(job.tree).to_toml())
     rows = "".join(f"{r},0.5,0.5,1.0,1,1,{r},10\n" for r in range(1, job.rounds + 1))
@@ -372,16 +379,10 @@ def test_a_run_another_process_finished_since_the_plan_is_copied_not_run_again(m
     assert (job.committed / f"{job.name}.csv").read_text() == (job.run_dir / "metrics.csv").read_text()
 
 
-def test_a_run_of_another_config_started_since_the_plan_is_left_alone(mods, tmp_path):
+def test_a_run_of_another_config_started_since_the_plan_is_left_alone(planned):
     """A job planned as todo whose folder another process has since filled with a run of another config is skipped,
     the folder untouched (it is neither removed nor copied as this job's)."""
-    h, _ = mods
-    path = tmp_path / "c.toml"
-    path.write_text(CAMPAIGN)
-    camp = h.load_campaign(path)
-    s = h.Settings(results=tmp_path / "results", runs_root=tmp_path / "runs", data_path="/nowhere")
-    job = h.plan(h.Job(camp, camp.by_label()["fa16_a"], 0, s))
-    assert job.status == "todo"
+    h, camp, s, job = planned
     job.run_dir.mkdir(parents=True)
     other = h.plan(h.Job(camp, camp.by_label()["fa16_b"], 0, s))
     (job.run_dir / "config.toml").write_text(parse_config(other.tree).to_toml())
