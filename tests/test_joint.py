@@ -352,14 +352,10 @@ def test_a_label_with_dots_is_committed_under_its_whole_name(mods, tmp_path):
 
 
 @pytest.fixture()
-def planned(mods, tmp_path):
-    """(the harness, the campaign, its settings, fa16_a seed 0 planned as todo: nothing of it exists yet)."""
-    h, _ = mods
-    path = tmp_path / "c.toml"
-    path.write_text(CAMPAIGN)
-    camp = h.load_campaign(path)
-    s = h.Settings(results=tmp_path / "results", runs_root=tmp_path / "runs", data_path="/nowhere")
-    job = h.plan(h.Job(camp, camp.by_label()["fa16_a"], 0, s))
+def planned(setup):
+    """(the harness, the campaign, its settings, fa16_b seed 1 planned as todo: nothing of it exists yet)."""
+    h, _, camp, s = setup
+    job = h.plan(h.Job(camp, camp.by_label()["fa16_b"], 1, s))
     assert job.status == "todo"
     return h, camp, s, job
 
@@ -384,7 +380,7 @@ def test_a_run_of_another_config_started_since_the_plan_is_left_alone(planned):
     the folder untouched (it is neither removed nor copied as this job's)."""
     h, camp, s, job = planned
     job.run_dir.mkdir(parents=True)
-    other = h.plan(h.Job(camp, camp.by_label()["fa16_b"], 0, s))
+    other = h.plan(h.Job(camp, camp.by_label()["fa16_a"], 1, s))
     (job.run_dir / "config.toml").write_text(parse_config(other.tree).to_toml())
     assert not h.execute(job)
     assert (job.run_dir / "config.toml").exists() and not (job.committed / f"{job.name}.csv").exists()
