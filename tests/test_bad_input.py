@@ -5,6 +5,7 @@ checkpoint, a sparsity ramp longer than the run, misleading file messages, and a
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -243,14 +244,20 @@ def test_few_local_steps_warn_with_the_median_clients_step_count(tmp_path, uint8
 
 # ---------------------------------------------------------------------------------- 6. a ramp past the run
 def test_ramp_longer_than_the_run_warns_with_the_density_reached(tmp_path, uint8_npz):
-    data = toy_config(uint8_npz, rounds=2, dturbo={"sparsity": {"target_density": 0.2, "warmup_rounds": 1,
-                                                                "ramp_rounds": 6}})
+    data = toy_config(uint8_npz, rounds=2, dturbo={"global_model": "cut", "sparsity": {
+        "target_density": 0.2, "warmup_rounds": 1, "ramp_rounds": 6}})
     reached = density_schedule(1, target=0.2, warmup=1, ramp=6)
-    with pytest.warns(ScheduleWarning, match=rf"density at the last round is {reached:.3f}.*rounds >= 7.*"
+    with pytest.warns(ScheduleWarning, match=rf"final model's scheduled density is {reached:.3f}.*rounds >= 7.*"
                                             rf"ramp_rounds <= 1"):
         Simulator(parse_config(data), tmp_path / "run")
-    assert schedule_warning(parse_config(toy_config(uint8_npz, rounds=2))) is None  # warmup 0 + ramp 1 <= 2
+    assert schedule_warning(parse_config(toy_config(uint8_npz, rounds=2))) is None  # warmup 0 + ramp 1 <= 2 - 1
     assert schedule_warning(parse_config({**data, "experiment": {"rounds": 7}})) is None
+    # "trained": the final model holds the support the round before the last decided, so the ramp ends a round earlier
+    trained = parse_config({**data, "experiment": {"rounds": 7},
+                            "dturbo": {**data["dturbo"], "global_model": "trained"}})
+    reached = density_schedule(5, target=0.2, warmup=1, ramp=6)
+    assert re.search(rf"round before the last.*final model's scheduled density is {reached:.3f}.*rounds >= 8.*"
+                     rf"ramp_rounds <= 5", schedule_warning(trained))
     cfg_path = tmp_path / "ramp.toml"
     cfg_path.write_text(parse_config(data).to_toml())
     result = CliRunner().invoke(app, ["run", str(cfg_path), "--out", str(tmp_path / "cli"), "--no-figures"])

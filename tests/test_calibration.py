@@ -147,7 +147,8 @@ def test_flops_budget_runs_and_reports_flops_density(tmp_path):
         "federation": {"clients": 2, "partition": "iid"},
         "model": {"name": "lenet5"},
         "train": {"local_steps": 2, "batch_size": 32, "lr": 0.01},
-        "dturbo": {"sparsity": {"target_density": 0.4, "warmup_rounds": 0, "ramp_rounds": 1, "budget": "flops",
+        "dturbo": {"global_model": "cut",  # each row's model on the support it decides
+                   "sparsity": {"target_density": 0.4, "warmup_rounds": 0, "ramp_rounds": 1, "budget": "flops",
                                 "min_layer_density": 0.0}},  # no floor: it may lift a layer over the budget
     })
     rows = Simulator(cfg, tmp_path / "run").run()

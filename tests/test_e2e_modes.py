@@ -87,7 +87,7 @@ def _hyper(sim) -> dict[str, tuple[float, float, float, float]]:
 def test_prior_mode_literal_algorithm_end_to_end(tmp_path, make_toy):
     """mode = "prior": every round the support is exactly {pi~ >= 1/2} (re-entries at 2^-14, float16 zeros
     out), no field, the density column matches the saved masks, and the uploads carry no position bits."""
-    cfg = _cfg(make_toy(400), sparsity={"mode": "prior"})
+    cfg = _cfg(make_toy(400), sparsity={"mode": "prior"}, global_model="cut")  # each row's model on its support
     sim, rows, rounds = _recorded_run(cfg, tmp_path / "run")
     assert len(rows) == len(rounds) == 3
     sizes = {n: rounds[0][0][f"{n}.mu"].size for n in LAYERS}
@@ -148,4 +148,4 @@ def test_paper_gamma_update_end_to_end(tmp_path, make_toy):
     for row in rows:
         assert all(math.isfinite(float(row[c])) for c in ("accuracy", "loss", "neg_elbo", "train_nll", "density"))
     assert float(rows[-1]["accuracy"]) > 0.5  # 4 balanced-ish classes: chance is ~0.25
-    assert float(rows[-1]["density"]) <= 0.5 + 1e-12 and float(rows[0]["density"]) == 1.0
+    assert float(rows[-1]["support_density"]) <= 0.5 + 1e-12 and float(rows[0]["density"]) == 1.0

@@ -46,7 +46,9 @@ def tiny(algorithm: str) -> dict:
         "federation": {"clients": 4, "partition": "dirichlet", "alpha": 0.5},
         "model": {"name": "mlp", "hidden": [32]},
         "train": {"local_steps": 10, "batch_size": 32, "lr": 0.003},
-        "dturbo": {"beta": 0.01, "sparsity": {"target_density": 0.4, "warmup_rounds": 1, "ramp_rounds": 2}},
+        # the ramp's last cut in the last round: the final model on it ("cut") reaches the target
+        "dturbo": {"beta": 0.01, "global_model": "cut",
+                   "sparsity": {"target_density": 0.4, "warmup_rounds": 1, "ramp_rounds": 2}},
     }
 
 

@@ -151,7 +151,8 @@ def test_global_model_is_masked_mean(tmp_path):
         "federation": {"clients": 2, "partition": "iid"},
         "model": {"name": "mlp", "hidden": [16]},
         "train": {"local_steps": 20, "batch_size": 32, "lr": 0.01},
-        "dturbo": {"sparsity": {"target_density": 0.5, "warmup_rounds": 0, "ramp_rounds": 2, "scope": "layer"}},
+        "dturbo": {"global_model": "cut",
+                   "sparsity": {"target_density": 0.5, "warmup_rounds": 0, "ramp_rounds": 2, "scope": "layer"}},
     })
     sim = Simulator(cfg, tmp_path / "run")
     rows = sim.run()
@@ -227,7 +228,7 @@ def test_layer_targets_fix_named_layers_and_the_rest_keeps_the_global_budget(tmp
     dens = {n: float(support(state[f"{n}.mu"]).mean()) for n in sizes}
     assert 0.08 <= dens["dense2"] <= 0.1  # calibrated alone, from below
     total = sum(dens[n] * sizes[n] for n in sizes) / sum(sizes.values())
-    assert 0.48 <= total <= 0.5 and float(rows[-1]["density"]) == pytest.approx(total)
+    assert 0.48 <= total <= 0.5 and float(rows[-1]["support_density"]) == pytest.approx(total)
     # the other layers shared one field and took the rest of the budget: denser than the global target
     assert (dens["dense1"] * 320 + dens["dense3"] * 16) / 336 > 0.6
 

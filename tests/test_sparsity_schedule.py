@@ -49,9 +49,12 @@ def test_paced_schedule_is_monotone_and_reaches_the_target_within_the_run(sp):
         assert all(b <= a for a, b in itertools.pairwise(dens)), (rounds, steps, dens)
         fits = (sp.warmup_rounds is None or sp.warmup_rounds < rounds) and (sp.ramp_rounds or 1) <= rounds
         assert dens[-1] == 0.25 or not fits, (rounds, steps, schedule)
-        cfg = parse_config({"experiment": {"rounds": rounds},
-                            "dturbo": {"sparsity": sp.model_dump(exclude_none=True)}})
-        assert (dens[-1] == 0.25) == (schedule_warning(cfg, steps) is None)
+        tree = {"experiment": {"rounds": rounds}, "dturbo": {"sparsity": sp.model_dump(exclude_none=True)}}
+        cut = parse_config({**tree, "dturbo": {**tree["dturbo"], "global_model": "cut"}})
+        assert (dens[-1] == 0.25) == (schedule_warning(cut, steps) is None)  # the final model on the last support
+        # "trained": the final model on the support the round before the last decided
+        final = dens[-2] if rounds >= 2 else 1.0
+        assert (final == 0.25) == (schedule_warning(parse_config(tree), steps) is None)
         assert schedule.warmup >= 0 and schedule.ramp >= 1
         if rounds >= 2 and sp.warmup_rounds is None and sp.ramp_rounds is None:
             # one round trains at the target before the last support is evaluated
@@ -83,9 +86,12 @@ def test_local_steps_a_round_is_the_mean_clients():
 def test_paced_schedule_never_warns_and_explicit_too_long_does():
     for rounds, steps in itertools.product(range(1, 30), (1, 4, 75)):
         cfg = parse_config({"experiment": {"rounds": rounds}})
-        assert schedule_warning(cfg, steps) is None
+        # one round trains no pruned support: its final model is dense under "trained"
+        assert (schedule_warning(cfg, steps) is None) == (rounds >= 2)
+        cut = parse_config({"experiment": {"rounds": rounds}, "dturbo": {"global_model": "cut"}})
+        assert schedule_warning(cut, steps) is None
     late = parse_config({"experiment": {"rounds": 4}, "dturbo": {"sparsity": {"warmup_rounds": 4}}})
-    assert "warmup_rounds 4 + ramp_rounds 1 > experiment.rounds 4" in schedule_warning(late, 4)
+    assert "warmup_rounds 4 + ramp_rounds 1 > experiment.rounds 4 - 1" in schedule_warning(late, 4)
 
 
 def test_paced_config_round_trips_unset():
@@ -124,7 +130,7 @@ def test_a_run_follows_the_paced_schedule(tmp_path, tiny_config):
         rows = list(csv.DictReader(f))
     expected = [density_schedule(t, target=0.5, warmup=2, ramp=2) for t in range(6)]
     assert [float(r["scheduled_density"]) for r in rows] == pytest.approx(expected)
-    assert all(float(r["density"]) <= float(r["scheduled_density"]) for r in rows)
+    assert all(float(r["support_density"]) <= float(r["scheduled_density"]) for r in rows)
     assert [float(r["density"]) for r in rows[:2]] == [1.0, 1.0]
 
 

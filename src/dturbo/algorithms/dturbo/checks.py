@@ -26,30 +26,36 @@ class LocalStepsWarning(ScheduleWarning):
 
 
 def schedule_warning(cfg: Config, steps: int | None = None) -> str | None:
-    """In target mode, when the ramp ends after the last round: the density the schedule reaches at the last round
-    and how to reach the target; None when the target is reached. ``steps``: the mean client's local steps a round,
-    which pace a warm-up or ramp not set in rounds (:func:`dturbo.algorithms.dturbo.sparsity.pruning_schedule`); None:
-    unknown yet,
-    taken as 1 (the longest paced schedule, which still fits the run)."""
+    """In target mode, when the final model does not reach the target: the density the schedule gives it and how to
+    reach the target; None when it is reached. With ``global_model = "trained"`` the final model holds the support
+    the last round trained, which the round before decided, so the ramp must end a round before the last; with
+    "cut", at the last. ``steps``: the mean client's local steps a round, which pace a warm-up or ramp not set in
+    rounds (:func:`dturbo.algorithms.dturbo.sparsity.pruning_schedule`); None: unknown yet, taken as 1 (the longest
+    paced schedule, which still fits the run)."""
     sp = cfg.dturbo.sparsity
     rounds = cfg.experiment.rounds
     if sp.mode != "target":
         return None
     schedule = pruning_schedule(sp, rounds, steps or 1)
     warmup, ramp = schedule.warmup, schedule.ramp
-    if warmup + ramp <= rounds:
+    lag = int(cfg.dturbo.global_model == "trained")
+    last = rounds - lag  # the rounds whose decided support the final model holds
+    if warmup + ramp <= last:
         return None
-    reached = schedule.density(rounds - 1, sp.target_density)
-    fix = f"set experiment.rounds >= {warmup + ramp}"
-    if rounds > warmup:
-        fix += f" or dturbo.sparsity.ramp_rounds <= {rounds - warmup}"
+    reached = schedule.density(last - 1, sp.target_density) if last > 0 else 1.0
+    fix = f"set experiment.rounds >= {warmup + ramp + lag}"
+    if last > warmup:
+        fix += f" or dturbo.sparsity.ramp_rounds <= {last - warmup}"
     else:
-        fix += f" or dturbo.sparsity.warmup_rounds < {rounds} with a shorter ramp_rounds"
+        fix += f" or dturbo.sparsity.warmup_rounds < {last} with a shorter ramp_rounds"
     fix += " (or leave both unset: a schedule paced by local steps always fits the run)"
     layers = " (the layer_targets likewise)" if sp.layer_targets else ""
+    trained = (" and the final model (global_model = \"trained\") holds the support of the round before the last"
+               if lag else "")
     return (f"the sparsity schedule does not reach target_density {sp.target_density:g} within the run: "
-            f"warmup_rounds {warmup} + ramp_rounds {ramp} > experiment.rounds {rounds}, so the "
-            f"scheduled density at the last round is {reached:.3f}{layers}; to reach the target, {fix}")
+            f"warmup_rounds {warmup} + ramp_rounds {ramp} > experiment.rounds {rounds}{' - 1' if lag else ''}"
+            f"{trained}, so the final model's scheduled density is {reached:.3f}{layers}; to reach the target, "
+            f"{fix}")
 
 
 def local_steps_warning(cfg: Config, fed: Any) -> str | None:

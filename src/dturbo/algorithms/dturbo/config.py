@@ -157,11 +157,11 @@ class DturboConfig(Section):
         "that with one draw per sample and conv channel (dturbo.nn.bayes)"))
     gamma_update: Literal["exact", "paper"] = "exact"
     support_threshold: Probability = Field(0.5, gt=0, lt=1)
-    global_model: Literal["cut", "trained"] = Field("cut", description=(
-        "the model a round ends with (evaluated, checkpointed, exported): cut, mu_G on the support the server decides "
-        "from the round's aggregate (weights leaving it at 0 before any client trains without them); trained, the "
-        "round's aggregate on the support its clients trained, the decided support applying from the next round's "
-        "training on"))
+    global_model: Literal["trained", "cut"] = Field("trained", description=(
+        "the model a round ends with (evaluated, checkpointed, exported): trained, the round's aggregate on the "
+        "support its clients trained, the decided support applying from the next round's training on; cut (the "
+        "paper's), mu_G on the support the server decides from the round's aggregate (weights leaving it at 0 before "
+        "any client trains without them)"))
     prior_std_dtype: Literal["float16", "float32", "log8"] = Field(
         "log8", description="how sigma_prior on S is sent with transmission.prior_std = 'sent': float16/32, or 8-bit "
                             "log-scale levels"

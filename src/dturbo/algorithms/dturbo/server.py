@@ -316,8 +316,11 @@ class DturboServer(ServerBase[DturboUplink]):
             flops += info.cost
             flops_kept += float(mask.sum()) * info.uses
             layer_density[f"density_{info.name}"] = float(mask.mean())
+        decided = sum(int(turbo.support(state[f"{info.name}.mu"]).sum()) for info in self.layers)
         return {
             "density": kept / total,
+            # The support this round decides, which the next round trains: "density" with global_model = "cut".
+            "support_density": decided / total,
             # Over every value of the model: what travels dense beside the supports, and all that is nonzero.
             "dense_share": self.dense_values / (total + self.dense_values),
             "density_all": (kept + self.dense_values) / (total + self.dense_values),
@@ -325,7 +328,7 @@ class DturboServer(ServerBase[DturboUplink]):
             **kl,
             "spmp_iters": float(iters),
             "field_mean": turbo.exact_sum(state["field"]) / len(self.layers),
-            # The density this round's support was calibrated to (by the previous round's Module B, or init).
+            # The density the support this round decides was calibrated to (by the previous round's Module B, or init).
             "scheduled_density": self.sparsity.scheduled_density(round_idx),
             **layer_density,
         }
