@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 
 from harness import dataset_path, read_csv, say  # noqa: E402
 
-from dturbo.settings import load_config, parse_config  # noqa: E402
+from dturbo.settings import load_config  # noqa: E402
 
 RESULTS = HERE / "results"
 GOAL = {"points": 1.0, "bits_ratio": 0.3}
@@ -55,12 +55,12 @@ def configs() -> dict[str, Any]:
 def run(name: str, cfg: Any, out: Path) -> Path:
     """Train into ``out`` (a subprocess per run: one torch thread each), reusing a finished run of the same config."""
     import subprocess
-    import tomllib
 
     if (out / "model.safetensors").exists():
-        if parse_config(tomllib.loads((out / "config.toml").read_text())).to_dict() == cfg.to_dict():
+        # the config as written, every key: a run from before a default changed wrote the old value or none
+        if (out / "config.toml").read_text() == cfg.to_toml():
             return out
-        shutil.rmtree(out)  # a run of another config (the code's defaults changed since): trained again
+        shutil.rmtree(out)
     cfg_path = out.parent / f"{name}.toml"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(cfg.to_toml())
@@ -224,9 +224,9 @@ def run_model(model: str, preset: str, device: str, work: str, candidate: str | 
     cache = out.parent / f"{tag}.json"
     extra = CANDIDATES[candidate] | {"data.validation": 0.1} if candidate else {}
     cfg = model_config(model, preset, device, extra)
-    if cache.exists():  # reused only for the same config
+    if cache.exists():  # reused only for the same config, every key as written
         row = json.loads(cache.read_text())
-        if row.pop("config", None) == cfg.to_dict():
+        if row.pop("config", None) == cfg.to_toml():
             return row
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -248,7 +248,7 @@ def run_model(model: str, preset: str, device: str, work: str, candidate: str | 
            "train_images": cfg.data.limit_train, "seed": cfg.experiment.seed}
     if candidate:
         row |= {"candidate": candidate, "final_val_accuracy": float(m[-1]["val_accuracy"])}
-    cache.write_text(json.dumps(row | {"config": cfg.to_dict()}))
+    cache.write_text(json.dumps(row | {"config": cfg.to_toml()}))
     say(f"{tag}: {row['final_accuracy']:.4f}, density {row['density']:.3f}, {row['total_bits'] / 1e6:.1f} Mbit")
     return row
 
