@@ -243,13 +243,16 @@ def test_a_model_too_big_for_memory_is_a_config_error_with_its_size(toy, monkeyp
     assert not Path("never-written").exists()
 
 
-def test_the_later_keys_a_checkpoint_fingerprint_leaves_out_hold_their_sections_defaults():
-    """checkpoint.LATER_METHOD_DEFAULTS: a run written before such a key resumes only if the table holds the key's
-    real default."""
-    from dturbo.checkpoint import LATER_METHOD_DEFAULTS, config_fingerprint
+def test_the_later_keys_a_checkpoint_fingerprint_leaves_out_hold_the_values_older_runs_ran_with():
+    """checkpoint.LATER_METHOD_KEYS: a run written before such a key resumes with the value it ran with, and only with
+    it (global_model: "cut" before "trained" became the default)."""
+    from dturbo.checkpoint import LATER_METHOD_KEYS, config_fingerprint
 
-    cfg = parse_config({}).to_dict()
-    for (section, key), default in LATER_METHOD_DEFAULTS.items():
-        assert cfg[section][key] == default, (section, key)
+    for (section, key), value in LATER_METHOD_KEYS.items():
+        cfg = parse_config({section: {key: value}}).to_dict()
         older = {**cfg, section: {k: v for k, v in cfg[section].items() if k != key}}
         assert config_fingerprint(older) == config_fingerprint(cfg)
+    assert parse_config({}).dturbo.global_model == "trained"
+    cfg = parse_config({}).to_dict()
+    older = {**cfg, "dturbo": {k: v for k, v in cfg["dturbo"].items() if k != "global_model"}}
+    assert config_fingerprint(older) != config_fingerprint(cfg)

@@ -304,3 +304,28 @@ def test_the_evaluation_downlink_carries_the_trained_model(make_toy):
     assert any(m.sum() > d.sum() for m, d in zip(model, decided, strict=True))  # the ramp cut weights
     for h, m in zip(held, model, strict=True):
         np.testing.assert_array_equal(h.reshape(m.shape), m)
+
+
+def test_a_run_written_before_global_model_resumes_as_cut_and_says_so(tmp_path, tiny_config, make_toy):
+    """A run whose config.toml predates the key ran "cut": it reads back as "cut", resumes with it, and resuming it
+    under today's default names the key and both values."""
+    from dturbo.checkpoint import CheckpointError
+    from dturbo.rundir import RunDir
+    from dturbo.sim import Simulator
+
+    tree = tiny_config(rounds=3, data={"name": "npz", "path": str(make_toy(300))},
+                       dturbo={"global_model": "cut", "sparsity": {"target_density": 0.5, "warmup_rounds": 0,
+                                                                   "ramp_rounds": 1}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Simulator(parse_config({**tree, "experiment": {**tree["experiment"], "rounds": 1}}), tmp_path / "run").run()
+    toml = tmp_path / "run" / "config.toml"
+    toml.write_text(toml.read_text().replace('global_model = "cut"\n', ""))  # as an older dturbo wrote it
+    assert RunDir(tmp_path / "run").config().dturbo.global_model == "cut"
+    today = {**tree, "dturbo": {k: v for k, v in tree["dturbo"].items() if k != "global_model"}}
+    with pytest.raises(CheckpointError, match=r"dturbo\.global_model \('cut' -> 'trained'\)"):
+        Simulator(parse_config(today), tmp_path / "run", resume=True).run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = Simulator(parse_config(tree), tmp_path / "run", resume=True).run()
+    assert [int(r["round"]) for r in rows][-1] == 3

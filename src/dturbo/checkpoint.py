@@ -112,9 +112,20 @@ def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
     return out
 
 
-# Keys of a method's section that came after the first checkpoints, with their defaults (the sections belong to
-# their methods, which this floor does not import; tests/test_hostile_files.py holds them to the sections' defaults).
-LATER_METHOD_DEFAULTS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local"}
+# Keys of a method's section that came after the first checkpoints, with the value a run written before them ran
+# with (the sections belong to their methods, which this floor does not import; tests/test_hostile_files.py holds
+# them to the sections' values).
+LATER_METHOD_KEYS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local", ("dturbo", "global_model"): "cut"}
+
+
+def with_earlier_values(tree: dict[str, Any]) -> dict[str, Any]:
+    """A run's config.toml as read (``tree``), each later key it lacks (:data:`LATER_METHOD_KEYS`) set to the value
+    the run ran with, in the sections it has."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for (section, key), value in LATER_METHOD_KEYS.items():
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(key, value)
+    return out
 
 
 def continued(folder: Path, fingerprint: str, fresh: dict[str, Any]) -> tuple[dict[str, np.ndarray], int, float] | None:
@@ -132,14 +143,14 @@ def continued(folder: Path, fingerprint: str, fresh: dict[str, Any]) -> tuple[di
 
 
 def _drop_later_defaults(data: dict[str, Any]) -> None:
-    """Leave out the keys that came after the first checkpoints while they hold their defaults (the plain mean, no
-    attackers), so that a run written before them still resumes."""
+    """Leave out the keys that came after the first checkpoints while they hold the values runs written before them
+    ran with (the plain mean, no attackers, :data:`LATER_METHOD_KEYS`), so that such a run still resumes."""
     from .config import FaultsConfig, RobustConfig
 
     if data.get("robust") == RobustConfig().model_dump(mode="json", exclude_none=True):
         data.pop("robust")
     later = {("faults", "attackers"): FaultsConfig().attackers, ("faults", "attack"): FaultsConfig().attack,
-             **LATER_METHOD_DEFAULTS}
+             **LATER_METHOD_KEYS}
     for (section, key), default in later.items():
         if (part := data.get(section, {})).get(key, default) == default:
             part.pop(key, None)

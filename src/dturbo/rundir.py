@@ -27,8 +27,9 @@ from .checkpoint import (
     read_safetensors,
     run_counters,
     save_checkpoint,
+    with_earlier_values,
 )
-from .config import Config, ConfigError
+from .config import Config, ConfigError, read_toml
 from .settings import load_config
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class RunDir:
         if config is None:
             return ""
         try:
-            saved = _flat(load_config(self.config_path).to_dict())
+            saved = _flat(self._saved_config().to_dict())
         except (ConfigError, OSError):
             return ""
         now = _flat(config.to_dict())
@@ -305,9 +306,13 @@ class RunDir:
         if not self.config_path.is_file():
             raise RunDirError(f"{self.path} holds no run: config.toml is missing")
         try:
-            return load_config(self.config_path)
+            return self._saved_config()
         except ConfigError as err:
             raise RunDirError(f"{self.config_path}: {err}") from None
+
+    def _saved_config(self) -> Config:
+        """config.toml, a key it predates read as the value the run ran with (a default that changed since)."""
+        return load_config(with_earlier_values(read_toml(self.config_path)))
 
     def read_model(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """(tensors, metadata) of model.safetensors (read once)."""
