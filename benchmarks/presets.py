@@ -117,6 +117,10 @@ def markdown(res: dict[str, Any]) -> str:
             name = "defaults" if r["preset"] == "defaults" else f"recommended, {r['candidate']}"
             out.append(f"| {name} | {100 * r['final_val_accuracy']:.2f}% | {r['total_bits'] / 1e6:.1f} | "
                        f"{'**yes**' if r['preset'] != 'defaults' and r['candidate'] == c['chosen'] else ''} |")
+    w = res.get("warmup")
+    if w:
+        out += ["", "A rising learning rate on the main job's protocol, with 10% of the training images held out "
+                    "(alexnet-small, seed 0):", "", warmup_markdown(w).rstrip()]
     a = res.get("main_job_alone")
     if a:
         out += ["", f"The main job alone (`dturbo run --preset quick`, {a['threads']} cores, nothing else running): "
@@ -194,6 +198,11 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "update4_clipped": {"dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4,
                         "dturbo.transmission.down_quantizer": "clipped"},
 }
+# A learning rate rising over the first rounds (the joint comparison's schedule), against the presets' round 1 at
+# chance: Adam at the full rate for a whole local epoch drifts each client to its own classes before the first average.
+WARMUP: dict[str, dict[str, Any]] = {"warmup2": {"train.lr_warmup_rounds": 2}}
+WARMUP_RULE = ("a preset takes the rising rate when its run's round 1 validation accuracy is at least 15% (5 points "
+               "above chance) and its final validation accuracy at most 0.2 points below the preset's as it is")
 RULE = ("among the candidates whose final validation accuracy is at most 1 point below the defaults' and whose bits "
         "are at most the defaults', the most accurate on validation; when none, the fewest bits among those within 1 "
         "point; when none, the most accurate on validation")
@@ -222,7 +231,7 @@ def run_model(model: str, preset: str, device: str, work: str, candidate: str | 
     tag = f"{model}_{preset}" + (f"_{candidate}" if candidate else "")
     out = Path(work) / tag
     cache = out.parent / f"{tag}.json"
-    extra = CANDIDATES[candidate] | {"data.validation": 0.1} if candidate else {}
+    extra = (CANDIDATES | WARMUP)[candidate] | {"data.validation": 0.1} if candidate else {}
     cfg = model_config(model, preset, device, extra)
     if cache.exists():  # reused only for the same config, every key as written
         row = json.loads(cache.read_text())
@@ -247,7 +256,8 @@ def run_model(model: str, preset: str, device: str, work: str, candidate: str | 
            "seconds": float(sum(float(r["seconds"]) for r in m)), "torch": torch.__version__,
            "train_images": cfg.data.limit_train, "seed": cfg.experiment.seed}
     if candidate:
-        row |= {"candidate": candidate, "final_val_accuracy": float(m[-1]["val_accuracy"])}
+        row |= {"candidate": candidate, "final_val_accuracy": float(m[-1]["val_accuracy"]),
+                "val_accuracy_by_round": [round(float(r["val_accuracy"]), 4) for r in m]}
     cache.write_text(json.dumps(row | {"config": cfg.to_toml()}))
     say(f"{tag}: {row['final_accuracy']:.4f}, density {row['density']:.3f}, {row['total_bits'] / 1e6:.1f} Mbit")
     return row
@@ -280,6 +290,28 @@ def candidate_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
     return {"rule": RULE, "defaults": base, "candidates": cands, "chosen": chosen["candidate"]}
 
 
+def warmup_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
+    """``quick`` and ``recommended`` as they are and with :data:`WARMUP`'s rate, on alexnet-small with a validation
+    split; which preset takes it, by :data:`WARMUP_RULE` (validation accuracy only)."""
+    presets = ("quick", "recommended")
+    rows = pool_rows(jobs, [("alexnet-small", p, device, str(work), c) for p in presets for c in ("as_is", *WARMUP)])
+    by = {(r["preset"], r["candidate"]): r for r in rows}
+    adopt = {p: all(by[p, c]["val_accuracy_by_round"][0] >= 0.15 and by[p, c]["final_val_accuracy"]
+                    >= by[p, "as_is"]["final_val_accuracy"] - 0.002 for c in WARMUP) for p in presets}
+    return {"rule": WARMUP_RULE, "rows": rows, "adopt": adopt}
+
+
+def warmup_markdown(w: dict[str, Any]) -> str:
+    out = ["| preset | learning rate | round 1 validation accuracy | final validation accuracy | final test accuracy |",
+           "|---|---|---|---|---|"]
+    for r in w["rows"]:
+        rate = "as it is" if r["candidate"] == "as_is" else "rising over the first 2 rounds"
+        out.append(f"| {r['preset']} | {rate} | {100 * r['val_accuracy_by_round'][0]:.2f}% | "
+                   f"{100 * r['final_val_accuracy']:.2f}% | {100 * r['final_accuracy']:.2f}% |")
+    taken = [p for p, a in w["adopt"].items() if a]
+    return "\n".join(out) + f"\n\nRule: {w['rule']}. Taken by: {', '.join(taken) or 'none'}.\n"
+
+
 def models_markdown(rows: list[dict[str, Any]]) -> str:
     by = {(r["model"], r["preset"]): r for r in rows}
     out = ["| model | defaults | recommended | points | bits ratio | goal met |", "|---|---|---|---|---|---|"]
@@ -300,16 +332,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=HERE.parent / "runs" / "presets")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--stage", choices=("all", "runs", "alone", "models", "candidates"), default="all", help=(
+    ap.add_argument("--stage", choices=("all", "runs", "alone", "models", "candidates", "warmup"), default="all", help=(
         "runs: the presets side by side; alone: the main job timed with nothing else running (run it on an idle "
         "machine); models: `recommended` against the library's defaults on alexnet-small, ResNet-8 and "
-        "MobileNetV1 (both with BatchNorm); candidates: `recommended`'s candidates on a validation split"))
+        "MobileNetV1 (both with BatchNorm); candidates: `recommended`'s candidates on a validation split; warmup: "
+        "quick and recommended with a rising learning rate, on a validation split"))
     ap.add_argument("--device", default="cpu", help="models, candidates: where they train (cpu, cuda)")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models: which to train")
     args = ap.parse_args(argv)
     if args.stage == "candidates":
         res = json.loads((RESULTS / "presets.json").read_text())
         res["candidates"] = candidate_rows(args.runs / "candidates", args.jobs, args.device)
+        (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / "presets.md").write_text(markdown(res))
+        print(markdown(res))
+        return 0
+    if args.stage == "warmup":
+        res = json.loads((RESULTS / "presets.json").read_text())
+        res["warmup"] = warmup_rows(args.runs / "warmup", args.jobs, args.device)
         (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / "presets.md").write_text(markdown(res))
         print(markdown(res))
@@ -346,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
            "machine": {"platform": platform.platform(), "python": platform.python_version()},
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     # measured apart (--stage alone, --stage models)
-    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round", "models", "candidates") if k in old}
+    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round", "models", "candidates", "warmup") if k in old}
     (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
     (RESULTS / "presets.md").write_text(markdown(res))
     figure(runs, HERE.parent / "docs" / "results" / "presets.png")
