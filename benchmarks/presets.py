@@ -8,6 +8,10 @@ thread a run so that two run side by side):
   sigma_prior sent): what it sends under the paper's protocol;
 * ``recommended``: the `recommended` preset.
 
+Apart (``--stage``): ``alone``, the main job timed on an idle machine; ``models``, ``recommended`` against the
+library's defaults on three models; ``candidates``, ``recommended``'s transmission chosen on a validation split;
+``warmup``, ``quick`` and ``recommended`` with a learning rate rising over the first rounds, on a validation split.
+
 Goal: ``recommended`` within 1 point of the main job's accuracy with at most 0.3x the bits of the main job under the
 paper's protocol. Writes ``benchmarks/results/presets.{json,md}`` and copies the main job's figures to
 ``benchmarks/results/presets/``.
