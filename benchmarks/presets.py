@@ -297,12 +297,17 @@ def candidate_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
 def warmup_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
     """``quick`` and ``recommended`` as they are and with :data:`WARMUP`'s rate, on alexnet-small with a validation
     split; which preset takes it, by :data:`WARMUP_RULE` (validation accuracy only)."""
-    presets = ("quick", "recommended")
-    rows = pool_rows(jobs, [("alexnet-small", p, device, str(work), c) for p in presets for c in ("as_is", *WARMUP)])
+    rows = pool_rows(jobs, [("alexnet-small", p, device, str(work), c) for p in ("quick", "recommended")
+                            for c in ("as_is", *WARMUP)])
+    return {"rule": WARMUP_RULE, "rows": rows, "adopt": warmup_adopt(rows)}
+
+
+def warmup_adopt(rows: list[dict[str, Any]]) -> dict[str, bool]:
+    """:data:`WARMUP_RULE` on the rows of :func:`warmup_rows`: whether each preset takes the rising rate."""
     by = {(r["preset"], r["candidate"]): r for r in rows}
-    adopt = {p: all(by[p, c]["val_accuracy_by_round"][0] >= 0.15 and by[p, c]["final_val_accuracy"]
-                    >= by[p, "as_is"]["final_val_accuracy"] - 0.002 for c in WARMUP) for p in presets}
-    return {"rule": WARMUP_RULE, "rows": rows, "adopt": adopt}
+    return {p: all(by[p, c]["val_accuracy_by_round"][0] >= 0.15 and by[p, c]["final_val_accuracy"]
+                   >= by[p, "as_is"]["final_val_accuracy"] - 0.002 for c in WARMUP)
+            for p in dict.fromkeys(r["preset"] for r in rows)}
 
 
 def warmup_markdown(w: dict[str, Any]) -> str:

@@ -29,3 +29,39 @@ def test_the_summary_and_the_rule_by_hand():
     summary["trained"]["val_accuracy"] = summary["chosen"]["val_accuracy"]
     summary["down2"]["total_bits"] = 34e6
     assert v.recommend(summary) == {"down2": False, "trained": True}
+
+
+def test_the_presets_warmup_rule_by_hand():
+    """presets.py --stage warmup: a preset takes the rising rate when round 1 reaches 15% on validation and its final
+    validation accuracy is at most 0.2 points below the preset's as it is."""
+    p = load_benchmark("presets")
+
+    def row(preset: str, candidate: str, first: float, final: float) -> dict:
+        return {"preset": preset, "candidate": candidate, "val_accuracy_by_round": [first, final],
+                "final_val_accuracy": final}
+
+    rows = [row("quick", "as_is", 0.14, 0.8728), row("quick", "warmup2", 0.43, 0.8708),  # 0.2 below: taken
+            row("recommended", "as_is", 0.12, 0.8622), row("recommended", "warmup2", 0.37, 0.8601)]  # 0.21 below
+    assert p.warmup_adopt(rows) == {"quick": True, "recommended": False}
+    rows[1]["val_accuracy_by_round"][0] = 0.149  # round 1 still within 5 points of chance
+    assert p.warmup_adopt(rows)["quick"] is False
+
+
+def test_a_presets_run_is_reused_only_for_the_same_config_as_written(tmp_path, monkeypatch):
+    """A cached run whose config.toml lacks a key added since (or holds another value) is trained again."""
+    import subprocess
+
+    from dturbo.settings import load_config
+
+    p = load_benchmark("presets")
+    cfg = load_config(preset="quick")
+    out = tmp_path / "quick"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"")
+    (out / "config.toml").write_text(cfg.to_toml())
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
+    assert p.run("quick", cfg, out) == out and calls == []  # the same config: reused
+    (out / "config.toml").write_text(cfg.to_toml().replace('global_model = "trained"\n', ""))
+    p.run("quick", cfg, out)
+    assert len(calls) == 1 and not (out / "model.safetensors").exists()  # an older run's: trained again
