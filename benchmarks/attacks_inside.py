@@ -167,8 +167,9 @@ def config(job: dict[str, Any]) -> Any:
         **rule_of(job)}
     if job.get("candidate", "mean") != "mean":  # a candidate rule: chosen on a validation split held out
         over["data.validation"] = 0.1
-    if job["method"] == "dturbo":
-        over |= {"dturbo.sparsity.warmup_rounds": 1, "dturbo.sparsity.ramp_rounds": max(1, job["rounds"] - 4)}
+    if job["method"] == "dturbo":  # the quick preset's training as the matrix's rows ran it: a constant rate, "cut"
+        over |= {"dturbo.sparsity.warmup_rounds": 1, "dturbo.sparsity.ramp_rounds": max(1, job["rounds"] - 4),
+                 "train.lr_warmup_rounds": 0, "dturbo.global_model": "cut"}
     if job["attackers"] and job["attack"] != OVERSIZE:
         over |= {"faults.attackers": job["attackers"], "faults.attack": job["attack"]}
     return load_config(preset=PRESETS[job["method"]], overrides=over)
@@ -555,8 +556,8 @@ def main_job(work: Path) -> dict[str, Any]:
     rule = RECOMMENDED["dturbo"]
     # one run folder per rule and source: a finished run of another rule, or of other code, is not this one's
     digest = hashlib.sha256(json.dumps(rule, sort_keys=True).encode())
-    for path in sorted((ROOT / "src" / "dturbo").rglob("*.py")):
-        digest.update(path.read_bytes())
+    for path in sorted(p for p in (ROOT / "src" / "dturbo").rglob("*") if p.suffix in (".py", ".toml")):
+        digest.update(path.read_bytes())  # the code and the presets
     out = work / f"main_job_{digest.hexdigest()[:10]}"
     if not (out / "model.safetensors").exists():
         cmd = [sys.executable, "-m", "dturbo", "run", "--preset", "quick", "--out", str(out), "--no-figures",

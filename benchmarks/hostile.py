@@ -67,8 +67,9 @@ EQUALITY_CHECKS = (("dturbo", "values", 3), ("fedavg", "sign_flip", 3), ("stc", 
 def overrides(method: str, rounds: int) -> dict[str, Any]:
     out = {"experiment.rounds": rounds, "experiment.threads": 1, "data.path": DATA, "data.limit_train": 3000,
            "data.limit_test": 1000, "model.name": "mlp", "train.local_epochs": 2.0}
-    if method == "dturbo":
-        out |= {"dturbo.sparsity.warmup_rounds": 1, "dturbo.sparsity.ramp_rounds": max(1, rounds - 3)}
+    if method == "dturbo":  # the quick preset's training as the matrix's runs ran it: a constant rate, "cut"
+        out |= {"dturbo.sparsity.warmup_rounds": 1, "dturbo.sparsity.ramp_rounds": max(1, rounds - 3),
+                "train.lr_warmup_rounds": 0, "dturbo.global_model": "cut"}
     return out
 
 
@@ -421,9 +422,16 @@ def main_job_reference() -> dict[str, Any] | None:
 def stage_main(args: argparse.Namespace) -> dict[str, Any]:
     """`dturbo run --preset quick` with D-Turbo-VBI's recommended robust setting, and with Krum (one torch thread, as
     benchmarks/presets.py runs it), against the committed main job; the first is the goal's."""
+    import hashlib
+
     out = {}
     for name, setting in (("recommended", RECOMMENDED["dturbo"]), ("krum", KRUM)):
-        out[name] = main_run(args.work / "main_job" / name, setting) | {"setting": setting}
+        # one run folder per setting and source: a finished run of other code or presets is not this one's
+        digest = hashlib.sha256(json.dumps(setting, sort_keys=True).encode())
+        for path in sorted(p for p in (ROOT / "src" / "dturbo").rglob("*") if p.suffix in (".py", ".toml")):
+            digest.update(path.read_bytes())
+        out[name] = main_run(args.work / "main_job" / f"{name}_{digest.hexdigest()[:10]}", setting) | {
+            "setting": setting}
     return out["recommended"] | {"others": {k: v for k, v in out.items() if k != "recommended"}}
 
 
@@ -577,6 +585,14 @@ def _main_detail(m: dict[str, Any]) -> str:
             f"{m.get('round_seconds', 0) / 60:.0f} min of rounds")
 
 
+def write_results(res: dict[str, Any]) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "hostile.json").write_text(json.dumps(res, indent=1) + "\n")
+    (RESULTS / "hostile.md").write_text(markdown(res))
+    (RESULTS / "hostile_cost.md").write_text(cost_table(res))
+    fill_block(ROOT / "docs" / "robustness.md", "benchmarks/results/hostile_cost.md", cost_table(res))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
@@ -599,6 +615,11 @@ def main() -> None:
                         "--rounds", str(args.rounds)], check=True)
     if args.stage in ("all", "main"):
         (args.work / "main_job.json").write_text(json.dumps(stage_main(args)))
+    if args.stage == "main" and (RESULTS / "hostile.json").exists():  # the results' main-job goal, the rest kept
+        res = json.loads((RESULTS / "hostile.json").read_text())
+        main_job = json.loads((args.work / "main_job.json").read_text())
+        res["goals"]["main_job_cost_at_most_1_point"] = {"met": main_job["cost_points"] <= 1.0, **main_job}
+        write_results(res)
     if args.stage not in ("all", "report"):
         return
     runs = runs or json.loads((args.work / "runs.json").read_text())
@@ -607,11 +628,7 @@ def main() -> None:
     seconds = sum(v.get("seconds", 0.0) for part in ("clean", "attacks") for v in runs[part].values())
     seconds += memory.get("seconds", 0.0)
     res = report(runs, memory, main_job, args, seconds)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "hostile.json").write_text(json.dumps(res, indent=1) + "\n")
-    (RESULTS / "hostile.md").write_text(markdown(res))
-    (RESULTS / "hostile_cost.md").write_text(cost_table(res))
-    fill_block(ROOT / "docs" / "robustness.md", "benchmarks/results/hostile_cost.md", cost_table(res))
+    write_results(res)
     print(markdown(res))
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")
 
