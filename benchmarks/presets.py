@@ -337,6 +337,15 @@ def models_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def update_results(**parts: Any) -> int:
+    """presets.json with ``parts`` set (a stage measured apart), the rest kept; presets.md from it."""
+    res = json.loads((RESULTS / "presets.json").read_text()) | parts
+    (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
+    (RESULTS / "presets.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=HERE.parent / "runs" / "presets")
@@ -350,36 +359,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models: which to train")
     args = ap.parse_args(argv)
     if args.stage == "candidates":
-        res = json.loads((RESULTS / "presets.json").read_text())
-        res["candidates"] = candidate_rows(args.runs / "candidates", args.jobs, args.device)
-        (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "presets.md").write_text(markdown(res))
-        print(markdown(res))
-        return 0
+        return update_results(candidates=candidate_rows(args.runs / "candidates", args.jobs, args.device))
     if args.stage == "warmup":
-        res = json.loads((RESULTS / "presets.json").read_text())
-        res["warmup"] = warmup_rows(args.runs / "warmup", args.jobs, args.device)
-        (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "presets.md").write_text(markdown(res))
-        print(markdown(res))
-        return 0
+        return update_results(warmup=warmup_rows(args.runs / "warmup", args.jobs, args.device))
     if args.stage == "models":
         rows = model_rows(args.runs / "models", args.jobs, args.device, tuple(args.models))
-        res = json.loads((RESULTS / "presets.json").read_text())
-        keep = [r for r in res.get("models", []) if r["model"] not in args.models]
-        res["models"] = sorted(keep + rows, key=lambda r: (MODELS.index(r["model"]), r["preset"]))
-        (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "presets.md").write_text(markdown(res))
-        print(markdown(res))
-        return 0
+        keep = [r for r in json.loads((RESULTS / "presets.json").read_text()).get("models", [])
+                if r["model"] not in args.models]
+        return update_results(models=sorted(keep + rows, key=lambda r: (MODELS.index(r["model"]), r["preset"])))
     if args.stage == "alone":
-        res = json.loads((RESULTS / "presets.json").read_text())
-        res["main_job_alone"] = alone(args.runs / "alone")
-        res["seconds_per_round"] = res["main_job_alone"]["seconds_per_round"]
-        (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "presets.md").write_text(markdown(res))
-        print(markdown(res))
-        return 0
+        a = alone(args.runs / "alone")
+        return update_results(main_job_alone=a, seconds_per_round=a["seconds_per_round"])
     cfgs = configs()
     with ThreadPoolExecutor(args.jobs) as pool:
         outs = dict(zip(cfgs, pool.map(lambda kv: run(kv[0], kv[1], args.runs / kv[0]), cfgs.items()), strict=True))
