@@ -202,11 +202,12 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "update4_clipped": {"dturbo.transmission.down_mu": "update", "dturbo.transmission.down_bits": 4,
                         "dturbo.transmission.down_quantizer": "clipped"},
 }
-# A learning rate rising over the first rounds (the joint comparison's schedule), against the presets' round 1 at
-# chance: Adam at the full rate for a whole local epoch drifts each client to its own classes before the first average.
-WARMUP: dict[str, dict[str, Any]] = {"warmup2": {"train.lr_warmup_rounds": 2}}
+# A learning rate rising over the first rounds (the joint comparison's schedule) against a constant one: with Adam at
+# the full rate from the first step, the presets' round 1 evaluates at chance.
+WARMUP: dict[str, dict[str, Any]] = {"constant": {"train.lr_warmup_rounds": 0},
+                                     "warmup2": {"train.lr_warmup_rounds": 2}}
 WARMUP_RULE = ("a preset takes the rising rate when its run's round 1 validation accuracy is at least 15% (5 points "
-               "above chance) and its final validation accuracy at most 0.2 points below the preset's as it is")
+               "above chance) and its final validation accuracy at most 0.2 points below the constant rate's")
 RULE = ("among the candidates whose final validation accuracy is at most 1 point below the defaults' and whose bits "
         "are at most the defaults', the most accurate on validation; when none, the fewest bits among those within 1 "
         "point; when none, the most accurate on validation")
@@ -223,19 +224,21 @@ def model_config(model: str, preset: str, device: str, extra: dict[str, Any] | N
     return load_config(preset=preset, overrides=protocol)
 
 
-def run_model(model: str, preset: str, device: str, work: str, candidate: str | None = None) -> dict[str, Any]:
+def run_model(model: str, preset: str, device: str, work: str, candidate: str | None = None,
+              seed: int = 0) -> dict[str, Any]:
     """One preset on one model into ``work`` (a fresh process; cached); ``candidate``: one of :data:`CANDIDATES` over
-    it, with 10% of the training images held out for validation."""
+    it, with 10% of the training images held out for validation; ``seed``: ``experiment.seed``."""
     import warnings
 
     import torch
 
     import dturbo
 
-    tag = f"{model}_{preset}" + (f"_{candidate}" if candidate else "")
+    tag = f"{model}_{preset}" + (f"_{candidate}" if candidate else "") + (f"_s{seed}" if seed else "")
     out = Path(work) / tag
     cache = out.parent / f"{tag}.json"
     extra = (CANDIDATES | WARMUP)[candidate] | {"data.validation": 0.1} if candidate else {}
+    extra |= {"experiment.seed": seed} if seed else {}
     cfg = model_config(model, preset, device, extra)
     if cache.exists():  # reused only for the same config, every key as written
         row = json.loads(cache.read_text())
@@ -294,31 +297,35 @@ def candidate_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
     return {"rule": RULE, "defaults": base, "candidates": cands, "chosen": chosen["candidate"]}
 
 
-def warmup_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
+def warmup_rows(work: Path, jobs: int, device: str, seeds: tuple[int, ...] = ()) -> dict[str, Any]:
     """``quick`` and ``recommended`` as they are and with :data:`WARMUP`'s rate, on alexnet-small with a validation
-    split; which preset takes it, by :data:`WARMUP_RULE` (validation accuracy only)."""
+    split, seed 0; which preset takes it, by :data:`WARMUP_RULE` (validation accuracy only). ``seeds``: more seeds of
+    ``quick``, reported beside the rule's seed."""
     rows = pool_rows(jobs, [("alexnet-small", p, device, str(work), c) for p in ("quick", "recommended")
-                            for c in ("as_is", *WARMUP)])
-    return {"rule": WARMUP_RULE, "rows": rows, "adopt": warmup_adopt(rows)}
+                            for c in WARMUP])
+    more = pool_rows(jobs, [("alexnet-small", "quick", device, str(work), c, s) for s in seeds
+                            for c in WARMUP]) if seeds else []
+    return {"rule": WARMUP_RULE, "rows": rows, "adopt": warmup_adopt(rows), "more_seeds": more}
 
 
 def warmup_adopt(rows: list[dict[str, Any]]) -> dict[str, bool]:
     """:data:`WARMUP_RULE` on the rows of :func:`warmup_rows`: whether each preset takes the rising rate."""
     by = {(r["preset"], r["candidate"]): r for r in rows}
     return {p: all(by[p, c]["val_accuracy_by_round"][0] >= 0.15 and by[p, c]["final_val_accuracy"]
-                   >= by[p, "as_is"]["final_val_accuracy"] - 0.002 for c in WARMUP)
+                   >= by[p, "constant"]["final_val_accuracy"] - 0.002 for c in WARMUP if c != "constant")
             for p in dict.fromkeys(r["preset"] for r in rows)}
 
 
 def warmup_markdown(w: dict[str, Any]) -> str:
-    out = ["| preset | learning rate | round 1 validation accuracy | final validation accuracy | final test accuracy |",
-           "|---|---|---|---|---|"]
-    for r in w["rows"]:
-        rate = "as it is" if r["candidate"] == "as_is" else "rising over the first 2 rounds"
-        out.append(f"| {r['preset']} | {rate} | {100 * r['val_accuracy_by_round'][0]:.2f}% | "
+    out = ["| preset | seed | learning rate | round 1 validation accuracy | final validation accuracy | final test "
+           "accuracy |", "|---|---|---|---|---|---|"]
+    for r in [*w["rows"], *w.get("more_seeds", [])]:
+        rate = "constant" if r["candidate"] == "constant" else "rising over the first 2 rounds"
+        out.append(f"| {r['preset']} | {r.get('seed', 0)} | {rate} | {100 * r['val_accuracy_by_round'][0]:.2f}% | "
                    f"{100 * r['final_val_accuracy']:.2f}% | {100 * r['final_accuracy']:.2f}% |")
     taken = [p for p, a in w["adopt"].items() if a]
-    return "\n".join(out) + f"\n\nRule: {w['rule']}. Taken by: {', '.join(taken) or 'none'}.\n"
+    more = (" Seeds other than 0 are reported beside the rule, which reads seed 0." if w.get("more_seeds") else "")
+    return "\n".join(out) + f"\n\nRule: {w['rule']}. Taken by: {', '.join(taken) or 'none'}.{more}\n"
 
 
 def models_markdown(rows: list[dict[str, Any]]) -> str:
@@ -357,11 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         "quick and recommended with a rising learning rate, on a validation split"))
     ap.add_argument("--device", default="cpu", help="models, candidates: where they train (cpu, cuda)")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models: which to train")
+    ap.add_argument("--seeds", nargs="*", type=int, default=[], help="warmup: more seeds of quick, beside seed 0")
     args = ap.parse_args(argv)
     if args.stage == "candidates":
         return update_results(candidates=candidate_rows(args.runs / "candidates", args.jobs, args.device))
     if args.stage == "warmup":
-        return update_results(warmup=warmup_rows(args.runs / "warmup", args.jobs, args.device))
+        return update_results(warmup=warmup_rows(args.runs / "warmup", args.jobs, args.device, tuple(args.seeds)))
     if args.stage == "models":
         rows = model_rows(args.runs / "models", args.jobs, args.device, tuple(args.models))
         keep = [r for r in json.loads((RESULTS / "presets.json").read_text()).get("models", [])

@@ -33,15 +33,15 @@ def test_the_summary_and_the_rule_by_hand():
 
 def test_the_presets_warmup_rule_by_hand():
     """presets.py --stage warmup: a preset takes the rising rate when round 1 reaches 15% on validation and its final
-    validation accuracy is at most 0.2 points below the preset's as it is."""
+    validation accuracy is at most 0.2 points below the constant rate's."""
     p = load_benchmark("presets")
 
     def row(preset: str, candidate: str, first: float, final: float) -> dict:
         return {"preset": preset, "candidate": candidate, "val_accuracy_by_round": [first, final],
                 "final_val_accuracy": final}
 
-    rows = [row("quick", "as_is", 0.14, 0.8728), row("quick", "warmup2", 0.43, 0.8708),  # 0.2 below: taken
-            row("recommended", "as_is", 0.12, 0.8622), row("recommended", "warmup2", 0.37, 0.8601)]  # 0.21 below
+    rows = [row("quick", "constant", 0.14, 0.8728), row("quick", "warmup2", 0.43, 0.8708),  # 0.2 below: taken
+            row("recommended", "constant", 0.12, 0.8622), row("recommended", "warmup2", 0.37, 0.8601)]  # 0.21 below
     assert p.warmup_adopt(rows) == {"quick": True, "recommended": False}
     rows[1]["val_accuracy_by_round"][0] = 0.149  # round 1 still within 5 points of chance
     assert p.warmup_adopt(rows)["quick"] is False
