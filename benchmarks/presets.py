@@ -124,7 +124,7 @@ def markdown(res: dict[str, Any]) -> str:
     w = res.get("warmup")
     if w:
         out += ["", "A rising learning rate on the main job's protocol, with 10% of the training images held out "
-                    "(alexnet-small, seed 0):", "", warmup_markdown(w).rstrip()]
+                    "(alexnet-small):", "", warmup_markdown(w).rstrip()]
     a = res.get("main_job_alone")
     if a:
         out += ["", f"The main job alone (`dturbo run --preset quick`, {a['threads']} cores, nothing else running): "
