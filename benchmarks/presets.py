@@ -206,8 +206,9 @@ CANDIDATES: dict[str, dict[str, Any]] = {
 # the full rate from the first step, the presets' round 1 evaluates at chance.
 WARMUP: dict[str, dict[str, Any]] = {"constant": {"train.lr_warmup_rounds": 0},
                                      "warmup2": {"train.lr_warmup_rounds": 2}}
-WARMUP_RULE = ("a preset takes the rising rate when its run's round 1 validation accuracy is at least 15% (5 points "
-               "above chance) and its final validation accuracy at most 0.2 points below the constant rate's")
+WARMUP_RULE = ("a preset (or the defaults) takes the rising rate when its run's round 1 validation accuracy is at "
+               "least 15% (5 points above chance) and its final validation accuracy at most 0.2 points below the "
+               "constant rate's")
 RULE = ("among the candidates whose final validation accuracy is at most 1 point below the defaults' and whose bits "
         "are at most the defaults', the most accurate on validation; when none, the fewest bits among those within 1 "
         "point; when none, the most accurate on validation")
@@ -298,13 +299,13 @@ def candidate_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
 
 
 def warmup_rows(work: Path, jobs: int, device: str, seeds: tuple[int, ...] = ()) -> dict[str, Any]:
-    """``quick`` and ``recommended`` as they are and with :data:`WARMUP`'s rate, on alexnet-small with a validation
-    split, seed 0; which preset takes it, by :data:`WARMUP_RULE` (validation accuracy only). ``seeds``: more seeds of
-    ``quick``, reported beside the rule's seed."""
-    rows = pool_rows(jobs, [("alexnet-small", p, device, str(work), c) for p in ("quick", "recommended")
+    """``quick``, ``recommended`` and the library's defaults at :data:`WARMUP`'s rates, on alexnet-small with a
+    validation split, seed 0; which takes the rising rate, by :data:`WARMUP_RULE` (validation accuracy only).
+    ``seeds``: more seeds of ``quick`` and the defaults, reported beside the rule's seed."""
+    rows = pool_rows(jobs, [("alexnet-small", p, device, str(work), c) for p in ("quick", "recommended", "defaults")
                             for c in WARMUP])
-    more = pool_rows(jobs, [("alexnet-small", "quick", device, str(work), c, s) for s in seeds
-                            for c in WARMUP]) if seeds else []
+    more = pool_rows(jobs, [("alexnet-small", p, device, str(work), c, s) for p in ("quick", "defaults")
+                            for s in seeds for c in WARMUP]) if seeds else []
     return {"rule": WARMUP_RULE, "rows": rows, "adopt": warmup_adopt(rows), "more_seeds": more}
 
 
@@ -325,7 +326,7 @@ def warmup_markdown(w: dict[str, Any]) -> str:
                    f"{100 * r['final_val_accuracy']:.2f}% | {100 * r['final_accuracy']:.2f}% |")
     taken = [p for p, a in w["adopt"].items() if a]
     more = (" Seeds other than 0 are reported beside the rule, which reads seed 0." if w.get("more_seeds") else "")
-    return "\n".join(out) + f"\n\nRule: {w['rule']}. Taken by: {', '.join(taken) or 'none'}.{more}\n"
+    return "\n".join(out) + f"\n\nRule: {w['rule']}. The rising rate wins for: {', '.join(taken) or 'none'}.{more}\n"
 
 
 def models_markdown(rows: list[dict[str, Any]]) -> str:
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs: the presets side by side; alone: the main job timed with nothing else running (run it on an idle "
         "machine); models: `recommended` against the library's defaults on alexnet-small, ResNet-8 and "
         "MobileNetV1 (both with BatchNorm); candidates: `recommended`'s candidates on a validation split; warmup: "
-        "quick and recommended with a rising learning rate, on a validation split"))
+        "quick, recommended and the defaults with a rising learning rate, on a validation split"))
     ap.add_argument("--device", default="cpu", help="models, candidates: where they train (cpu, cuda)")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models: which to train")
     ap.add_argument("--seeds", nargs="*", type=int, default=[], help="warmup: more seeds of quick, beside seed 0")
