@@ -26,7 +26,6 @@ other figures.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness import dataset_path, fill_block, metrics_rows  # noqa: E402
+from harness import dataset_path, fill_block, metrics_rows, source_digest  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PRESETS = {"dturbo": "quick", "fedavg": "fedavg", "fedpaq": "fedpaq", "dssm": "dssm", "stc": "stc", "fedpm": "fedpm",
@@ -554,11 +553,7 @@ def main_job(work: Path) -> dict[str, Any]:
     import subprocess
 
     rule = RECOMMENDED["dturbo"]
-    # one run folder per rule and source: a finished run of another rule, or of other code, is not this one's
-    digest = hashlib.sha256(json.dumps(rule, sort_keys=True).encode())
-    for path in sorted(p for p in (ROOT / "src" / "dturbo").rglob("*") if p.suffix in (".py", ".toml")):
-        digest.update(path.read_bytes())  # the code and the presets
-    out = work / f"main_job_{digest.hexdigest()[:10]}"
+    out = work / f"main_job_{source_digest(rule)}"
     if not (out / "model.safetensors").exists():
         cmd = [sys.executable, "-m", "dturbo", "run", "--preset", "quick", "--out", str(out), "--no-figures",
                "--set", "experiment.threads=1", *(x for k, v in rule.items()

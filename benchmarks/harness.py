@@ -278,6 +278,17 @@ def write_results(results: Path, stem: str, res: dict[str, Any], markdown: str) 
     print(markdown)
 
 
+def source_digest(setting: dict[str, Any]) -> str:
+    """10 hex digits of ``setting`` and dturbo's code and presets: the run folder of a run made with them, so that a
+    finished run of another setting, other code or other presets is not taken for this one's."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(setting, sort_keys=True).encode())
+    for path in sorted(p for p in (ROOT / "src" / "dturbo").rglob("*") if p.suffix in (".py", ".toml")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def say(msg: str) -> None:
     with _lock:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness import dataset_path, fill_block, metrics_rows  # noqa: E402
+from harness import dataset_path, fill_block, metrics_rows, source_digest  # noqa: E402
 
 DATA = dataset_path()
 
@@ -422,15 +422,9 @@ def main_job_reference() -> dict[str, Any] | None:
 def stage_main(args: argparse.Namespace) -> dict[str, Any]:
     """`dturbo run --preset quick` with D-Turbo-VBI's recommended robust setting, and with Krum (one torch thread, as
     benchmarks/presets.py runs it), against the committed main job; the first is the goal's."""
-    import hashlib
-
     out = {}
     for name, setting in (("recommended", RECOMMENDED["dturbo"]), ("krum", KRUM)):
-        # one run folder per setting and source: a finished run of other code or presets is not this one's
-        digest = hashlib.sha256(json.dumps(setting, sort_keys=True).encode())
-        for path in sorted(p for p in (ROOT / "src" / "dturbo").rglob("*") if p.suffix in (".py", ".toml")):
-            digest.update(path.read_bytes())
-        out[name] = main_run(args.work / "main_job" / f"{name}_{digest.hexdigest()[:10]}", setting) | {
+        out[name] = main_run(args.work / "main_job" / f"{name}_{source_digest(setting)}", setting) | {
             "setting": setting}
     return out["recommended"] | {"others": {k: v for k, v in out.items() if k != "recommended"}}
 
@@ -460,6 +454,12 @@ def main_run(out: Path, setting: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- report
+def main_job_goal(main_job: dict[str, Any] | None) -> dict[str, Any]:
+    """The goal that the recommended setting costs at most 1 point on the main job, with :func:`stage_main`'s runs."""
+    return {"met": None if not main_job or main_job["cost_points"] is None else main_job["cost_points"] <= 1.0,
+            **(main_job or {})}
+
+
 def report(runs: dict[str, Any], memory: dict[str, Any], main_job: dict[str, Any] | None, args: argparse.Namespace,
            seconds: float) -> dict[str, Any]:
     clean = {m: runs["clean"][f"{m}/mean"]["final_accuracy"] for m in METHODS}
@@ -495,8 +495,7 @@ def report(runs: dict[str, Any], memory: dict[str, Any], main_job: dict[str, Any
         "memory_2x": {"met": all(r <= GOAL["memory_ratio"] for r in ratios.values()),
                       "worst": max(ratios.items(), key=lambda kv: kv[1]) if ratios else None},
         "equality_after_resume": runs["equality"],
-        "main_job_cost_at_most_1_point": {"met": None if not main_job or main_job["cost_points"] is None
-                                          else main_job["cost_points"] <= 1.0, **(main_job or {})},
+        "main_job_cost_at_most_1_point": main_job_goal(main_job),
     }
     for part in ("clean", "attacks"):  # the reasons each run's refusals gave, once each
         for v in runs[part].values():
@@ -618,7 +617,7 @@ def main() -> None:
     if args.stage == "main" and (RESULTS / "hostile.json").exists():  # the results' main-job goal, the rest kept
         res = json.loads((RESULTS / "hostile.json").read_text())
         main_job = json.loads((args.work / "main_job.json").read_text())
-        res["goals"]["main_job_cost_at_most_1_point"] = {"met": main_job["cost_points"] <= 1.0, **main_job}
+        res["goals"]["main_job_cost_at_most_1_point"] = main_job_goal(main_job)
         write_results(res)
     if args.stage not in ("all", "report"):
         return

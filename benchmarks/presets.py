@@ -10,7 +10,8 @@ thread a run so that two run side by side):
 
 Apart (``--stage``): ``alone``, the main job timed on an idle machine; ``models``, ``recommended`` against the
 library's defaults on three models; ``candidates``, ``recommended``'s transmission chosen on a validation split;
-``warmup``, ``quick`` and ``recommended`` with a learning rate rising over the first rounds, on a validation split.
+``warmup``, ``quick``, ``recommended`` and the defaults at a constant and a rising learning rate, on a validation
+split.
 
 Goal: ``recommended`` within 1 point of the main job's accuracy with at most 0.3x the bits of the main job under the
 paper's protocol. Writes ``benchmarks/results/presets.{json,md}`` and copies the main job's figures to
@@ -365,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         "quick, recommended and the defaults with a rising learning rate, on a validation split"))
     ap.add_argument("--device", default="cpu", help="models, candidates: where they train (cpu, cuda)")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models: which to train")
-    ap.add_argument("--seeds", nargs="*", type=int, default=[], help="warmup: more seeds of quick, beside seed 0")
+    ap.add_argument("--seeds", nargs="*", type=int, default=[], help="warmup: more seeds of quick and the defaults, "
+                                                                          "beside seed 0")
     args = ap.parse_args(argv)
     if args.stage == "candidates":
         return update_results(candidates=candidate_rows(args.runs / "candidates", args.jobs, args.device))
