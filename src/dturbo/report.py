@@ -280,11 +280,9 @@ def method_label(cfg: object) -> str:
 
 def summarize(run_dir: Path, *, inference: bool = True, samples: int = 3000, repeats: int = 5) -> RunSummary:
     """Read one run directory (config.toml, metrics.csv; model.safetensors for the inference time)."""
-    from .settings import load_config
-
     run_dir = Path(run_dir)
     run = RunDir(run_dir)
-    cfg = load_config(run.config_path)
+    cfg = run.config()
     m = read_metrics(run_dir)
     if not m or "accuracy" not in m:
         raise ValueError(f"{run_dir}/metrics.csv holds no rounds")
