@@ -137,6 +137,44 @@ def test_support_sampling_is_the_local_trick_on_the_channels_on_the_support():
     torch.testing.assert_close(x.grad, xr.grad)  # the variance path's gradient reaches the input
 
 
+@pytest.mark.parametrize("kind", ["conv", "unbatched conv", "dense"])
+@pytest.mark.parametrize("sigma_mode", ["layer", "weight"])
+def test_support_sampling_reads_only_the_input_channels_its_support_reads(kind, sigma_mode):
+    """An input channel (a dense layer's feature) with no weight on the support is not read: the draw, the
+    gradients of the input, mu and sigma equal the full local reparameterisation's with the same noise, and the
+    unread channel's input gradient is exactly zero."""
+    torch.manual_seed(0)
+    if kind == "dense":
+        layer = BayesLinear(5, 4, sigma_mode=sigma_mode, sigma_init=0.3)
+        x = torch.randn(3, 5)
+    else:
+        layer = BayesConv2d(4, 6, 3, padding=1, sigma_mode=sigma_mode, sigma_init=0.3)
+        x = torch.randn(4, 5, 5) if kind == "unbatched conv" else torch.randn(2, 4, 5, 5)
+    with torch.no_grad():
+        layer.mask[:, 2] = 0  # input channel 2 unread
+        layer.mask[1, 0] = 0  # and part of another, still read
+    axis = layer.channel_axis(x)
+    assert layer.columns_on_support().tolist() == [0, 1, 3] + ([4] if kind == "dense" else [])
+
+    def draw(sampling: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        layer.zero_grad()
+        layer.sampling, layer.generator = SAMPLINGS[sampling], torch.Generator().manual_seed(1)
+        xr = x.clone().requires_grad_(True)
+        out = layer(xr)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), [xr.grad, layer.weight_mu.grad, layer.sigma_param.grad]
+
+    read, op = [], layer._op
+    layer._op = lambda x, w, b: read.append(x.shape[axis]) or op(x, w, b)
+    out, grads = draw("support")
+    assert read == [len(layer.columns_on_support())] * 2  # the mean and the variance paths read the support's only
+    ref, ref_grads = draw("local")
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+    assert torch.all(grads[0].select(axis, 2) == 0)
+
+
 @pytest.mark.parametrize("sigma_mode", ["layer", "weight"])
 def test_channel_sampling_draws_one_normal_per_channel_and_skips_channels_off_the_support(sigma_mode):
     layer = _channel_layer(sigma_mode)
@@ -166,10 +204,24 @@ def test_channel_sampling_sends_no_gradient_through_the_variance_to_the_input():
     assert torch.all(layer.weight_mu.grad[1] == 0) and layer.bias.grad[1] == g[:, 1].sum()
 
 
-def test_detached_sampling_is_support_sampling_with_the_variance_path_s_input_held_constant():
+@pytest.mark.parametrize(("sigma_mode", "rows"), [("weight", "two kinds"), ("layer", "two kinds"),
+                                                   ("layer", "one kind"), ("layer", "all apart")])
+def test_detached_sampling_is_support_sampling_with_the_variance_path_s_input_held_constant(sigma_mode, rows):
     """sampling = "detached": the same draws as "support" (the same generator), one per pre-activation; its input
-    gradient is the mean path's alone, and sigma still learns."""
-    layer = _channel_layer("weight")
+    gradient is the mean path's alone, and sigma still learns. With one sigma per layer the variance is computed
+    once per distinct row of the mask: rows of two kinds (whole and one partial), of one kind, all apart."""
+    layer = _channel_layer(sigma_mode)
+    with torch.no_grad():
+        if rows == "one kind":
+            layer.mask[4] = 1
+        elif rows == "all apart":
+            for r in (0, 2, 3, 5):
+                layer.mask[r, r % 4, 1, 1] = 0  # a weight of its own off the support
+    view = layer.support_view()
+    if rows == "all apart":
+        assert view.distinct[1] is None and view.distinct[0] is view.mask
+    else:
+        assert view.distinct[0].shape[0] == (1 if rows == "one kind" else 2)
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
     layer.sampling = SAMPLINGS["detached"]
     out = layer(x)

@@ -14,6 +14,8 @@ sigma^2 * layer(x^2; S)), and the layer's :class:`Sampling` draws mean + sqrt(va
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -40,6 +42,37 @@ def softplus_inverse_tensor(y: torch.Tensor) -> torch.Tensor:
     return y + torch.log(-torch.expm1(-y))
 
 
+@dataclass
+class SupportView:
+    """The part of a layer a training pass computes: its output channels ``rows`` and input channels ``cols`` (None:
+    all), and the mask on them."""
+
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    mask: torch.Tensor
+    grouped: bool = False  # a grouped convolution: its output channels cannot be computed apart
+
+    @cached_property
+    def distinct(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(a mask of one output channel for each distinct row of the mask, which of them each output channel reads):
+        the mask itself and None when its rows are all distinct (or cannot be computed apart); one row and None
+        when they are all one."""
+        if self.grouped:
+            return self.mask, None
+        patterns, inverse = torch.unique(self.mask.flatten(1), dim=0, return_inverse=True)
+        if patterns.shape[0] == self.mask.shape[0]:
+            return self.mask, None
+        return patterns.view(-1, *self.mask.shape[1:]), None if patterns.shape[0] == 1 else inverse
+
+    def part(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` (a weight grid, or a bias: its rows only) on the view's rows and columns."""
+        if t is None or t.dim() == 0:
+            return t
+        if self.rows is not None:
+            t = t[self.rows]
+        return t if self.cols is None or t.dim() == 1 else t[:, self.cols]
+
+
 class Sampling:
     """How a training forward pass samples a layer's pre-activations (one sample of E6's expectation): the local
     reparameterisation trick, mean + sqrt(variance) * noise, with an independent draw per pre-activation."""
@@ -47,9 +80,9 @@ class Sampling:
     name = "local"
     detach = False  # whether the variance path takes the layer's input as a constant
 
-    def rows(self, layer: BayesianLayer) -> torch.Tensor | None:
-        """The output channels computed (None: all)."""
-        return None
+    def view(self, layer: BayesianLayer) -> SupportView:
+        """The part of the layer computed: here all of it."""
+        return layer.whole_view()
 
     def noise_shape(self, layer: BayesianLayer, mean: torch.Tensor) -> torch.Size:
         return mean.shape
@@ -58,16 +91,28 @@ class Sampling:
         return mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noise
 
     def draw(self, layer: BayesianLayer, x: torch.Tensor) -> torch.Tensor:
-        rows = self.rows(layer)
-        weight, bias = layer.masked_weight(), layer.bias
-        if rows is not None:
-            weight, bias = weight[rows], None if bias is None else bias[rows]
-        mean = layer._op(x, weight, bias)
-        var = layer.variance(x.detach() if self.detach else x, rows)
-        out = self.sample(mean, var, layer.noise(self.noise_shape(layer, mean), mean))
+        view = self.view(layer)
+        rows, cols = view.rows, view.cols
+        if cols is not None:
+            x = x.index_select(layer.channel_axis(x), cols)
+        mean = layer._op(x, view.part(layer.weight_mu) * view.mask, view.part(layer.bias))
+        if self.detach and layer.sigma_mode == "layer":
+            # sigma^2 * layer(x^2; S) with x held constant: sigma leaves the square root, and what is left of the draw
+            # is a constant of the step, computed without a graph; output channels whose support reads the same inputs
+            # share it, computed once
+            patterns, which = view.distinct
+            with torch.no_grad():
+                spread = torch.sqrt(layer._op(x * x, patterns, None).clamp_min(_VAR_FLOOR))
+                if which is not None:
+                    spread = spread.index_select(layer.channel_axis(spread), which)
+                spread = spread * layer.noise(self.noise_shape(layer, mean), mean)
+            out = mean + layer.sigma * spread
+        else:
+            var = layer.variance(x.detach() if self.detach else x, view)
+            out = self.sample(mean, var, layer.noise(self.noise_shape(layer, mean), mean))
         if rows is None:
             return out
-        axis = out.dim() - layer.weight_mu.dim() + 1  # the channel axis: before the spatial ones, batched or not
+        axis = layer.channel_axis(out)
         shape = list(out.shape)
         shape[axis] = layer.weight_mu.shape[0]
         if layer.bias is None:
@@ -79,18 +124,21 @@ class Sampling:
 
 class SupportSampling(Sampling):
     """The local reparameterisation on the channels with weights on the support only: a convolution computes only
-    those output channels, and a channel without is its bias, exactly (what export makes of it); the others are
-    drawn as by :class:`Sampling`, one draw per pre-activation."""
+    those output channels, and a channel without is its bias, exactly (what export makes of it); a layer reads only
+    the input channels (a dense layer's input features) its support reads, the others meeting zero weights; the
+    channels computed are drawn as by :class:`Sampling`, one draw per pre-activation."""
 
     name = "support"
 
-    def rows(self, layer: BayesianLayer) -> torch.Tensor | None:
-        return layer.rows_on_support()
+    def view(self, layer: BayesianLayer) -> SupportView:
+        return layer.support_view()
 
 
 class DetachedSampling(SupportSampling):
     """:class:`SupportSampling` whose variance path takes the layer's input as a constant: its gradient reaches
-    sigma, not the input, so the backward pass skips the variance convolution; one draw per pre-activation still."""
+    sigma, not the input, so the backward pass skips the variance convolution; one draw per pre-activation still.
+    With one sigma per layer, sigma * sqrt(layer(x^2; S)) * noise leaves only sigma in the graph, and the output
+    channels whose rows of S are alike share one variance convolution."""
 
     name = "detached"
     detach = True
@@ -145,6 +193,7 @@ class BayesianLayer(nn.Module):
         # Baselines train the same architectures as ordinary (point-estimate) networks.
         self.stochastic = True
         self.sampling: Sampling = LOCAL
+        self._view_of: tuple[torch.Tensor, int, SupportView] | None = None  # the mask and version it is derived from
 
     @property
     def sigma(self) -> torch.Tensor:
@@ -161,18 +210,48 @@ class BayesianLayer(nn.Module):
             return self._op(x, self.masked_weight(), self.bias)
         return self.sampling.draw(self, x)
 
-    def variance(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The pre-activations' variance for input x: layer(x^2; sigma^2 * S), of the output ``rows`` only if given."""
+    def variance(self, x: torch.Tensor, view: SupportView | None = None) -> torch.Tensor:
+        """The pre-activations' variance for input x: layer(x^2; sigma^2 * S), of ``view``'s part of the layer only
+        (x then holds its input channels only)."""
+        view = self.whole_view() if view is None else view
         sigma2 = self.sigma**2
-        mask = self.mask if rows is None else self.mask[rows]
         if self.sigma_mode == "layer":
-            return sigma2 * self._op(x * x, mask, None)
-        return self._op(x * x, (sigma2 if rows is None else sigma2[rows]) * mask, None)
+            return sigma2 * self._op(x * x, view.mask, None)
+        return self._op(x * x, view.part(sigma2) * view.mask, None)
+
+    def whole_view(self) -> SupportView:
+        return SupportView(None, None, self.mask)
+
+    def support_view(self) -> SupportView:
+        """The output channels with weights on the support and the input channels it reads
+        (:meth:`rows_on_support`, :meth:`columns_on_support`), with the mask on them; derived from the mask again
+        only when the mask has changed (it is fixed while a client trains)."""
+        seen = self._view_of
+        if seen is None or seen[0] is not self.mask or seen[1] != self.mask._version:
+            rows, cols = self.rows_on_support(), self.columns_on_support()
+            with torch.no_grad():
+                view = SupportView(rows, cols, SupportView(rows, cols, self.mask).part(self.mask),
+                                   getattr(self, "groups", 1) != 1)
+            self._view_of = seen = (self.mask, self.mask._version, view)
+        return seen[2]
+
+    def channel_axis(self, x: torch.Tensor) -> int:
+        """The axis of ``x`` (the layer's input or output) that holds the channels (a dense layer's features: the
+        last)."""
+        return x.dim() - 1
 
     def rows_on_support(self) -> torch.Tensor | None:
         """The output channels with weights on the support, where some have none (None: all, none, or a layer whose
         channels cannot be computed apart)."""
         return None
+
+    def columns_on_support(self) -> torch.Tensor | None:
+        """The input channels (a dense layer's input features) the support reads, where it leaves some unread (None:
+        all, none, or a grouped convolution, whose channels are read by their own group)."""
+        if getattr(self, "groups", 1) != 1:
+            return None
+        read = self.mask.transpose(0, 1).flatten(1).any(1)
+        return None if bool(read.all()) or not bool(read.any()) else read.nonzero().flatten()
 
     def noise(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
         """Standard normal draws from the client's generator. They are drawn where the generator lives (the CPU,
@@ -254,6 +333,9 @@ class _BayesConvNd(BayesianLayer):
             return self._conv(F.pad(x, self._pad, mode=self.padding_mode), weight, bias, self.stride, 0,
                               self.dilation, self.groups)
         return self._conv(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def channel_axis(self, x: torch.Tensor) -> int:
+        return x.dim() - self.dims - 1  # the channel axis comes before the spatial ones, batched or not
 
     def channel_shape(self, out: torch.Tensor) -> torch.Size:
         # the channel axis comes before the spatial ones, batched or not
