@@ -128,6 +128,10 @@ def report(s: h.Settings) -> None:
                   f"{v['seeds_reaching_t']} of {len(camp.seeds)} | {ratio} |")
     md += ["", f"Recommended (the cheapest whose mean validation accuracy is at most {100 * MARGIN:.1f} points below "
                f"local's): **{recommended}**."]
+    ratio, goal = summary[recommended]["ratio_client"], timing.get("goal_ratio")
+    if ratio is not None and goal is not None:
+        md[-1] += (f" Its local training costs {ratio:.2f}x FedAvg's in the steady state (goal: at most {goal:g}x): "
+                   f"**{'met' if ratio <= goal else 'missed'}**.")
     h.write_results(s.results, "sampling", res, "\n".join(md) + "\n")
 
 
