@@ -66,8 +66,8 @@ CANDIDATE_RUNS = (("mlp", "none", 0), ("mlp", "scaled_sign_flip", 3), ("mlp", "i
 # Each method's recommended rule: its candidate of highest mean validation accuracy (robust_candidates.md).
 # DSSM's rounds shrink to dssm.min_clients uploads; it is raised to 2 f + 1 = 7 for f = 3 attackers, derived rather
 # than chosen: a round of fewer may hold as many hostile uploads as honest ones, which no rule tells apart.
-RULES = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM,
-         "dssm": CANDIDATES["cc05_clip1"] | {"dssm.min_clients": 7}, "stc": KRUM, "fedpm": KRUM, "feddst": TRIMMED}
+RULES = {"dturbo": CENTERED, "fedavg": CENTERED, "fedpaq": KRUM,
+         "dssm": CANDIDATES["cc05_clip1"] | {"dssm.min_clients": 7}, "stc": CENTERED, "fedpm": KRUM, "feddst": CENTERED}
 # Then, per method, its rule alone, with the uploads that point away from the round's median update left out first
 # (robust.min_cosine = 0), and with those whose update norm is above 10 times the round's median left out as well
 # (robust.refuse_median = 10: an order of magnitude beyond the honest uploads' spread, fixed before the runs), on the
