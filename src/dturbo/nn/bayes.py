@@ -219,6 +219,12 @@ class BayesianLayer(nn.Module):
             return sigma2 * self._op(x * x, view.mask, None)
         return self._op(x * x, view.part(sigma2) * view.mask, None)
 
+    @property
+    def grouped(self) -> bool:
+        """Whether the layer is a grouped convolution: its output channels read their own group's inputs, so neither
+        its output nor its input channels can be computed apart."""
+        return False
+
     def whole_view(self) -> SupportView:
         return SupportView(None, None, self.mask)
 
@@ -230,8 +236,7 @@ class BayesianLayer(nn.Module):
         if seen is None or seen[0] is not self.mask or seen[1] != self.mask._version:
             rows, cols = self.rows_on_support(), self.columns_on_support()
             with torch.no_grad():
-                view = SupportView(rows, cols, SupportView(rows, cols, self.mask).part(self.mask),
-                                   getattr(self, "groups", 1) != 1)
+                view = SupportView(rows, cols, SupportView(rows, cols, self.mask).part(self.mask), self.grouped)
             self._view_of = seen = (self.mask, self.mask._version, view)
         return seen[2]
 
@@ -248,7 +253,7 @@ class BayesianLayer(nn.Module):
     def columns_on_support(self) -> torch.Tensor | None:
         """The input channels (a dense layer's input features) the support reads, where it leaves some unread (None:
         all, none, or a grouped convolution, whose channels are read by their own group)."""
-        if getattr(self, "groups", 1) != 1:
+        if self.grouped:
             return None
         read = self.mask.transpose(0, 1).flatten(1).any(1)
         return None if bool(read.all()) or not bool(read.any()) else read.nonzero().flatten()
@@ -334,15 +339,18 @@ class _BayesConvNd(BayesianLayer):
                               self.dilation, self.groups)
         return self._conv(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
+    @property
+    def grouped(self) -> bool:
+        return self.groups != 1
+
     def channel_axis(self, x: torch.Tensor) -> int:
         return x.dim() - self.dims - 1  # the channel axis comes before the spatial ones, batched or not
 
     def channel_shape(self, out: torch.Tensor) -> torch.Size:
-        # the channel axis comes before the spatial ones, batched or not
-        return out.shape[: out.dim() - self.dims] + (1,) * self.dims
+        return out.shape[: self.channel_axis(out) + 1] + (1,) * self.dims
 
     def rows_on_support(self) -> torch.Tensor | None:
-        if self.groups != 1:  # a grouped convolution's output channels read their own group's inputs
+        if self.grouped:
             return None
         on = self.mask.flatten(1).any(1)
         return None if bool(on.all()) or not bool(on.any()) else on.nonzero().flatten()
