@@ -150,11 +150,11 @@ class DturboConfig(Section):
     beta: float = Field(0.01, ge=0, description=(
         "KL weight of E6 (a tempered posterior; the paper's is 1), chosen on validation; "
         "docs/models.md#tune-for-a-new-dataset"))
-    sampling: Literal["local", "support", "detached", "channel"] = Field("local", description=(
+    sampling: Literal["local", "support", "detached", "channel"] = Field("detached", description=(
         "how local training samples each layer's pre-activations: local, an independent draw for each (the local "
-        "reparameterisation trick); support, the same on the conv output channels with weights on the support only "
-        "(cheaper); detached, that with no gradient into the input through the variance (cheaper still); channel, "
-        "that with one draw per sample and conv channel (dturbo.nn.bayes)"))
+        "reparameterisation trick, the paper's); support, the same on the conv output channels with weights on the "
+        "support only (cheaper); detached, that with no gradient into the input through the variance (cheaper still; "
+        "benchmarks/results/sampling.md); channel, that with one draw per sample and conv channel (dturbo.nn.bayes)"))
     gamma_update: Literal["exact", "paper"] = "exact"
     support_threshold: Probability = Field(0.5, gt=0, lt=1)
     global_model: Literal["trained", "cut"] = Field("trained", description=(
