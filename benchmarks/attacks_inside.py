@@ -2,15 +2,16 @@
 the Flower Strategy: runs that must not stop, resumes that must work, accuracy that must hold, memory that must stay
 bounded.
 
-    python benchmarks/attacks_inside.py [--rounds 12] [--jobs 2] [--work runs/attacks_inside] [--stage runs|report]
+    python benchmarks/attacks_inside.py [--rounds 12] [--jobs 2] [--seeds 0 1 2] [--work runs/attacks_inside]
+        [--stage runs|report] [--reuse METHOD ...]
 
-Fashion-MNIST (3000 training images, 1000 test), 10 clients (Dirichlet 0.5), 2 local epochs, seed 0, one torch
-thread a run, every method with its preset's settings and its recommended rule (``RECOMMENDED``, fixed before the
-runs). Two models: ``mlp`` (the built-in 200-100 mlp) and ``bn`` (the same with BatchNorm after each hidden layer, a
-model of one's own, its statistics calibrated). Two runners: ``simulator`` (``dturbo.sim.Simulator``: the run is
-stopped after half its rounds, as a crash after a checkpoint, and resumed) and ``strategy`` (``dturbo.flower``'s
-Strategy on an in-process Flower grid, the attackers' replies rewritten on their way to the server; a Strategy keeps
-no checkpoint, so it has no resume to try).
+Fashion-MNIST (3000 training images, 1000 test), 10 clients (Dirichlet 0.5), 2 local epochs, one torch thread a run,
+each row on the seeds given (its accuracy and its clean run's the means over them), every method with its preset's
+settings and its recommended rule (``RECOMMENDED``, fixed before the runs). Two models: ``mlp`` (the built-in 200-100
+mlp) and ``bn`` (the same with BatchNorm after each hidden layer, a model of one's own, its statistics calibrated).
+Two runners: ``simulator`` (``dturbo.sim.Simulator``: the run is stopped after half its rounds, as a crash after a
+checkpoint, and resumed) and ``strategy`` (``dturbo.flower``'s Strategy on an in-process Flower grid, the attackers'
+replies rewritten on their way to the server; a Strategy keeps no checkpoint, so it has no resume to try).
 
 Attacks (``dturbo.attacks``): on ``mlp`` the scaled sign flip, ALIE and IPM; on ``bn`` the poisoned state outside
 the Bayesian layers and poisoned calibration statistics; each with 1 and with 3 attackers; and on ``mlp`` one reply
@@ -18,7 +19,9 @@ of 200 MB (refused: its peak memory against the honest run's). Every run is one 
 own).
 
 Goals: no run stops; every resume works; final accuracy within 2 points of the clean run with 1 attacker
-and 4 with 3; peak memory at most 2x the clean run's. Writes benchmarks/results/attacks.{json,md}: ``runs`` holds
+and 4 with 3; peak memory at most 2x the clean run's. ``--reuse METHOD`` reads the runs of METHOD's rows from the
+committed attacks.json instead of running them, where that file's rule for METHOD is today's (for a rerun of the
+other methods' rows alone). Writes benchmarks/results/attacks.{json,md}: ``runs`` holds
 one row per runner x model x method x attack x attackers with exactly the keys of ``ROW``; ``details`` the same rows'
 other figures.
 """
@@ -97,8 +100,9 @@ def rule_name(method: str) -> str:
     return f"{r['robust.rule']} {head}" + "".join(f", {k} {v}" for k, v in r.items() if not k.startswith("robust."))
 
 
-def jobs(rounds: int) -> list[dict[str, Any]]:
-    """Every run of the matrix: the clean ones first (each attack's row compares against its clean run)."""
+def jobs(rounds: int, seeds: tuple[int, ...] = (0,)) -> list[dict[str, Any]]:
+    """Every run of the matrix, on each seed: the clean ones first (each attack's row compares against its clean
+    run)."""
     out = []
     for runner in RUNNERS:
         methods = list(PRESETS) if runner == "simulator" else strategy_methods()
@@ -115,7 +119,7 @@ def jobs(rounds: int) -> list[dict[str, Any]]:
                                 "attackers": 0, "candidate": "mean"})
     for j in out:
         j["rounds"] = rounds
-    return out
+    return [j | ({"seed": seed} if seed else {}) for seed in seeds for j in out]
 
 
 def strategy_methods() -> list[str]:
@@ -128,8 +132,13 @@ def strategy_methods() -> list[str]:
 
 
 def key(job: dict[str, Any]) -> str:
+    """The row a run belongs to (runner/model/method/attack/attackers[/candidate]), then its seed when not 0."""
     return (f"{job['runner']}/{job['model']}/{job['method']}/{job['attack']}/{job['attackers']}"
-            + (f"/{job['candidate']}" if "candidate" in job else ""))
+            + (f"/{job['candidate']}" if "candidate" in job else "") + (f"/s{job['seed']}" if job.get("seed") else ""))
+
+
+def row_key(job: dict[str, Any]) -> str:
+    return key({k: v for k, v in job.items() if k != "seed"})
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -160,7 +169,8 @@ def config(job: dict[str, Any]) -> Any:
     from dturbo.settings import load_config
 
     over: dict[str, Any] = {
-        "experiment.rounds": job["rounds"], "experiment.threads": 1, "data.path": dataset_path(),
+        "experiment.rounds": job["rounds"], "experiment.seed": job.get("seed", 0), "experiment.threads": 1,
+        "data.path": dataset_path(),
         "data.limit_train": 3000, "data.limit_test": 1000, "train.local_epochs": 2.0,
         "model.name": "mlp" if job["model"] == "mlp" else "custom",
         **rule_of(job)}
@@ -360,12 +370,76 @@ def run_job(job: dict[str, Any], work: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ report
+SEED_FIELDS = ("seed", "accuracy", "stopped", "resume_ok", "peak_rss_mb", "error", "rounds_done", "clients_rejected",
+               "up_bits", "hostile", "seconds", "machine")  # what a report keeps of each seed's run (--reuse reads it)
+
+
+def over_seeds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result per row: accuracy the mean over its seeds' runs (None if any has none), stopped if any stopped,
+    the resume failed if any failed, the highest peak memory; each seed's run under ``by_seed``."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        rows.setdefault(row_key(r), []).append(r)
+    out = []
+    for runs in rows.values():
+        runs.sort(key=lambda r: r.get("seed", 0))
+        accs = [r["accuracy"] for r in runs]
+        resumes = [r["resume_ok"] for r in runs]
+        peaks = [r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb") is not None]
+        out.append({k: v for k, v in runs[0].items() if k != "seed"} | {
+            "accuracy": None if None in accs else round(sum(accs) / len(accs), 4),
+            "stopped": next((r["stopped"] for r in runs if r["stopped"]), runs[0]["stopped"]),
+            "resume_ok": None if None in resumes else all(resumes),
+            "peak_rss_mb": max(peaks, default=None), "error": next((r["error"] for r in runs if r.get("error")), None),
+            "seconds": round(sum(r.get("seconds") or 0 for r in runs), 1), "seeds": [r.get("seed", 0) for r in runs],
+            "by_seed": [{k: r.get(k, 0 if k == "seed" else None) for k in SEED_FIELDS} for r in runs]})
+    return out
+
+
+def committed_runs(methods: list[str], rounds: int) -> list[dict[str, Any]]:
+    """The runs of ``methods``' rows as the committed attacks.json keeps them (each seed's, from ``by_seed``; a
+    report of one seed keeps seed 0's in the row itself), for ``--reuse``: refused where that file's rule for a
+    method is not today's or its rounds are not ``rounds``."""
+    res = json.loads((RESULTS / "attacks.json").read_text())
+    wrong = [m for m in methods if res["recommended"].get(m) != RECOMMENDED[m]]
+    if wrong or res["rounds"] != rounds:
+        raise SystemExit(f"--reuse: the committed attacks.json ran {res['rounds']} rounds (asked: {rounds}) and its "
+                         f"rules for {wrong or 'none'} are not today's RECOMMENDED; run those rows instead")
+    internal = {v: k for k, v in SCHEMA_RUNNER.items()}
+    head = ("runner", "model", "method", "attack", "attackers")
+
+    def seeds(row: dict[str, Any], fallback: dict[str, Any]) -> list[dict[str, Any]]:
+        return row.get("by_seed") or [{k: fallback.get(k, 0 if k == "seed" else None) for k in SEED_FIELDS}]
+
+    out = []
+    for row, detail in zip(res["runs"], res["details"], strict=True):
+        if row["method"] in methods:
+            job = {k: detail[k] for k in head} | {"runner": internal[row["runner"]], "rounds": rounds}
+            out += [job | run for run in seeds(detail, row | detail)]
+    for c in res["clean"]:
+        if c["method"] in methods:
+            job = {"runner": c["runner"], "model": c["model"], "method": c["method"], "attack": "none",
+                   "attackers": 0, "rounds": rounds}
+            out += [job | run for run in seeds(c, c | {"stopped": bool(c.get("error")), "resume_ok": None})]
+    for c in res.get("cost_without_attackers", []):
+        if c["method"] in methods:
+            job = {"runner": "simulator", "model": c["model"], "method": c["method"], "attack": "none",
+                   "attackers": 0, "candidate": "mean", "rounds": rounds}
+            out += [job | run for run in seeds(c.get("mean") or {}, {"accuracy": c["mean_accuracy"],
+                                                                     "stopped": False, "resume_ok": None})]
+    machine = f"committed attacks.json of {res['date']}"
+    return [{k: v for k, v in r.items() if not (k == "seed" and not v)} | {"machine": r.get("machine") or machine}
+            for r in out]
+
+
 def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    results = over_seeds(results)
     plain = {(r["model"], r["method"]): r for r in results if r.get("candidate") == "mean"}
     results = [r for r in results if r.get("candidate") != "mean"]
     clean = {(r["runner"], r["model"], r["method"]): r for r in results if r["attack"] == "none"}
     cost = [{"model": model, "method": method, "rule": rule_name(method), "mean_accuracy": p["accuracy"],
-             "accuracy": clean.get(("simulator", model, method), {}).get("accuracy")}
+             "accuracy": clean.get(("simulator", model, method), {}).get("accuracy"),
+             "mean": {"by_seed": p["by_seed"]}}
             for (model, method), p in plain.items()]
     rows, details = [], []
     for r in results:
@@ -378,7 +452,8 @@ def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
                      "clean_accuracy": c.get("accuracy"), "peak_rss_mb": r["peak_rss_mb"],
                      "clean_peak_rss_mb": c.get("peak_rss_mb")})
         details.append({k: r.get(k) for k in ("runner", "model", "method", "attack", "attackers", "error",
-                                              "rounds_done", "clients_rejected", "up_bits", "hostile", "seconds")}
+                                              "rounds_done", "clients_rejected", "up_bits", "hostile", "seconds",
+                                              "seeds", "by_seed")}
                        | {"machine": r.get("machine", HERE_MACHINE)})
     assert all(tuple(row) == ROW for row in rows)
     misses, memory = [], []
@@ -395,8 +470,10 @@ def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         if row["clean_peak_rss_mb"] and row["peak_rss_mb"] > GOAL["memory_ratio"] * row["clean_peak_rss_mb"]:
             memory.append((key(row), round(row["peak_rss_mb"] / row["clean_peak_rss_mb"], 2)))
     return {"runs": rows, "details": details, "clean": [
-        {k: c.get(k) for k in ("runner", "model", "method", "accuracy", "peak_rss_mb", "seconds", "error")}
+        {k: c.get(k) for k in ("runner", "model", "method", "accuracy", "peak_rss_mb", "seconds", "error", "seeds",
+                               "by_seed")}
         for c in clean.values()],
+        "seeds": sorted({s for r in results for s in r["seeds"]}),
         "recommended": RECOMMENDED, "cost_without_attackers": cost, "rounds": rounds, "goal": GOAL,
         "missed": {"accuracy_or_stop": misses, "memory": memory},
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
@@ -587,7 +664,16 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "attacks_inside")
     ap.add_argument("--stage", choices=("runs", "main", "report", "all", "candidates", "screen"), default="all")
     ap.add_argument("--only", default="", help="run the jobs whose key starts with this (runner/model/method/...)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="runs, report: the seeds each row runs on")
+    ap.add_argument("--reuse", nargs="+", default=[], choices=list(PRESETS), metavar="METHOD", help=(
+        "runs, report: these methods' runs as the committed attacks.json keeps them, not run again (refused where "
+        "that file's rule for one is not today's)"))
     args = ap.parse_args()
+    for run in committed_runs(args.reuse, args.rounds) if args.reuse else ():
+        if run.get("seed", 0) in args.seeds:
+            path = args.work / "rows" / (key(run).replace("/", "_") + ".json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(run))
     if args.stage == "candidates":
         results = run_cached(candidate_jobs(args.rounds), args.work / "candidates", args.only, args.jobs)
         res = candidates_report(results, args.rounds)
@@ -604,11 +690,12 @@ def main() -> None:
         print(screen_markdown(res))
         return
     if args.stage in ("runs", "all"):
-        run_cached(jobs(args.rounds), args.work, args.only, args.jobs)
+        run_cached(jobs(args.rounds, tuple(args.seeds)), args.work, args.only, args.jobs)
     if args.stage in ("main", "all"):
         (args.work / "main_job.json").write_text(json.dumps(main_job(args.work)))
     if args.stage in ("report", "all"):
-        cached = [args.work / "rows" / (key(j).replace("/", "_") + ".json") for j in jobs(args.rounds)]
+        cached = [args.work / "rows" / (key(j).replace("/", "_") + ".json") for j in jobs(args.rounds,
+                                                                                            tuple(args.seeds))]
         results = [json.loads(p.read_text()) for p in cached if p.exists()]
         res = report(results, args.rounds)
         main_path = args.work / "main_job.json"

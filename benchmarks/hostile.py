@@ -9,7 +9,8 @@ torch thread; every method with its preset's settings (D-Turbo-VBI: the main job
 rewrite their upload.
 
 * ``clean``: each robust rule without attackers (its cost in accuracy).
-* ``attacks``: every attack with 1 and 3 attackers, plain mean and the recommended robust setting. Every run is
+* ``attacks``: every attack with 1 and 3 attackers, plain mean and the recommended robust setting (each method's rule
+  of benchmarks/attacks_inside.py, ``RECOMMENDED``). Every run is
   stopped after half its rounds (as a crash after a checkpoint) and continued with resume; a few are also run
   uninterrupted and compared row by row.
 * ``memory``: peak RSS (``ru_maxrss``) of a fresh process per case: a 2-round run (LeNet-5) with one hostile upload
@@ -41,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness import dataset_path, fill_block, metrics_rows, source_digest  # noqa: E402
+from attacks_inside import RECOMMENDED, rule_name  # noqa: E402  (each method's rule, chosen there on validation)
+from harness import dataset_path, fill_block, metrics_rows  # noqa: E402
 
 DATA = dataset_path()
 
@@ -49,12 +51,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 METHODS = {"dturbo": "quick", "fedavg": "fedavg", "fedpaq": "fedpaq", "dssm": "dssm", "stc": "stc", "fedpm": "fedpm",
            "feddst": "feddst"}
 RULES = ("mean", "median", "trimmed_mean", "krum", "bulyan")
-TRIMMED = {"robust.rule": "trimmed_mean", "robust.trim": 0.1}
-KRUM = {"robust.rule": "krum", "robust.byzantine": 3}
-# The recommended setting: a trimmed mean for dense uploads, Krum where coordinate-wise rules stop learning (the
-# quantised or very sparse uploads of FedPAQ and STC, whose coordinates are mostly 0).
-RECOMMENDED = {"dturbo": TRIMMED, "fedavg": TRIMMED, "fedpaq": KRUM, "dssm": TRIMMED, "stc": KRUM, "fedpm": TRIMMED,
-               "feddst": TRIMMED}
 BOUNDED = ("values", "samples", "copy", "loss")  # refused by the uploads' bounds: the accuracy goal's attacks
 ATTACKS = (*BOUNDED, "overflow", "spoof", "sign_flip")
 REFUSED = ("values", "overflow", "samples", "copy", "loss", "spoof")  # every such upload must be refused
@@ -406,62 +402,18 @@ def stage_memory(args: argparse.Namespace) -> dict[str, Any]:
     return {"server": server, "loader": loader, "data": data, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-# ---------------------------------------------------------------------------------------------------- main job
-def main_job_reference() -> dict[str, Any] | None:
-    """runs.quick of benchmarks/results/presets.json (the main job's committed result): this tree's, else main's."""
-    path = RESULTS / "presets.json"
-    try:
-        text = path.read_text() if path.exists() else subprocess.run(
-            ["git", "show", "main:benchmarks/results/presets.json"], cwd=ROOT, capture_output=True, text=True,
-            check=True).stdout
-        return json.loads(text)["runs"]["quick"]
-    except (subprocess.CalledProcessError, KeyError, json.JSONDecodeError):
-        return None
-
-
-def stage_main(args: argparse.Namespace) -> dict[str, Any]:
-    """`dturbo run --preset quick` with D-Turbo-VBI's recommended robust setting, and with Krum (one torch thread, as
-    benchmarks/presets.py runs it), against the committed main job; the first is the goal's."""
-    out = {}
-    for name, setting in (("recommended", RECOMMENDED["dturbo"]), ("krum", KRUM)):
-        out[name] = main_run(args.work / "main_job" / f"{name}_{source_digest(setting)}", setting) | {
-            "setting": setting}
-    return out["recommended"] | {"others": {k: v for k, v in out.items() if k != "recommended"}}
-
-
-def main_run(out: Path, setting: dict[str, Any]) -> dict[str, Any]:
-    import csv
-    import os
-
-    seconds = None
-    if not (out / "model.safetensors").exists():
-        sets = ["experiment.threads=1", *(f"{k}={v}" for k, v in setting.items())]
-        cmd = [sys.executable, "-m", "dturbo", "run", "--preset", "quick", "--out", str(out), "--no-figures"]
-        cmd += [x for s in sets for x in ("--set", s)]
-        resume = ["--resume"] if (out / "checkpoint").exists() else []
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-        t0 = time.perf_counter()
-        subprocess.run(cmd + resume, env=env, check=True)
-        seconds = round(time.perf_counter() - t0)
-    with open(out / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    ref = main_job_reference()
-    acc = float(rows[-1]["accuracy"])
-    return {"final_accuracy": acc, "rounds": len(rows), "seconds": seconds,
-            "round_seconds": sum(float(r["seconds"]) for r in rows),
-            "reference": None if ref is None else ref["final_accuracy"],
-            "cost_points": None if ref is None else round(100 * (ref["final_accuracy"] - acc), 2)}
-
-
 # ---------------------------------------------------------------------------------------------------- report
-def main_job_goal(main_job: dict[str, Any] | None) -> dict[str, Any]:
-    """The goal that the recommended setting costs at most 1 point on the main job, with :func:`stage_main`'s runs."""
-    return {"met": None if not main_job or main_job["cost_points"] is None else main_job["cost_points"] <= 1.0,
-            **(main_job or {})}
+def main_job_goal() -> dict[str, Any]:
+    """The goal that D-Turbo-VBI's recommended rule costs at most 1 point on the main job: the run
+    benchmarks/attacks_inside.py makes of it (``--stage main``; the same rule), as its attacks.json keeps it."""
+    path = RESULTS / "attacks.json"
+    main_job = json.loads(path.read_text()).get("main_job") if path.exists() else None
+    if not main_job or main_job.get("rule") != rule_name("dturbo"):
+        return {"met": None}
+    return {"met": main_job["cost_points"] <= main_job["goal_points"], **main_job}
 
 
-def report(runs: dict[str, Any], memory: dict[str, Any], main_job: dict[str, Any] | None, args: argparse.Namespace,
-           seconds: float) -> dict[str, Any]:
+def report(runs: dict[str, Any], memory: dict[str, Any], args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     clean = {m: runs["clean"][f"{m}/mean"]["final_accuracy"] for m in METHODS}
     cost = {m: {r: round(100 * (runs["clean"][f"{m}/{r}"]["final_accuracy"] - clean[m]), 2)
                 for r in (*RULES, "recommended")} for m in METHODS}
@@ -495,7 +447,7 @@ def report(runs: dict[str, Any], memory: dict[str, Any], main_job: dict[str, Any
         "memory_2x": {"met": all(r <= GOAL["memory_ratio"] for r in ratios.values()),
                       "worst": max(ratios.items(), key=lambda kv: kv[1]) if ratios else None},
         "equality_after_resume": runs["equality"],
-        "main_job_cost_at_most_1_point": main_job_goal(main_job),
+        "main_job_cost_at_most_1_point": main_job_goal(),
     }
     for part in ("clean", "attacks"):  # the reasons each run's refusals gave, once each
         for v in runs[part].values():
@@ -554,8 +506,7 @@ def markdown(res: dict[str, Any]) -> str:
 def cost_table(res: dict[str, Any]) -> str:
     """docs/robustness.md's table: each rule's cost without attackers, and the recommended setting under attack."""
     def setting(m: str) -> str:
-        r = res["recommended"][m]
-        return r["robust.rule"] + (f" {r['robust.trim']}" if "robust.trim" in r else f" {r['robust.byzantine']}")
+        return res["recommended"][m]["robust.rule"]
 
     lines = ["| method | plain mean | " + " | ".join(RULES[1:]) + " | recommended | sign_flip x1, x3: mean / "
              "recommended |", "|---|---|" + "---|" * (len(RULES) + 1)]
@@ -567,21 +518,19 @@ def cost_table(res: dict[str, Any]) -> str:
                      + f" | {setting(m)}: {res['robust_cost_points'][m]['recommended']:+.1f} | "
                      + ", ".join(flips) + " |")
     main = res["goals"]["main_job_cost_at_most_1_point"]
-    lines += ["", "krum and bulyan with byzantine = 3, trimmed_mean with trim = 0.2. "
-              + (f"On the main job (`--preset quick`, 12 rounds), {setting('dturbo')} ends at "
-                 f"{100 * main['final_accuracy']:.2f}% and krum 3 at "
-                 f"{100 * main['others']['krum']['final_accuracy']:.2f}%, against {100 * main['reference']:.2f}% with "
-                 f"the plain mean." if main.get("reference") else "")]
+    lines += ["", "krum and bulyan with byzantine = 3, trimmed_mean with trim = 0.2; recommended: each method's rule "
+              "with its screens (the table above). "
+              + (f"On the main job (`--preset quick`, 12 rounds), D-Turbo-VBI's ends at "
+                 f"{100 * main['accuracy']:.2f}% against {100 * main['main_job_accuracy']:.2f}% with the plain mean."
+                 if main.get("accuracy") else "")]
     return "\n".join(lines) + "\n"
 
 
-
 def _main_detail(m: dict[str, Any]) -> str:
-    if m.get("final_accuracy") is None:
-        return "not run"
-    ref = "no reference" if m.get("reference") is None else f"main job {100 * m['reference']:.2f}%"
-    return (f"{100 * m['final_accuracy']:.2f}% against the {ref} ({m.get('cost_points')} points), "
-            f"{m.get('round_seconds', 0) / 60:.0f} min of rounds")
+    if m.get("accuracy") is None:
+        return "not run (benchmarks/attacks_inside.py --stage main)"
+    return (f"{100 * m['accuracy']:.2f}% against the main job's {100 * m['main_job_accuracy']:.2f}% "
+            f"({m['cost_points']} points; attacks.json)")
 
 
 def write_results(res: dict[str, Any]) -> None:
@@ -596,7 +545,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "attacks")
-    ap.add_argument("--stage", choices=("all", "clean", "runs", "memory", "dirs", "main", "report"), default="all")
+    ap.add_argument("--stage", choices=("all", "clean", "runs", "memory", "dirs", "report"), default="all")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     runs = memory = None
@@ -612,21 +561,13 @@ def main() -> None:
     if args.stage == "all":  # measured from a fresh, small process (a child's ru_maxrss starts at its parent's peak)
         subprocess.run([sys.executable, __file__, "--stage", "memory", "--work", str(args.work),
                         "--rounds", str(args.rounds)], check=True)
-    if args.stage in ("all", "main"):
-        (args.work / "main_job.json").write_text(json.dumps(stage_main(args)))
-    if args.stage == "main" and (RESULTS / "hostile.json").exists():  # the results' main-job goal, the rest kept
-        res = json.loads((RESULTS / "hostile.json").read_text())
-        main_job = json.loads((args.work / "main_job.json").read_text())
-        res["goals"]["main_job_cost_at_most_1_point"] = main_job_goal(main_job)
-        write_results(res)
     if args.stage not in ("all", "report"):
         return
     runs = runs or json.loads((args.work / "runs.json").read_text())
     memory = memory or json.loads((args.work / "memory.json").read_text())
-    main_job = json.loads((args.work / "main_job.json").read_text())
     seconds = sum(v.get("seconds", 0.0) for part in ("clean", "attacks") for v in runs[part].values())
     seconds += memory.get("seconds", 0.0)
-    res = report(runs, memory, main_job, args, seconds)
+    res = report(runs, memory, args, seconds)
     write_results(res)
     print(markdown(res))
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB")

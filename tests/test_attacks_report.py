@@ -28,8 +28,9 @@ def test_the_report_counts_drops_at_a_tenth_of_a_point_and_the_rules_cost_agains
     res = ai.report(results, 12)
     assert [tuple(r) for r in res["runs"]] == [ai.ROW] * 3  # the plain-mean run is no row of the schema
     assert [why for _, why in res["missed"]["accuracy_or_stop"]] == ["4.1 points", "2.1 points"]
-    assert res["cost_without_attackers"] == [{"model": "mlp", "method": "fedavg", "rule": ai.rule_name("fedavg"),
-                                              "mean_accuracy": 0.790, "accuracy": 0.781}]
+    cost = [{k: v for k, v in c.items() if k != "mean"} for c in res["cost_without_attackers"]]
+    assert cost == [{"model": "mlp", "method": "fedavg", "rule": ai.rule_name("fedavg"), "mean_accuracy": 0.790,
+                     "accuracy": 0.781}]
     line = next(x for x in ai.summary(res).splitlines() if x.startswith("| fedavg | sim |"))
     assert line.endswith("| +0.9 |")  # 0.9 points below the plain mean without attackers
     assert "+4.0" in line and "+4.1" in line
@@ -46,3 +47,41 @@ def test_each_method_takes_the_screen_of_highest_validation_accuracy_the_simpler
     assert res["chosen"] == {"dturbo": "rule_screen", "stc": "rule_screen_refuse"}
     assert res["results"]["fedavg"]["rule"] is None  # a method without its runs chooses nothing
     assert ai.SCREENED.keys() == ai.RULES.keys() and set(ai.SCREENED.values()) <= set(ai.SCREENS)
+
+
+def test_a_row_over_seeds_is_the_mean_of_its_runs_and_stops_if_one_stopped(ai):
+    results = [
+        _row("simulator", "mlp", "fedpm", "none", 0, 0.70), _row("simulator", "mlp", "fedpm", "none", 0, 0.74, seed=1),
+        _row("simulator", "mlp", "fedpm", "alie", 1, 0.66), _row("simulator", "mlp", "fedpm", "alie", 1, 0.75, seed=1),
+        _row("simulator", "mlp", "fedpm", "ipm", 1, 0.71),
+        _row("simulator", "mlp", "fedpm", "ipm", 1, None, seed=1, stopped="ValueError: x", peak_rss_mb=900.0),
+    ]
+    res = ai.report(results, 12)
+    alie, ipm = res["runs"]
+    assert (alie["accuracy"], alie["clean_accuracy"]) == (0.705, 0.72)  # 1.5 points: within 2
+    assert ipm["stopped"] and ipm["accuracy"] is None and ipm["peak_rss_mb"] == 900.0
+    assert [k for k, _ in res["missed"]["accuracy_or_stop"]] == ["sim/mlp/fedpm/ipm/1"]
+    assert res["seeds"] == [0, 1] and [r["seed"] for r in res["details"][0]["by_seed"]] == [0, 1]
+    assert ai.key(results[1]) == "simulator/mlp/fedpm/none/0/s1" and ai.row_key(results[1]) == ai.key(results[0])
+
+
+def test_reuse_reads_back_the_runs_a_report_keeps_and_refuses_another_rule(ai, tmp_path, monkeypatch):
+    results = [_row("simulator", "mlp", m, "none", 0, 0.70 + 0.01 * s, **({"seed": s} if s else {}))
+               for m in ("fedavg", "stc") for s in (0, 1)]
+    results += [_row("simulator", "mlp", m, "alie", 3, 0.68 - 0.02 * s, **({"seed": s} if s else {}))
+                for m in ("fedavg", "stc") for s in (0, 1)]
+    results += [_row("simulator", "mlp", "fedavg", "none", 0, 0.71 + 0.01 * s, candidate="mean",
+                     **({"seed": s} if s else {})) for s in (0, 1)]
+    res = ai.report([r | {"rounds": 12} for r in results], 12)
+    monkeypatch.setattr(ai, "RESULTS", tmp_path)
+    (tmp_path / "attacks.json").write_text(ai.json.dumps(res))
+    back = ai.committed_runs(["fedavg"], 12)
+    assert sorted(ai.key(r) for r in back) == sorted(ai.key(r) for r in results if r["method"] == "fedavg")
+    again = ai.report(back, 12)
+    assert again["runs"] == [r for r in res["runs"] if r["method"] == "fedavg"]
+    assert again["cost_without_attackers"][0]["mean_accuracy"] == res["cost_without_attackers"][0]["mean_accuracy"]
+    with pytest.raises(SystemExit, match="not today's"):
+        monkeypatch.setitem(ai.RECOMMENDED, "stc", {"robust.rule": "median"})
+        ai.committed_runs(["stc"], 12)
+    with pytest.raises(SystemExit, match="ran 12 rounds"):
+        ai.committed_runs(["fedavg"], 8)
