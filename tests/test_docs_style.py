@@ -162,6 +162,31 @@ def test_every_config_key_is_documented():
     assert not missing, f"document these keys in {CONFIGURATION.relative_to(ROOT)}: {missing}"
 
 
+def test_every_documented_default_is_the_configs():
+    """A row ``| `key` | `default` |`` of docs/configuration.md gives the key's default as dturbo.Config has it (JSON:
+    strings quoted): a default changed in code and not in the docs fails here."""
+    import json
+    import re
+
+    defaults = dturbo.Config().model_dump(mode="json")
+    checked, wrong = 0, []
+    for section, text in documented_sections(CONFIGURATION.read_text()).items():
+        node = defaults
+        for part in section.split("."):
+            node = node.get(part, {})
+        for key, shown in re.findall(r"^\| `([a-z_0-9]+)` \| `([^`|]*)` \|", text, flags=re.M):
+            if key not in node or isinstance(node[key], dict):
+                continue
+            try:
+                value = json.loads(shown)
+            except json.JSONDecodeError:
+                value = shown
+            checked += 1
+            if value != node[key]:
+                wrong.append(f"[{section}] {key}: documented {shown}, default {json.dumps(node[key])}")
+    assert checked > 50 and not wrong, wrong
+
+
 def test_documented_sections_reads_headings():
     text = "# Title\n## [a]\n`x`\n## [b.c] and [b.d]\n`y`\n### other\n`z`\n"
     sections = documented_sections(text)
