@@ -518,8 +518,8 @@ def cost_table(res: dict[str, Any]) -> str:
                      + f" | {setting(m)}: {res['robust_cost_points'][m]['recommended']:+.1f} | "
                      + ", ".join(flips) + " |")
     main = res["goals"]["main_job_cost_at_most_1_point"]
-    lines += ["", "krum and bulyan with byzantine = 3, trimmed_mean with trim = 0.2; recommended: each method's rule "
-              "with its screens (the table above). "
+    lines += ["", "byzantine = 3: krum keeps 7, trimmed_mean (trim 0.2) and bulyan (too few uploads for its "
+              "Krum step) trim 3 at each end; recommended: each method's rule with its screens (the table above). "
               + (f"On the main job (`--preset quick`, 12 rounds), D-Turbo-VBI's ends at "
                  f"{100 * main['accuracy']:.2f}% against {100 * main['main_job_accuracy']:.2f}% with the plain mean."
                  if main.get("accuracy") else "")]
