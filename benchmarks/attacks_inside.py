@@ -483,7 +483,8 @@ def report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"# Attacks inside the bounds ({res['rounds']} rounds, 10 clients, Fashion-MNIST 3000 images)", "",
              f"Written by `benchmarks/attacks_inside.py` on {res['date']}. Each method with its recommended rule; "
-             "accuracy of the run against its clean run (same runner, model, method and rule); goal: within "
+             f"accuracy of the run against its clean run (same runner, model, method and rule), each the mean over "
+             f"{_seeds(res)}; goal: within "
              "2 points with 1 attacker, 4 with 3, no stop, resume working (simulator), peak memory at most 2x.", "",
              "| runner | model | method | rule | attack | attackers | accuracy | clean | points | stopped | resume | "
              "peak MB (clean) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -509,6 +510,11 @@ def markdown(res: dict[str, Any]) -> str:
                       f"{100 * j['main_job_accuracy']:.2f}% ({j['cost_points']:+.2f} points; goal: at most "
                       f"{j['goal_points']:g})."]
     return "\n".join(lines) + "\n"
+
+
+def _seeds(res: dict[str, Any]) -> str:
+    seeds = res.get("seeds", [0])
+    return f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(map(str, seeds))
 
 
 def summary(res: dict[str, Any]) -> str:
@@ -537,7 +543,8 @@ def summary(res: dict[str, Any]) -> str:
                      + (" / ".join(cost.get(method, ["n/a"])) if runner == "sim" else "") + " |")
     m = res["missed"]["accuracy_or_stop"]
     lines += ["", f"mlp: scaled_sign_flip, alie, ipm; bn (the mlp with BatchNorm): plain_state, calibration; "
-                  f"{res['rounds']} rounds. Goal: within 2 points with 1 attacker, 4 with 3: "
+                  f"{res['rounds']} rounds; each run and its clean run the mean over {_seeds(res)}. Goal: within 2 "
+                  f"points with 1 attacker, 4 with 3: "
                   f"{len(res['runs']) - len(m)} of {len(res['runs'])} rows. No attack: points below the plain mean "
                   f"(mlp / bn, simulator)."]
     return "\n".join(lines) + "\n"
