@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from dturbo.algorithms.registry import ALGORITHMS  # noqa: E402
+from dturbo.checkpoint import with_earlier_values  # noqa: E402
 from dturbo.config import Config, ConfigError  # noqa: E402
 from dturbo.rundir import RunDir, RunDirLocked  # noqa: E402
 from dturbo.settings import parse_config  # noqa: E402
@@ -170,9 +171,15 @@ def cache_key(tree: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_tree(path: Path) -> dict[str, Any]:
+    """A run's config.toml as it ran: a key the file predates read as the value the run ran with (a default that
+    changed since), as ``dturbo`` reads a run directory."""
+    return with_earlier_values(tomllib.loads(path.read_text()))
+
+
 def _toml_key(path: Path) -> dict[str, Any] | None:
     try:
-        return cache_key(tomllib.loads(path.read_text()))
+        return cache_key(run_tree(path))
     except (OSError, tomllib.TOMLDecodeError, ConfigError, KeyError):
         return None
 
@@ -445,7 +452,7 @@ def load_runs(camp: Campaign, s: Settings) -> list[Run]:
         label, _, seed = csv_path.stem.rpartition("_s")
         if label not in by_label or not seed.isdigit() or not csv_path.with_suffix(".toml").exists():
             continue
-        cfg = parse_config(tomllib.loads(csv_path.with_suffix(".toml").read_text()))
+        cfg = parse_config(run_tree(csv_path.with_suffix(".toml")))
         m = read_csv(csv_path)
         if m and len(m["round"]) >= cfg.experiment.rounds:
             out.append(Run(by_label[label], int(seed), cfg, m))

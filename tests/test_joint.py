@@ -239,6 +239,27 @@ def test_cache_key_ignores_names_and_data_location(mods, tmp_path):
     assert h.cache_key(a) == h.cache_key(c)
 
 
+def test_a_committed_run_that_predates_a_key_is_read_with_the_value_it_ran_with(mods, tmp_path):
+    """A run's config.toml written before ``[dturbo] sampling`` existed ran the local reparameterisation: its cache key
+    and its loaded config say "local", whatever the default is now, so the run stays done."""
+    import re
+
+    h, _ = mods
+    path = tmp_path / "c.toml"
+    path.write_text(CAMPAIGN)
+    camp = h.load_campaign(path)
+    tree = h.config_tree(camp, camp.by_label()["dt_few"], 0, "/a")
+    old = tmp_path / "dt_few_s0.toml"
+    old.write_text(re.sub(r"(?m)^sampling = .*\n", "", parse_config(tree).to_toml()))
+    assert "sampling" not in old.read_text()
+
+    def sampled(name: str) -> dict:
+        return {**tree, "dturbo": {**tree["dturbo"], "sampling": name}}
+
+    assert h._toml_key(old) == h.cache_key(sampled("local")) != h.cache_key(sampled("detached"))
+    assert parse_config(h.run_tree(old)).dturbo.sampling == "local"
+
+
 def test_a_candidate_that_cannot_run_is_refused_before_the_campaign(mods, tmp_path):
     h, _ = mods
     path = tmp_path / "bad.toml"
