@@ -10,9 +10,8 @@ rewrite their upload.
 
 * ``clean``: each robust rule without attackers (its cost in accuracy).
 * ``attacks``: every attack with 1 and 3 attackers, plain mean and the recommended robust setting (each method's rule
-  of benchmarks/attacks_inside.py, ``RECOMMENDED``). Every run is
-  stopped after half its rounds (as a crash after a checkpoint) and continued with resume; a few are also run
-  uninterrupted and compared row by row.
+  of benchmarks/attacks_inside.py, ``RECOMMENDED``). Every run is stopped after half its rounds (as a crash after a
+  checkpoint) and continued with resume; a few are also run uninterrupted and compared row by row.
 * ``memory``: peak RSS (``ru_maxrss``) of a fresh process per case: a 2-round run (LeNet-5) with one hostile upload
   in its first round against the same run honest; ``dturbo.export.load`` of hostile model directories and
   ``load_dataset`` of a hostile .npz against honest ones.

@@ -80,8 +80,8 @@ def test_reuse_reads_back_the_runs_a_report_keeps_and_refuses_another_rule(ai, t
     again = ai.report(back, 12)
     assert again["runs"] == [r for r in res["runs"] if r["method"] == "fedavg"]
     assert again["cost_without_attackers"][0]["mean_accuracy"] == res["cost_without_attackers"][0]["mean_accuracy"]
+    monkeypatch.setitem(ai.RECOMMENDED, "stc", {"robust.rule": "median"})
     with pytest.raises(SystemExit, match="not today's"):
-        monkeypatch.setitem(ai.RECOMMENDED, "stc", {"robust.rule": "median"})
         ai.committed_runs(["stc"], 12)
     with pytest.raises(SystemExit, match="ran 12 rounds"):
         ai.committed_runs(["fedavg"], 8)
