@@ -8,10 +8,13 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   instead of 3; its axis: total bits.
 * ``trained``: ``global_model = "trained"``, the round's model the aggregate on the support its clients trained
   (the same messages); its axis: the largest drop of validation accuracy from one round to the next after round 3.
+* ``cut``: ``dead_units = "cut"``, the weights joined to a unit that carries nothing off the support (fewer values
+  in every message), with the library's sampling, ``"detached"``; it is judged against the chosen setting under
+  ``sampling = "detached"`` (sampling.py's runs), so that one option differs; its axis: total bits.
 
 The rule, fixed before the runs: a variant is recommended when its mean final validation accuracy is at most
-``MARGIN`` below the chosen setting's and it is better on its axis (means over the seeds; validation only, test
-accuracy and bits to T are reported).
+``MARGIN`` below its reference's (the chosen setting's runs, or those it names) and it is better on its axis (means
+over the seeds; validation only, test accuracy and bits to T are reported).
 Writes ``benchmarks/results/variants.{json,md}``.
 
 Usage: .venv/bin/python benchmarks/variants.py [plan|run|report] [--jobs 2] [--only VARIANT ...]
@@ -34,15 +37,20 @@ sys.path.insert(0, str(HERE))
 
 import harness as h  # noqa: E402
 from joint import _mbit, largest_drop, per_param  # noqa: E402
+from sampling import campaigns as sampling_campaigns  # noqa: E402
 from sampling import dispatch, seed_table, shape  # noqa: E402
 
-# name: (the options it changes, what it is, the row's key it is judged on; lower is better)
-VARIANTS: dict[str, tuple[dict[str, Any], str, str]] = {
-    "down2": ({"dturbo.transmission.down_bits": 2}, "down_bits = 2", "total_bits"),
-    "trained": ({"dturbo.global_model": "trained"}, 'global_model = "trained"', "val_drop"),
+# name: (the options it changes, what it is, the row's key it is judged on (lower is better), the runs it is judged
+# against: REFERENCE, the joint campaign's, or "detached", sampling.py's with sampling = "detached")
+VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
+    "down2": ({"dturbo.transmission.down_bits": 2}, "down_bits = 2", "total_bits", "chosen"),
+    "trained": ({"dturbo.global_model": "trained"}, 'global_model = "trained"', "val_drop", "chosen"),
+    "cut": ({"dturbo.sampling": "detached", "dturbo.dead_units": "cut"}, 'dead_units = "cut" (sampling detached)',
+            "total_bits", "detached"),
 }
 AXES = {"total_bits": "fewer total bits", "val_drop": "a smaller largest drop of validation accuracy after round 3"}
 REFERENCE = "chosen"
+REFERENCES = {REFERENCE: "the chosen setting", "detached": 'sampling = "detached"'}
 MARGIN = 0.002  # in accuracy: 0.2 points, as sampling.py's
 
 
@@ -52,7 +60,7 @@ def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
     chosen = json.loads((s.results / "joint.json").read_text())["chosen"]["dturbo"]
     base = joint.by_label()[chosen]
     cands = [replace(base, label=f"{chosen}_{name}", overrides={**base.overrides, **changes},
-                     note=f"{base.note}; {what}") for name, (changes, what, _) in VARIANTS.items()]
+                     note=f"{base.note}; {what}") for name, (changes, what, _, _) in VARIANTS.items()]
     return joint, h.Campaign("variants", joint.protocol, cands), chosen
 
 
@@ -84,11 +92,10 @@ def summarize(rows: list[dict[str, Any]], seeds: int) -> dict[str, dict[str, Any
 
 
 def recommend(summary: dict[str, dict[str, Any]]) -> dict[str, bool]:
-    """The rule of the module docstring, per variant: validation only."""
-    ref = summary[REFERENCE]
-    return {name: (summary[name]["val_accuracy"] >= ref["val_accuracy"] - MARGIN
-                   and summary[name][axis] < ref[axis])
-            for name, (_, _, axis) in VARIANTS.items() if name in summary}
+    """The rule of the module docstring, per variant against its reference's runs: validation only."""
+    return {name: (summary[name]["val_accuracy"] >= summary[ref]["val_accuracy"] - MARGIN
+                   and summary[name][axis] < summary[ref][axis])
+            for name, (_, _, axis, ref) in VARIANTS.items() if name in summary and ref in summary}
 
 
 def report(s: h.Settings) -> None:
@@ -101,20 +108,25 @@ def report(s: h.Settings) -> None:
         raise h.HarnessError(f"no variant has all {len(camp.seeds)} seeds done: run `benchmarks/variants.py run` "
                              f"first")
     rows = [row(r, REFERENCE, t) for r in h.load_runs(joint, s) if r.cand.label == chosen]
+    if any(VARIANTS[r.cand.label.removeprefix(f"{chosen}_")][3] == "detached" for r in done):
+        _, sampling_camp, _ = sampling_campaigns(s)
+        rows += [row(r, "detached", t) for r in h.load_runs(sampling_camp, s)
+                 if r.cand.label == f"{chosen}_detached"]
     rows += [row(r, r.cand.label.removeprefix(f"{chosen}_"), t)
              for r in sorted(done, key=lambda r: (r.cand.label, r.seed))]
     summary = summarize(rows, len(camp.seeds))
     recommended = recommend(summary)
     stc = next((r for r in res_joint["table"] if r["method"] == "stc"), None)
     res = {"setting": chosen, "t": t, "seeds": camp.seeds, "margin": MARGIN,
-           "variants": {name: {"set": changes, "axis": axis} for name, (changes, _, axis) in VARIANTS.items()},
+           "variants": {name: {"set": changes, "axis": axis, "reference": ref}
+                        for name, (changes, _, axis, ref) in VARIANTS.items()},
            "summary": summary, "recommended": recommended, "runs": rows,
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
     def vs_stc(x: float | None, key: str) -> str:
         return "" if x is None or stc is None or not stc.get(key) else f" ({x / stc[key]:.3f}x STC's)"
 
-    what = {REFERENCE: "the chosen setting"} | {name: v[1] for name, v in VARIANTS.items()}
+    what = REFERENCES | {name: v[1] for name, v in VARIANTS.items()}
     md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` with one option changed, on the joint protocol (3 seeds; "
           f"T = {t:.2%}).", "",
           *seed_table(rows, "variant", lambda r: what[r["variant"]],
@@ -125,15 +137,16 @@ def report(s: h.Settings) -> None:
                "after round 1's downlink | mean total Mbit | largest drop after round 3 (test) | recommended |",
            "|---|---|---|---|---|---|---|---|---|"]
     for name, v in summary.items():
-        rec = "" if name == REFERENCE else ("yes" if recommended[name] else "no")
+        rec = "yes" if recommended.get(name) else "" if name in REFERENCES else "no"
         md.append(f"| {what[name]} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {v['seeds_reaching_t']} of "
                   f"{v['seeds']} | {_mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t')} | "
                   f"{_mbit(v['bits_to_t_after_initial'])}"
                   f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial')} | {_mbit(v['total_bits'])} | "
                   f"{v['largest_drop'] * 100:.1f} points | {rec} |")
-    md += ["", f"Recommended: a variant whose mean validation accuracy is at most {100 * MARGIN:.1f} points below the "
-               f"chosen setting's and that is better on its axis ("
-               + "; ".join(f"{what[name]}: {AXES[axis]}" for name, (_, _, axis) in VARIANTS.items()) + ")."]
+    md += ["", f"Recommended: a variant whose mean validation accuracy is at most {100 * MARGIN:.1f} points below its "
+               f"reference's and that is better on its axis ("
+               + "; ".join(f"{what[name]}: {AXES[axis]} than {what[ref]}"
+                           for name, (_, _, axis, ref) in VARIANTS.items() if name in summary) + ")."]
     h.write_results(s.results, "variants", res, "\n".join(md) + "\n")
 
 

@@ -115,7 +115,8 @@ def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
 # Keys of a method's section that came after the first checkpoints, with the value a run written before them ran
 # with (the sections belong to their methods, which this floor does not import; tests/test_hostile_files.py holds
 # them to the sections' values).
-LATER_METHOD_KEYS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local", ("dturbo", "global_model"): "cut"}
+LATER_METHOD_KEYS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local", ("dturbo", "global_model"): "cut",
+                                                 ("dturbo", "dead_units"): "kept"}
 
 
 def with_earlier_values(tree: dict[str, Any]) -> dict[str, Any]:

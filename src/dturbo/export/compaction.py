@@ -30,7 +30,7 @@ def _constant(bias: torch.Tensor | None, between: list[Op], units: int) -> torch
     return c
 
 
-def _link_units(prod: Op, cons: Op, between: list[Op]) -> int | None:
+def link_units(prod: Op, cons: Op, between: list[Op]) -> int | None:
     """How many units join producer and consumer, or None when units cannot be carried across."""
     if any(op.type not in CHANNELWISE for op in between):
         return None
@@ -116,12 +116,12 @@ def compact(ops: list[Op]) -> list[Op]:
 def compact_links(links: list[tuple[Op, Op, list[Op]]]) -> None:
     """Remove units across the links (producer, consumer, the ops between them) until nothing changes; a link
     whose ops between are not all channel-wise (or whose layers cannot carry units) is left alone."""
-    links = [link for link in links if _link_units(*link) is not None]
+    links = [link for link in links if link_units(*link) is not None]
     changed = True
     while changed:
         changed = False
         for prod, cons, between in links:
-            units = _link_units(prod, cons, between)
+            units = link_units(prod, cons, between)
             if units is not None and _compact_link(prod, cons, between, units):
                 changed = True
 

@@ -37,7 +37,7 @@ from torch import fx, nn
 
 from ..kernels import as_pair
 from ..nn.bayes import BayesConv1d, BayesConv2d, BayesianLayer, BayesLinear
-from .compaction import compact_links, layer_stats, update_shapes
+from .compaction import compact_links, layer_stats, link_units, update_shapes
 from .format import ExportError, check_input_norm
 from .graph_fold import fold_batch_norms, graph_links
 from .graph_load import build_graph_net
@@ -366,6 +366,29 @@ def export_model(
     x = example_input.detach().to("cpu")
     if x.is_floating_point():  # ids (an embedding's input) stay integers
         x = x.float()
+    capture, expected = _capture(model, x)
+    nodes, output = fold_batch_norms(capture.nodes, capture.output)
+    params = [n.op for n in nodes if n.op is not None]
+    before = {op.name: (tuple(op.weight.shape), int(op.weight.numel())) for op in params if op.weight is not None}
+    if compaction:
+        compact_links(graph_links(nodes, output, int(x.shape[0])))
+    update_shapes(params)
+    input_shape = tuple(int(s) for s in x.shape[1:])
+    out_shape = expected.shape if isinstance(expected, torch.Tensor) else None
+    num_classes = int(out_shape[-1]) if out_shape is not None and len(out_shape) == 2 else None
+    if input_norm is not None:
+        input_norm = check_input_norm(input_norm, input_shape, "input_norm")
+    exported = ExportedGraph(nodes, capture.input_name, output, input_shape, num_classes,
+                             layer_stats(params, before), input_norm, dict(source or {}))
+    exported.check = _check(exported, x, expected)
+    if out_dir is not None:
+        exported.save(out_dir)
+    return exported
+
+
+def _capture(model: nn.Module, x: torch.Tensor) -> tuple[_Capture, Any]:
+    """The model's graph as :class:`Node` s, captured in eval mode on ``x`` (its mode is restored), and the model's
+    output on ``x``."""
     training = model.training
     model.eval()
     try:
@@ -388,23 +411,27 @@ def export_model(
             capture.run()
     finally:
         model.train(training)
+    return capture, expected
+
+
+def unit_links(model: nn.Module, example_input: torch.Tensor) -> list[tuple[str, str, int]]:
+    """The links compaction works on, by the modules' paths: ``(producer, consumer, units)`` for each conv / linear
+    layer whose output feeds only channel-wise ops (activations, max / adaptive pooling, flatten; BatchNorm folded)
+    into exactly one next conv / linear layer, ``units`` output units of the producer being the consumer's input
+    units (each a run of ``in_features // units`` consecutive inputs of the consumer: a channel's positions after
+    a flatten). Raises ExportError where :func:`export_model` would not capture the graph."""
+    x = example_input.detach().to("cpu")
+    if x.is_floating_point():
+        x = x.float()
+    capture, _ = _capture(model, x)
     nodes, output = fold_batch_norms(capture.nodes, capture.output)
-    params = [n.op for n in nodes if n.op is not None]
-    before = {op.name: (tuple(op.weight.shape), int(op.weight.numel())) for op in params if op.weight is not None}
-    if compaction:
-        compact_links(graph_links(nodes, output, int(x.shape[0])))
-    update_shapes(params)
-    input_shape = tuple(int(s) for s in x.shape[1:])
-    out_shape = expected.shape if isinstance(expected, torch.Tensor) else None
-    num_classes = int(out_shape[-1]) if out_shape is not None and len(out_shape) == 2 else None
-    if input_norm is not None:
-        input_norm = check_input_norm(input_norm, input_shape, "input_norm")
-    exported = ExportedGraph(nodes, capture.input_name, output, input_shape, num_classes,
-                             layer_stats(params, before), input_norm, dict(source or {}))
-    exported.check = _check(exported, x, expected)
-    if out_dir is not None:
-        exported.save(out_dir)
-    return exported
+    paths = {n.name: str(n.target) for n in capture.gm.graph.nodes if n.op == "call_module"}
+    out = []
+    for prod, cons, between in graph_links(nodes, output, int(x.shape[0])):
+        units = link_units(prod, cons, between)
+        if units is not None and prod.name in paths and cons.name in paths:
+            out.append((paths[prod.name], paths[cons.name], units))
+    return out
 
 
 def _check(exported: ExportedGraph, x: torch.Tensor, expected: Any) -> dict[str, float]:

@@ -162,6 +162,12 @@ class DturboConfig(Section):
         "support its clients trained, the decided support applying from the next round's training on; cut (the "
         "paper's), mu_G on the support the server decides from the round's aggregate (weights leaving it at 0 before "
         "any client trains without them)"))
+    dead_units: Literal["kept", "cut"] = Field("kept", description=(
+        "the weights joined to a unit that carries nothing: those reading a conv channel or neuron whose own weights "
+        "are all off the support (it outputs a constant), and those of a unit the next layer does not read. kept "
+        "(the paper's): they stay on the support; cut: they leave it when the support is decided, so no message "
+        "carries them (between layers joined by channel-wise ops only, the links export compacts; the model's "
+        "graph must be one torch.fx captures)"))
     prior_std_dtype: Literal["float16", "float32", "log8"] = Field(
         "log8", description="how sigma_prior on S is sent with transmission.prior_std = 'sent': float16/32, or 8-bit "
                             "log-scale levels"

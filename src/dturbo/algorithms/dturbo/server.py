@@ -31,6 +31,7 @@ from .messages import (
 )
 from .sparsity import local_steps_a_round, make_policy, pruning_schedule
 from .turbo import LayerInfo, LayerState
+from .units import DeadUnits
 
 
 class DturboServer(ServerBase[DturboUplink]):
@@ -54,6 +55,7 @@ class DturboServer(ServerBase[DturboUplink]):
             cfg.train, self.total_samples, cfg.federation.clients))
         self.sparsity = make_policy(self.layers, cfg.dturbo, self.schedule)  # checks layer_targets now
         self.messages = DturboMessages(cfg, model, self.layers, self.plain)
+        self.dead_units = DeadUnits(model, self.layers) if cfg.dturbo.dead_units == "cut" else None
         self.layouts = self.messages.layouts
         # positions = "delta": what each client holds (docs/communication.md, "Positions")
         self.held = ClientHeld([i.name for i in self.layers], [i.grid for i in self.layers], cfg.federation.clients)
@@ -305,6 +307,9 @@ class DturboServer(ServerBase[DturboUplink]):
         for info, layer, mask, a, pi_logodds in zip(self.layers, layers, trained, halves, pis, strict=True):
             mu = turbo.support_rule(layer.mu, mask, a.pi_tilde_logodds, threshold_logodds, decide)
             state |= LayerState(mu, layer.sigma, pi_logodds, a.a_tilde, a.b_tilde).entries(info.name)
+        if self.dead_units is not None and decide:
+            cut = self.dead_units.cut([state[f"{info.name}.mu"] for info in self.layers])
+            state |= {f"{info.name}.mu": mu for info, mu in zip(self.layers, cut, strict=True)}
         # Metrics of the new state.
         total = kept = 0
         flops = flops_kept = 0.0
