@@ -1,5 +1,5 @@
 """benchmarks/variants.py's summary and rule on hand-made rows: the means, bits to T after round 1's downlink, and
-each variant judged on validation accuracy and its own axis."""
+each variant judged on validation accuracy and its own axis, against its own reference; presets.py's rules."""
 
 from __future__ import annotations
 
@@ -29,6 +29,41 @@ def test_the_summary_and_the_rule_by_hand():
     summary["trained"]["val_accuracy"] = summary["chosen"]["val_accuracy"]
     summary["down2"]["total_bits"] = 34e6
     assert v.recommend(summary) == {"down2": False, "trained": True}
+
+
+def test_a_variant_is_judged_against_its_own_reference():
+    """cut is judged against the detached runs it differs from by one option, not against the chosen setting."""
+    v = load_benchmark("variants")
+    chosen = rows("chosen", [0.890, 0.888, 0.886], 33e6, [28e6, 30e6, 32e6], 0.06)
+    detached = rows("detached", [0.887, 0.886, 0.884], 33e6, [27e6, 31e6, 33e6], 0.07)
+    cut = rows("cut", [0.886, 0.884, 0.882], 25e6, [22e6, 24e6, 27e6], 0.07)  # 0.17 below detached, 0.40 below chosen
+    summary = v.summarize(chosen + detached + cut, 3)
+    assert v.recommend(summary) == {"cut": True}
+    summary["cut"]["total_bits"] = 34e6
+    assert v.recommend(summary) == {"cut": False}
+    assert v.recommend(v.summarize(chosen + cut, 3)) == {}  # without its reference's runs it is not judged
+
+
+def test_the_presets_dead_units_rule_by_hand():
+    """presets.py --stage dead_units: a preset takes the cut when its mean final validation accuracy over the seeds
+    is at most 0.2 points below kept's and its mean total bits are fewer."""
+    p = load_benchmark("presets")
+
+    def row(preset: str, candidate: str, seed: int, val: float, bits: float) -> dict:
+        return {"preset": preset, "candidate": candidate, "seed": seed, "final_val_accuracy": val,
+                "final_accuracy": val - 0.005, "density": 0.25, "total_bits": bits}
+
+    rows = [row("quick", "kept", 0, 0.870, 42e6), row("quick", "cut", 0, 0.868, 41e6),
+            row("quick", "kept", 1, 0.866, 42e6), row("quick", "cut", 1, 0.865, 41e6),  # 0.15 below on the mean
+            row("recommended", "kept", 0, 0.860, 23e6), row("recommended", "cut", 0, 0.864, 15e6),
+            row("recommended", "kept", 1, 0.862, 23e6), row("recommended", "cut", 1, 0.853, 15e6)]  # 0.25 below
+    assert p.dead_units_adopt(rows) == {"quick": True, "recommended": False}
+    assert p.dead_units_summary(rows)["recommended"]["cut"]["final_val_accuracy"] == pytest.approx(0.8585)
+    rows[1]["total_bits"] = rows[3]["total_bits"] = 43e6  # more bits: kept stays
+    assert p.dead_units_adopt(rows)["quick"] is False
+    assert "The cut wins for: none." in p.dead_units_markdown({"rule": p.DEAD_UNITS_RULE, "rows": rows,
+                                                                "summary": p.dead_units_summary(rows),
+                                                                "adopt": p.dead_units_adopt(rows)})
 
 
 def test_the_presets_warmup_rule_by_hand():
