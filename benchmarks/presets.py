@@ -11,8 +11,9 @@ thread a run so that two run side by side):
 Apart (``--stage``): ``alone``, the main job timed on an idle machine; ``models``, ``recommended`` against the
 library's defaults on three models; ``candidates``, ``recommended``'s transmission chosen on a validation split;
 ``warmup``, ``quick``, ``recommended`` and the defaults at a constant and a rising learning rate, on a validation
-split; ``dead_units``, ``quick`` and ``recommended`` with ``dead_units`` kept and cut, seeds 0-2, on a validation
-split.
+split; ``dead_units`` and ``sampling`` (:data:`STUDIES`), an option against the value the library held (``dead_units``
+kept and cut on ``quick`` and ``recommended``; ``sampling`` local and detached on ``quick`` and the defaults), seeds
+0-2, on a validation split.
 
 Goal: ``recommended`` within 1 point of the main job's accuracy with at most 0.3x the bits of the main job under the
 paper's protocol. Writes ``benchmarks/results/presets.{json,md}`` and copies the main job's figures to
@@ -30,6 +31,7 @@ import platform
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -127,10 +129,12 @@ def markdown(res: dict[str, Any]) -> str:
     if w:
         out += ["", "A rising learning rate on the main job's protocol, with 10% of the training images held out "
                     "(alexnet-small):", "", warmup_markdown(w).rstrip()]
-    d = res.get("dead_units")
-    if d:
-        out += ["", '`dead_units = "cut"` on the main job\'s protocol, with 10% of the training images held out '
-                    "(alexnet-small, seeds 0, 1, 2):", "", dead_units_markdown(d).rstrip()]
+    for name in STUDIES:
+        d = res.get(name)
+        if d:
+            held, alt = STUDIES[name].values
+            out += ["", f'`{name} = "{alt}"` against `"{held}"` on the main job\'s protocol, with 10% of the training '
+                        "images held out (alexnet-small, seeds 0, 1, 2):", "", study_markdown(d).rstrip()]
     a = res.get("main_job_alone")
     if a:
         out += ["", f"The main job alone (`dturbo run --preset quick`, {a['threads']} cores, nothing else running): "
@@ -215,11 +219,34 @@ WARMUP: dict[str, dict[str, Any]] = {"constant": {"train.lr_warmup_rounds": 0},
 WARMUP_RULE = ("a preset (or the defaults) takes the rising rate when its run's round 1 validation accuracy is at "
                "least 15% (5 points above chance) and its final validation accuracy at most 0.2 points below the "
                "constant rate's")
-# dead_units = "cut" against "kept" on the presets the main job's protocol runs; seeds 0-2
-DEAD_UNITS: dict[str, dict[str, Any]] = {"kept": {"dturbo.dead_units": "kept"}, "cut": {"dturbo.dead_units": "cut"}}
-DEAD_UNITS_SEEDS = (0, 1, 2)
-DEAD_UNITS_RULE = ('a preset takes dead_units = "cut" when, over seeds 0, 1 and 2, its mean final validation accuracy '
-                   'is at most 0.2 points below "kept"\'s and its mean total bits are fewer')
+@dataclass(frozen=True)
+class Study:
+    """One option against the value the library held before it, on presets of the main job's protocol (alexnet-small,
+    10% of the training images held out, seeds 0-2). ``values``: the held value first, then the alternative;
+    ``axis``: a row key the alternative must also lower (None: it is cheaper by construction, e.g. in time)."""
+
+    option: str
+    values: tuple[str, str]
+    presets: tuple[str, ...]
+    axis: str | None
+
+    @property
+    def candidates(self) -> dict[str, dict[str, Any]]:
+        return {v: {self.option: v} for v in self.values}
+
+    @property
+    def rule(self) -> str:
+        held, alt = self.values
+        also = f" and its mean {self.axis.replace('_', ' ')} are fewer" if self.axis else ""
+        return (f'a preset takes {self.option.split(".")[-1]} = "{alt}" when, over seeds '
+                f'{", ".join(map(str, STUDY_SEEDS))}, its mean final validation accuracy is at most 0.2 points below '
+                f'"{held}"\'s{also}')
+
+
+STUDY_SEEDS = (0, 1, 2)
+STUDIES = {"dead_units": Study("dturbo.dead_units", ("kept", "cut"), ("quick", "recommended"), "total_bits"),
+           "sampling": Study("dturbo.sampling", ("local", "detached"), ("quick", "defaults"), None)}
+STUDY_CANDIDATES = {v: c for st in STUDIES.values() for v, c in st.candidates.items()}
 RULE = ("among the candidates whose final validation accuracy is at most 1 point below the defaults' and whose bits "
         "are at most the defaults', the most accurate on validation; when none, the fewest bits among those within 1 "
         "point; when none, the most accurate on validation")
@@ -249,7 +276,7 @@ def run_model(model: str, preset: str, device: str, work: str, candidate: str | 
     tag = f"{model}_{preset}" + (f"_{candidate}" if candidate else "") + (f"_s{seed}" if seed else "")
     out = Path(work) / tag
     cache = out.parent / f"{tag}.json"
-    extra = (CANDIDATES | WARMUP | DEAD_UNITS)[candidate] | {"data.validation": 0.1} if candidate else {}
+    extra = (CANDIDATES | WARMUP | STUDY_CANDIDATES)[candidate] | {"data.validation": 0.1} if candidate else {}
     extra |= {"experiment.seed": seed} if seed else {}
     cfg = model_config(model, preset, device, extra)
     if cache.exists():  # reused only for the same config, every key as written
@@ -320,39 +347,42 @@ def warmup_rows(work: Path, jobs: int, device: str, seeds: tuple[int, ...] = ())
     return {"rule": WARMUP_RULE, "rows": rows, "adopt": warmup_adopt(rows), "more_seeds": more}
 
 
-def dead_units_rows(work: Path, jobs: int, device: str) -> dict[str, Any]:
-    """``quick`` and ``recommended`` under each of :data:`DEAD_UNITS`, on alexnet-small with a validation split,
-    seeds :data:`DEAD_UNITS_SEEDS`; which takes the cut, by :data:`DEAD_UNITS_RULE` (validation accuracy and bits)."""
-    rows = pool_rows(jobs, [("alexnet-small", p, device, str(work), c, s) for p in ("quick", "recommended")
-                            for s in DEAD_UNITS_SEEDS for c in DEAD_UNITS])
-    return {"rule": DEAD_UNITS_RULE, "rows": rows, "summary": dead_units_summary(rows),
-            "adopt": dead_units_adopt(rows)}
+def study_rows(name: str, work: Path, jobs: int, device: str) -> dict[str, Any]:
+    """Study ``name`` of :data:`STUDIES`: its presets under each value, on alexnet-small with a validation split,
+    seeds :data:`STUDY_SEEDS`; which take the alternative, by its rule (validation accuracy, and its axis)."""
+    st = STUDIES[name]
+    rows = pool_rows(jobs, [("alexnet-small", p, device, str(work), v, s) for p in st.presets
+                            for s in STUDY_SEEDS for v in st.values])
+    return {"option": st.option, "rule": st.rule, "rows": rows, "summary": study_summary(st, rows),
+            "adopt": study_adopt(st, rows)}
 
 
-def dead_units_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per preset and ``dead_units``: the seeds' means of the final accuracies, density and total bits."""
+def study_summary(st: Study, rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per preset and value: the seeds' means of the final accuracies, density and total bits."""
     keys = ("final_val_accuracy", "final_accuracy", "density", "total_bits")
-    return {p: {c: {k: float(np.mean([r[k] for r in rows if r["preset"] == p and r["candidate"] == c])) for k in keys}
-                for c in DEAD_UNITS} for p in dict.fromkeys(r["preset"] for r in rows)}
+    return {p: {v: {k: float(np.mean([r[k] for r in rows if r["preset"] == p and r["candidate"] == v])) for k in keys}
+                for v in st.values} for p in dict.fromkeys(r["preset"] for r in rows)}
 
 
-def dead_units_adopt(rows: list[dict[str, Any]]) -> dict[str, bool]:
-    """:data:`DEAD_UNITS_RULE` on the rows of :func:`dead_units_rows`: whether each preset takes the cut."""
-    return {p: v["cut"]["final_val_accuracy"] >= v["kept"]["final_val_accuracy"] - 0.002
-            and v["cut"]["total_bits"] < v["kept"]["total_bits"] for p, v in dead_units_summary(rows).items()}
+def study_adopt(st: Study, rows: list[dict[str, Any]]) -> dict[str, bool]:
+    """The study's rule on the rows of :func:`study_rows`: whether each preset takes the alternative."""
+    held, alt = st.values
+    return {p: v[alt]["final_val_accuracy"] >= v[held]["final_val_accuracy"] - 0.002
+            and (st.axis is None or v[alt][st.axis] < v[held][st.axis]) for p, v in study_summary(st, rows).items()}
 
 
-def dead_units_markdown(d: dict[str, Any]) -> str:
-    out = ["| preset | dead_units | mean final validation accuracy | mean final test accuracy | mean nonzero | mean "
+def study_markdown(d: dict[str, Any]) -> str:
+    key = d["option"].split(".")[-1]
+    out = [f"| preset | {key} | mean final validation accuracy | mean final test accuracy | mean nonzero | mean "
            "bits up + down (Mbit) | by seed (validation) |", "|---|---|---|---|---|---|---|"]
     for p, by in d["summary"].items():
-        for c, v in by.items():
+        for v, m in by.items():
             seeds = ", ".join(f"{100 * r['final_val_accuracy']:.2f}%" for r in sorted(
-                (r for r in d["rows"] if r["preset"] == p and r["candidate"] == c), key=lambda r: r["seed"]))
-            out.append(f"| {p} | {c} | {100 * v['final_val_accuracy']:.2f}% | {100 * v['final_accuracy']:.2f}% | "
-                       f"{100 * v['density']:.1f}% | {v['total_bits'] / 1e6:.1f} | {seeds} |")
+                (r for r in d["rows"] if r["preset"] == p and r["candidate"] == v), key=lambda r: r["seed"]))
+            out.append(f"| {p} | {v} | {100 * m['final_val_accuracy']:.2f}% | {100 * m['final_accuracy']:.2f}% | "
+                       f"{100 * m['density']:.1f}% | {m['total_bits'] / 1e6:.1f} | {seeds} |")
     taken = [p for p, a in d["adopt"].items() if a]
-    return "\n".join(out) + f"\n\nRule: {d['rule']}. The cut wins for: {', '.join(taken) or 'none'}.\n"
+    return "\n".join(out) + f"\n\nRule: {d['rule']}. Taken by: {', '.join(taken) or 'none'}.\n"
 
 
 def warmup_adopt(rows: list[dict[str, Any]]) -> dict[str, bool]:
@@ -404,13 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=HERE.parent / "runs" / "presets")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--stage", choices=("all", "runs", "alone", "models", "candidates", "warmup", "dead_units"),
+    ap.add_argument("--stage", choices=("all", "runs", "alone", "models", "candidates", "warmup", *STUDIES),
                     default="all", help=(
         "runs: the presets side by side; alone: the main job timed with nothing else running (run it on an idle "
         "machine); models: `recommended` against the library's defaults on alexnet-small, ResNet-8 and "
         "MobileNetV1 (both with BatchNorm); candidates: `recommended`'s candidates on a validation split; warmup: "
-        "quick, recommended and the defaults with a rising learning rate, on a validation split; dead_units: quick and "
-        "recommended with dead_units kept and cut, 3 seeds, on a validation split"))
+        "quick, recommended and the defaults with a rising learning rate, on a validation split; dead_units, sampling: "
+        "an option against the value the library held, 3 seeds, on a validation split (STUDIES)"))
     ap.add_argument("--device", default="cpu", help="models, candidates: where they train (cpu, cuda)")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models: which to train")
     ap.add_argument("--seeds", nargs="*", type=int, default=[], help="warmup: more seeds of quick and the defaults, "
@@ -418,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.stage == "candidates":
         return update_results(candidates=candidate_rows(args.runs / "candidates", args.jobs, args.device))
-    if args.stage == "dead_units":
-        return update_results(dead_units=dead_units_rows(args.runs / "dead_units", args.jobs, args.device))
+    if args.stage in STUDIES:
+        return update_results(**{args.stage: study_rows(args.stage, args.runs / args.stage, args.jobs, args.device)})
     if args.stage == "warmup":
         return update_results(warmup=warmup_rows(args.runs / "warmup", args.jobs, args.device, tuple(args.seeds)))
     if args.stage == "models":
@@ -445,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
            "machine": {"platform": platform.platform(), "python": platform.python_version()},
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     # measured apart (--stage alone, --stage models)
-    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round", "models", "candidates", "warmup", "dead_units")
+    res |= {k: old[k] for k in ("main_job_alone", "seconds_per_round", "models", "candidates", "warmup", *STUDIES)
             if k in old}
     (RESULTS / "presets.json").write_text(json.dumps(res, indent=1) + "\n")
     (RESULTS / "presets.md").write_text(markdown(res))

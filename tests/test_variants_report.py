@@ -44,10 +44,12 @@ def test_a_variant_is_judged_against_its_own_reference():
     assert v.recommend(v.summarize(chosen + cut, 3)) == {}  # without its reference's runs it is not judged
 
 
-def test_the_presets_dead_units_rule_by_hand():
-    """presets.py --stage dead_units: a preset takes the cut when its mean final validation accuracy over the seeds
-    is at most 0.2 points below kept's and its mean total bits are fewer."""
+def test_the_presets_option_studies_rules_by_hand():
+    """presets.py --stage dead_units / sampling: a preset takes the alternative when its mean final validation
+    accuracy over the seeds is at most 0.2 points below the held value's and, for dead_units, its mean total bits are
+    fewer."""
     p = load_benchmark("presets")
+    cut, detached = p.STUDIES["dead_units"], p.STUDIES["sampling"]
 
     def row(preset: str, candidate: str, seed: int, val: float, bits: float) -> dict:
         return {"preset": preset, "candidate": candidate, "seed": seed, "final_val_accuracy": val,
@@ -57,13 +59,18 @@ def test_the_presets_dead_units_rule_by_hand():
             row("quick", "kept", 1, 0.866, 42e6), row("quick", "cut", 1, 0.865, 41e6),  # 0.15 below on the mean
             row("recommended", "kept", 0, 0.860, 23e6), row("recommended", "cut", 0, 0.864, 15e6),
             row("recommended", "kept", 1, 0.862, 23e6), row("recommended", "cut", 1, 0.853, 15e6)]  # 0.25 below
-    assert p.dead_units_adopt(rows) == {"quick": True, "recommended": False}
-    assert p.dead_units_summary(rows)["recommended"]["cut"]["final_val_accuracy"] == pytest.approx(0.8585)
+    assert p.study_adopt(cut, rows) == {"quick": True, "recommended": False}
+    assert p.study_summary(cut, rows)["recommended"]["cut"]["final_val_accuracy"] == pytest.approx(0.8585)
     rows[1]["total_bits"] = rows[3]["total_bits"] = 43e6  # more bits: kept stays
-    assert p.dead_units_adopt(rows)["quick"] is False
-    assert "The cut wins for: none." in p.dead_units_markdown({"rule": p.DEAD_UNITS_RULE, "rows": rows,
-                                                                "summary": p.dead_units_summary(rows),
-                                                                "adopt": p.dead_units_adopt(rows)})
+    assert p.study_adopt(cut, rows)["quick"] is False
+    d = {"option": cut.option, "rule": cut.rule, "rows": rows, "summary": p.study_summary(cut, rows),
+         "adopt": p.study_adopt(cut, rows)}
+    assert "Taken by: none." in p.study_markdown(d) and "total bits are fewer" in cut.rule
+    # sampling has no axis (detached is cheaper in time by construction): validation accuracy alone decides
+    rows = [row("quick", "local", 0, 0.870, 42e6), row("quick", "detached", 0, 0.867, 42e6),  # 0.3 below
+            row("defaults", "local", 0, 0.860, 40e6), row("defaults", "detached", 0, 0.859, 40e6)]
+    assert p.study_adopt(detached, rows) == {"quick": False, "defaults": True}
+    assert "fewer" not in detached.rule
 
 
 def test_the_presets_warmup_rule_by_hand():
