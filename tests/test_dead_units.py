@@ -143,3 +143,18 @@ def test_models_whose_graph_cannot_be_captured_are_refused_by_name():
     with pytest.raises(ConfigError, match="dead_units = 'cut' needs the model's graph: cannot capture the graph of "
                                           "Branchy with torch.fx"):
         DeadUnits(model, infos)
+
+
+def test_no_link_across_a_residual_addition_a_concatenation_or_a_grouped_convolution():
+    """A unit that feeds an addition or a concatenation (or a depthwise filter) is not a channel of one next layer:
+    the cut leaves those layers alone and links only the chains (BatchNorm between is folded, as export does)."""
+    from test_export_model import DepthwiseCat, ResCNN
+
+    found = {}
+    for cls, shape in ((ResCNN, (1, 8, 8)), (DepthwiseCat, (3, 8, 8))):
+        model = dturbo.bayesianize(cls())
+        model.input_shape = shape
+        infos = layer_infos(model, CFG)
+        found[cls.__name__] = [(infos[p].name, infos[c].name, u) for p, c, u in DeadUnits(model, infos).links]
+    assert found == {"ResCNN": [("conv1", "conv2", 8), ("fc1", "fc2", 32)],
+                     "DepthwiseCat": [("head.0", "head.2", 10)]}
