@@ -1,8 +1,8 @@
 """``[dturbo] dead_units = "cut"`` (dturbo.algorithms.dturbo.units): the weights joined to a unit that carries
 nothing leave the support. The cut against an independent computation (a unit-by-unit loop to the fixed point) and
 against export's compaction (which finds nothing left to remove on a cut model), on the built-in networks; a run
-with the cut against one without (fewer values sent, no weight reading an empty unit) and its resume; models whose
-graph cannot be captured are refused by name."""
+with the cut against one without (fewer values sent, no weight reading an empty unit) and its resume; a model whose
+graph cannot be captured keeps every weight, with a warning that says why."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import dturbo
 from dturbo import export as ex
 from dturbo.algorithms.dturbo.layers import layer_infos
 from dturbo.algorithms.dturbo.units import DeadUnits
-from dturbo.config import ConfigError
 from dturbo.nn.bayes import bayesian_layers
 from dturbo.nn.models import build_model
 from dturbo.settings import parse_config
@@ -125,7 +124,7 @@ def test_a_cut_run_sends_fewer_values_keeps_no_weight_of_an_empty_unit_and_resum
         assert not np.any(w[f"{cons}.weight_mu"][:, empty])
 
 
-def test_models_whose_graph_cannot_be_captured_are_refused_by_name():
+def test_a_model_whose_graph_cannot_be_captured_keeps_every_weight_and_says_why():
     class Branchy(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -137,12 +136,15 @@ def test_models_whose_graph_cannot_be_captured_are_refused_by_name():
 
     model = dturbo.bayesianize(Branchy())
     infos = layer_infos(model, CFG)
-    with pytest.raises(ConfigError, match="dead_units = 'cut' needs the model's input shape"):
-        DeadUnits(model, infos)
+    with pytest.warns(UserWarning, match=r"dead_units = 'cut' cuts nothing: it needs the model's graph \(the model "
+                                         r"has no input_shape"):
+        assert DeadUnits(model, infos).links == []
     model.input_shape = (4,)
-    with pytest.raises(ConfigError, match="dead_units = 'cut' needs the model's graph: cannot capture the graph of "
-                                          "Branchy with torch.fx"):
-        DeadUnits(model, infos)
+    with pytest.warns(UserWarning, match=r"cuts nothing: it needs the model's graph \(cannot capture the graph of "
+                                         r"Branchy with torch.fx"):
+        dead = DeadUnits(model, infos)
+    mus = [np.zeros((6, 4)), np.ones((2, 6))]
+    assert all(np.array_equal(a, b) for a, b in zip(dead.cut(mus), mus, strict=True))  # nothing is cut
 
 
 def test_no_link_across_a_residual_addition_a_concatenation_or_a_grouped_convolution():

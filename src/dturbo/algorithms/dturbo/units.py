@@ -6,19 +6,20 @@ it); the next layer's weights that read it add that constant and nothing else, a
 weight cost every message that carries the support. With the option they leave S when the server decides it
 (docs/algorithm.md §7.5), on the links export compacts (:func:`dturbo.export.graph.unit_links`: a layer feeding
 exactly one next layer through channel-wise ops), until no link changes: a cut may empty a unit, whose links are cut
-in turn. The calibration of the density (docs/sparsity.md §2) counts the support before the cut, so a layer's rows
-are chosen as without it and the model ends below ``target_density`` by the weights cut.
+in turn. A model whose graph torch.fx cannot capture keeps every weight, with a warning. The calibration of the
+density (docs/sparsity.md §2) counts the support before the cut, so a layer's rows are chosen as without it and the
+model ends below ``target_density`` by the weights cut.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from ...config import ConfigError
 from .turbo import LayerInfo
 
 
@@ -33,13 +34,15 @@ class DeadUnits:
         from ...export.graph import unit_links
 
         shape = getattr(model, "input_shape", None)
-        if shape is None:
-            raise ConfigError("dturbo.dead_units = 'cut' needs the model's input shape to capture its graph; the "
-                              "model has no input_shape (dturbo.nn.build_model records it)")
         try:
+            if shape is None:
+                raise ExportError("the model has no input_shape (dturbo.nn.build_model records it)")
             links = unit_links(model, torch.zeros(2, *shape))
         except ExportError as err:
-            raise ConfigError(f"dturbo.dead_units = 'cut' needs the model's graph: {err}") from None
+            # the cut saves bits; a model whose graph cannot be read trains as with "kept", and says so
+            warnings.warn(f"dturbo.dead_units = 'cut' cuts nothing: it needs the model's graph ({err})", UserWarning,
+                          stacklevel=2)
+            links = []
         index = {info.name: i for i, info in enumerate(layers)}
         self.links = [(index[p], index[c], units) for p, c, units in links if p in index and c in index
                       and layers[index[p]].grid[0] == units and layers[index[c]].grid[1] % units == 0]
