@@ -219,14 +219,22 @@ def run_runner(cfg: Config, fed: Federation, net: type[nn.Module], out: Path) ->
     return sim, sim.run()
 
 
+# D-Turbo-VBI with whole hidden units and dead_units = "cut" (a unit left without weights takes its head columns)
+CUT = {"dead_units": "cut", "prior": {"dense": {"tie_rows": True}},
+       "sparsity": {"target_density": 0.3, "warmup_rounds": 0, "ramp_rounds": 2}}
+
+
 @pytest.mark.parametrize(("algorithm", "net"), [("dturbo", TinyNet), ("stc", TinyNet), ("feddst", TinyNet),
-                                                ("fedavg", TinyNet), ("dturbo", BnNet)])
+                                                ("fedavg", TinyNet), ("dturbo", BnNet), ("dturbo_cut", TinyNet)])
 def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str, net: type[nn.Module]) -> None:
     """Same configuration, model, split and seed: the same bits every round and the same final model as
     ``Simulator`` (``dturbo run``). STC and FedDST keep client state: here every message meets a fresh client object
     (as a deployment's fresh ClientApp process), so the state travels in Context.state. With BatchNorm both
     calibrate its statistics (train messages carrying a ``calibrate`` message, answered by the same ``fit``)."""
-    cfg_dict = runner_config(algorithm)
+    cfg_dict = runner_config(algorithm.removesuffix("_cut"))
+    if algorithm.endswith("_cut"):
+        cfg_dict["dturbo"] = CUT
+    algorithm = algorithm.removesuffix("_cut")
     cfg = load_config(cfg_dict)
     fed = federation(cfg_dict)
     sim, rows = run_runner(cfg, fed, net, tmp_path / "runner")
@@ -247,7 +255,8 @@ def test_strategy_equals_the_runner(tmp_path: Path, algorithm: str, net: type[nn
         return reply
 
     grid = InProcessGrid(recording_app, CLIENTS, intercept=fresh_process)
-    strategy = dflower.DturboStrategy(net, algorithm=algorithm, config=cfg_dict, fraction_evaluate=0.0)
+    strategy = dflower.DturboStrategy(net, algorithm=algorithm, config=cfg_dict, fraction_evaluate=0.0,
+                                      input_shape=(12,))
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=cfg.experiment.rounds)
 
     assert strategy.session.total_samples == fed.total_samples

@@ -139,6 +139,8 @@ class DturboStrategy(Strategy):
         query_timeout: seconds the query for the sample counts waits for answers.
         checkpoint: a folder for the server's state after every round; a checkpoint there is continued from
             (module docstring). None: nothing is saved.
+        input_shape: one sample's shape, recorded on the model where it records none (as ``dturbo.bayesianize``
+            records it): what ``dead_units = "cut"`` and ``sparsity.budget = "flops"`` read the model's graph with.
         **settings: keys of the algorithm's config section (``[dturbo]``, ``[stc]``, ``[feddst]``).
 
     Raises :class:`dturbo.ConfigError` for an unknown key or a bad value, at once.
@@ -151,7 +153,8 @@ class DturboStrategy(Strategy):
                  weighted_by_key: str = protocol.NUM_EXAMPLES,
                  train_metrics_aggr_fn: MetricsAggregation | None = None,
                  evaluate_metrics_aggr_fn: MetricsAggregation | None = None, query_timeout: float = 120.0,
-                 checkpoint: str | Path | None = None, **settings: Any) -> None:
+                 checkpoint: str | Path | None = None, input_shape: Sequence[int] | None = None,
+                 **settings: Any) -> None:
         if algorithm not in (known := protocol.algorithms()):
             raise ValueError(f"algorithm {algorithm!r}: the strategy runs {', '.join(known)}")
         if not (isinstance(model, nn.Module) or callable(model)):
@@ -176,6 +179,7 @@ class DturboStrategy(Strategy):
         self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metricrecords
         self.query_timeout = query_timeout
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
+        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self.session: _Session | None = None
 
     # ----------------------------------------------------------------------------------- configuration
@@ -222,6 +226,8 @@ class DturboStrategy(Strategy):
             base.load_state_dict(sd)
             sd = None
         model = bayesian_model(base, cfg)
+        if self.input_shape is not None and getattr(model, "input_shape", None) is None:
+            model.input_shape = self.input_shape
         if sd is not None:
             if set(sd) != set(model.state_dict()):
                 raise ValueError("initial_arrays do not hold the strategy's model: pass "

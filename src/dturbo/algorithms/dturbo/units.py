@@ -36,7 +36,8 @@ class DeadUnits:
         shape = getattr(model, "input_shape", None)
         try:
             if shape is None:
-                raise ExportError("the model has no input_shape (dturbo.nn.build_model records it)")
+                raise ExportError("the model records no input_shape: dturbo.bayesianize(..., input_shape=...) or the "
+                                  "Flower strategy's input_shape records it")
             links = unit_links(model, torch.zeros(2, *shape))
         except ExportError as err:
             # the cut saves bits; a model whose graph cannot be read trains as with "kept", and says so
