@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -24,29 +25,34 @@ from .turbo import LayerInfo
 
 
 class DeadUnits:
-    """The links between the Bayesian layers ``layers`` of ``model`` (by index: producer, consumer, units), found
-    once from the model's graph."""
+    """The links between the Bayesian layers ``layers`` of ``model`` (by index: producer, consumer, units), read from
+    the model's graph when first needed (a server built only to check a configuration never traces it)."""
 
     def __init__(self, model: nn.Module, layers: Sequence[LayerInfo]) -> None:
+        self.model = model
+        self.layers = list(layers)
+
+    @cached_property
+    def links(self) -> list[tuple[int, int, int]]:
         # imported here: the export package's __init__ reads run directories, whose settings import the registry and
         # so this package
         from ...export.format import ExportError
         from ...export.graph import unit_links
 
-        shape = getattr(model, "input_shape", None)
+        shape = getattr(self.model, "input_shape", None)
         try:
-            if shape is None:
+            if not shape:
                 raise ExportError("the model records no input_shape: dturbo.bayesianize(..., input_shape=...) or the "
                                   "Flower strategy's input_shape records it")
-            links = unit_links(model, torch.zeros(2, *shape))
+            links = unit_links(self.model, torch.zeros(2, *shape))
         except ExportError as err:
             # the cut saves bits; a model whose graph cannot be read trains as with "kept", and says so
             warnings.warn(f"dturbo.dead_units = 'cut' cuts nothing: it needs the model's graph ({err})", UserWarning,
                           stacklevel=2)
             links = []
-        index = {info.name: i for i, info in enumerate(layers)}
-        self.links = [(index[p], index[c], units) for p, c, units in links if p in index and c in index
-                      and layers[index[p]].grid[0] == units and layers[index[c]].grid[1] % units == 0]
+        index = {info.name: i for i, info in enumerate(self.layers)}
+        return [(index[p], index[c], units) for p, c, units in links if p in index and c in index
+                and self.layers[index[p]].grid[0] == units and self.layers[index[c]].grid[1] % units == 0]
 
     def cut(self, mus: list[np.ndarray]) -> list[np.ndarray]:
         """The layers' mu_G (grids) with every weight of a unit that carries nothing set to 0, to a fixed point
