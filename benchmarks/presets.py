@@ -134,7 +134,8 @@ def markdown(res: dict[str, Any]) -> str:
         if d:
             held, alt = STUDIES[name].values
             out += ["", f'`{name} = "{alt}"` against `"{held}"` on the main job\'s protocol, with 10% of the training '
-                        "images held out (alexnet-small, seeds 0, 1, 2):", "", study_markdown(d).rstrip()]
+                        f"images held out (alexnet-small, seeds {', '.join(map(str, STUDY_SEEDS))}):", "",
+                    study_markdown(d).rstrip()]
     a = res.get("main_job_alone")
     if a:
         out += ["", f"The main job alone (`dturbo run --preset quick`, {a['threads']} cores, nothing else running): "
@@ -219,6 +220,11 @@ WARMUP: dict[str, dict[str, Any]] = {"constant": {"train.lr_warmup_rounds": 0},
 WARMUP_RULE = ("a preset (or the defaults) takes the rising rate when its run's round 1 validation accuracy is at "
                "least 15% (5 points above chance) and its final validation accuracy at most 0.2 points below the "
                "constant rate's")
+RULE = ("among the candidates whose final validation accuracy is at most 1 point below the defaults' and whose bits "
+        "are at most the defaults', the most accurate on validation; when none, the fewest bits among those within 1 "
+        "point; when none, the most accurate on validation")
+
+
 @dataclass(frozen=True)
 class Study:
     """One option against the value the library held before it, on presets of the main job's protocol (alexnet-small,
@@ -239,17 +245,15 @@ class Study:
         held, alt = self.values
         also = f" and its mean {self.axis.replace('_', ' ')} are fewer" if self.axis else ""
         return (f'a preset takes {self.option.split(".")[-1]} = "{alt}" when, over seeds '
-                f'{", ".join(map(str, STUDY_SEEDS))}, its mean final validation accuracy is at most 0.2 points below '
-                f'"{held}"\'s{also}')
+                f'{", ".join(map(str, STUDY_SEEDS))}, its mean final validation accuracy is at most '
+                f'{100 * STUDY_MARGIN:.1f} points below "{held}"\'s{also}')
 
 
 STUDY_SEEDS = (0, 1, 2)
+STUDY_MARGIN = 0.002  # in accuracy: 0.2 points
 STUDIES = {"dead_units": Study("dturbo.dead_units", ("kept", "cut"), ("quick", "recommended"), "total_bits"),
            "sampling": Study("dturbo.sampling", ("local", "detached"), ("quick", "defaults"), None)}
 STUDY_CANDIDATES = {v: c for st in STUDIES.values() for v, c in st.candidates.items()}
-RULE = ("among the candidates whose final validation accuracy is at most 1 point below the defaults' and whose bits "
-        "are at most the defaults', the most accurate on validation; when none, the fewest bits among those within 1 "
-        "point; when none, the most accurate on validation")
 
 
 def model_config(model: str, preset: str, device: str, extra: dict[str, Any] | None = None) -> Any:
@@ -367,7 +371,7 @@ def study_summary(st: Study, rows: list[dict[str, Any]]) -> dict[str, dict[str, 
 def study_adopt(st: Study, rows: list[dict[str, Any]]) -> dict[str, bool]:
     """The study's rule on the rows of :func:`study_rows`: whether each preset takes the alternative."""
     held, alt = st.values
-    return {p: v[alt]["final_val_accuracy"] >= v[held]["final_val_accuracy"] - 0.002
+    return {p: v[alt]["final_val_accuracy"] >= v[held]["final_val_accuracy"] - STUDY_MARGIN
             and (st.axis is None or v[alt][st.axis] < v[held][st.axis]) for p, v in study_summary(st, rows).items()}
 
 

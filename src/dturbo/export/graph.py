@@ -363,9 +363,7 @@ def export_model(
         raise ExportError(f"export_model takes a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 2:
         raise ExportError("example_input must be a batch tensor (N, *sample_shape)")
-    x = example_input.detach().to("cpu")
-    if x.is_floating_point():  # ids (an embedding's input) stay integers
-        x = x.float()
+    x = _as_input(example_input)
     capture, expected = _capture(model, x)
     nodes, output = fold_batch_norms(capture.nodes, capture.output)
     params = [n.op for n in nodes if n.op is not None]
@@ -384,6 +382,12 @@ def export_model(
     if out_dir is not None:
         exported.save(out_dir)
     return exported
+
+
+def _as_input(example_input: torch.Tensor) -> torch.Tensor:
+    """The example batch on the CPU, in float32; ids (an embedding's input) stay integers."""
+    x = example_input.detach().to("cpu")
+    return x.float() if x.is_floating_point() else x
 
 
 def _capture(model: nn.Module, x: torch.Tensor) -> tuple[_Capture, Any]:
@@ -420,9 +424,7 @@ def unit_links(model: nn.Module, example_input: torch.Tensor) -> list[tuple[str,
     into exactly one next conv / linear layer, ``units`` output units of the producer being the consumer's input
     units (each a run of ``in_features // units`` consecutive inputs of the consumer: a channel's positions after
     a flatten). Raises ExportError where :func:`export_model` would not capture the graph."""
-    x = example_input.detach().to("cpu")
-    if x.is_floating_point():
-        x = x.float()
+    x = _as_input(example_input)
     capture, _ = _capture(model, x)
     nodes, output = fold_batch_norms(capture.nodes, capture.output)
     paths = {n.name: str(n.target) for n in capture.gm.graph.nodes if n.op == "call_module"}
