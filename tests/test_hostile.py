@@ -472,6 +472,32 @@ def test_uploads_that_point_away_from_the_rounds_median_update_are_left_out_befo
     assert aligned(np.zeros((4, 3)), 0.0).all()
 
 
+def test_sparse_updates_are_screened_against_the_rounds_mean_update():
+    """Ternary updates on a tenth of the coordinates each (STC's): their coordinate-wise median is 0, so the screen
+    against it refuses nothing, while against the mean (cosine_to = "mean") the 3 reversed ones go and the 7 honest
+    stay; the cosines equal those computed apart."""
+    rng = np.random.default_rng(5)
+    n = 400
+    direction = np.sign(rng.normal(size=n))
+    honest = []
+    for _ in range(7):
+        keep = rng.choice(n, n // 10, replace=False)
+        u = np.zeros(n)
+        u[keep] = direction[keep]
+        honest.append(u)
+    hostile = [-h for h in honest[:3]]
+    rows = hostile + honest
+    by_median = RobustAggregation(RobustConfig(rule="centered_clip", min_cosine=0.0))
+    by_mean = RobustAggregation(RobustConfig(rule="centered_clip", min_cosine=0.0, cosine_to="mean"))
+    assert not np.median(np.stack(rows), axis=0).any() and by_median.screen(rows) == {}
+    screened = by_mean.screen(rows)
+    assert sorted(screened) == [0, 1, 2] and all("round's mean update" in why for why in screened.values())
+    steps = np.stack(rows)
+    centre = steps.mean(axis=0)
+    cosine = steps @ centre / (np.linalg.norm(steps, axis=1) * np.linalg.norm(centre))
+    np.testing.assert_array_equal(aligned(steps, 0.0, "mean"), cosine >= 0)
+
+
 def test_uploads_far_longer_than_the_rounds_median_update_are_left_out_before_clipping():
     """3 updates stretched a thousandfold (a sign flip scaled to the value bound) among 7 honest ones of similar
     lengths: refuse_median = 10 leaves the 3 out, so median clipping and the trimmed mean see the honest rows alone

@@ -199,19 +199,19 @@ def ordinary(step: np.ndarray, ratio: float) -> np.ndarray:
     return norms <= ratio * median if median > 0 else np.ones(step.shape[0], dtype=bool)
 
 
-def cosines(step: np.ndarray) -> np.ndarray:
-    """Each row's cosine with the coordinate-wise median of the rows (1 where the median or the row is zero: no
-    direction to compare)."""
-    centre = np.median(step, axis=0)
+def cosines(step: np.ndarray, to: str = "median") -> np.ndarray:
+    """Each row's cosine with the coordinate-wise median of the rows, or (``to = "mean"``) their mean (1 where that
+    centre or the row is zero: no direction to compare)."""
+    centre = np.median(step, axis=0) if to == "median" else step.mean(axis=0)
     norms = lengths(step) * float(np.sqrt(centre @ centre))
     return np.divide(step @ centre, norms, out=np.ones(step.shape[0]), where=norms > 0)
 
 
-def aligned(step: np.ndarray, min_cosine: float) -> np.ndarray:
-    """Which rows of ``step`` (one update each) have a cosine of at least ``min_cosine`` with the coordinate-wise
-    median update (:func:`cosines`): an attacker's reversed update points away from it while an honest majority
+def aligned(step: np.ndarray, min_cosine: float, to: str = "median") -> np.ndarray:
+    """Which rows of ``step`` (one update each) have a cosine of at least ``min_cosine`` with the round's median (or
+    mean) update (:func:`cosines`): an attacker's reversed update points away from it while an honest majority
     holds it. Every row is kept when none would be."""
-    return _some(cosines(step) >= min_cosine)
+    return _some(cosines(step, to) >= min_cosine)
 
 
 def _some(kept: np.ndarray) -> np.ndarray:
@@ -230,6 +230,7 @@ class RobustAggregation:
         self.clip_norm = cfg.clip_norm
         self.clip_median = cfg.clip_median
         self.min_cosine = cfg.min_cosine
+        self.cosine_to = cfg.cosine_to
         self.refuse_median = cfg.refuse_median
 
     @property
@@ -260,10 +261,10 @@ class RobustAggregation:
                             f"robust.refuse_median = {self.refuse_median:g})" for k in np.flatnonzero(~kept)}
             left = left[kept]
         if self.min_cosine is not None and left.size:
-            cos = cosines(self._clip(x[left], ref) - ref)
+            cos = cosines(self._clip(x[left], ref) - ref, self.cosine_to)
             kept = _some(cos >= self.min_cosine)
-            out |= {int(left[k]): f"its update has a cosine of {cos[k]:.3f} with the round's median update (at least "
-                                  f"robust.min_cosine = {self.min_cosine:g})" for k in np.flatnonzero(~kept)}
+            out |= {int(left[k]): f"its update has a cosine of {cos[k]:.3f} with the round's {self.cosine_to} update "
+                                  f"(at least robust.min_cosine = {self.min_cosine:g})" for k in np.flatnonzero(~kept)}
         return dict(sorted(out.items()))
 
     def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None,
