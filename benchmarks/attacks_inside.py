@@ -82,15 +82,21 @@ SCREENED = {"dturbo": "rule_screen_refuse", "fedavg": "rule_screen_refuse", "fed
             "dssm": "rule_screen_refuse", "stc": "rule_screen_refuse", "fedpm": "rule", "feddst": "rule_screen_refuse"}
 FIRST = {m: r | SCREENS[SCREENED[m]] for m, r in RULES.items()}
 # A second round (--stage second, robust_second.md), fixed before its runs, on the same seven validation runs: each
-# method's rule of the first round against one candidate. A sparse update (STC's ternary one) has a coordinate-wise
-# median of 0 nearly everywhere, so the cosine screen compares with the round's mean update instead (clipped as the
-# rule clips; an attacker minority cannot turn it); FedPM's masks are screened by their likelihood under theta_G
-# whenever a rule is set, so its candidate is the plain mean of the masks that pass (krum also drops honest masks).
-# Each method takes the candidate of higher mean validation accuracy; a tie keeps the first round's.
-SECOND = {m: {"robust.rule": "mean", "robust.refuse_median": 10.0} if m == "fedpm"
-          else r | {"robust.cosine_to": "mean"} for m, r in FIRST.items()}
+# method's rule of the first round against its candidates here. A sparse update (STC's ternary one) has a
+# coordinate-wise median of 0 nearly everywhere, so the cosine screen compares with the round's mean update instead
+# (clipped as the rule clips; an attacker minority cannot turn it), refusing what points away from it (0) or what
+# follows it less than honest updates do (0.3); FedPAQ's candidates start from centered clipping, since the screens
+# now stop the sign flip it lost to under centered clipping in the first round, while the identical uploads of
+# colluding ALIE attackers are what Krum selects; FedPM's masks are screened by their likelihood under theta_G
+# whenever a rule is set, so its candidate is the plain mean of the masks that pass (Krum also drops honest masks).
+# Each method takes its candidate of highest mean validation accuracy; a tie keeps the earlier.
+MEAN_SCREEN = {"robust.min_cosine": 0.0, "robust.cosine_to": "mean", "robust.refuse_median": 10.0}
+SECOND = {m: {"mean_masks": {"robust.rule": "mean", "robust.refuse_median": 10.0}} if m == "fedpm" else
+          {"rule_mean": (CENTERED if m == "fedpaq" else r) | MEAN_SCREEN,
+           "rule_mean03": (CENTERED if m == "fedpaq" else r) | MEAN_SCREEN | {"robust.min_cosine": 0.3}}
+          for m, r in RULES.items()}
 SECOND_CHOSEN = {m: "first" for m in FIRST}
-RECOMMENDED = {m: SECOND[m] if SECOND_CHOSEN[m] == "second" else r for m, r in FIRST.items()}
+RECOMMENDED = {m: r if SECOND_CHOSEN[m] == "first" else SECOND[m][SECOND_CHOSEN[m]] for m, r in FIRST.items()}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
 ATTACKERS = (1, 3)
@@ -172,8 +178,10 @@ def rule_of(job: dict[str, Any]) -> dict[str, Any]:
         return {}
     if cand in SCREENS:
         return RULES[job["method"]] | SCREENS[cand]
-    if cand in ("first", "second"):
-        return (FIRST if cand == "first" else SECOND)[job["method"]]
+    if cand == "first":
+        return FIRST[job["method"]]
+    if cand in SECOND[job["method"]]:
+        return SECOND[job["method"]][cand]
     return CANDIDATES[cand]
 
 
@@ -600,40 +608,48 @@ def screen_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def second_jobs(rounds: int) -> list[dict[str, Any]]:
+    return [{"runner": "simulator", "model": model, "method": m, "attack": a, "attackers": k, "candidate": c,
+             "rounds": rounds} for m in CANDIDATE_METHODS for c in ("first", *SECOND[m])
+            for model, a, k in CANDIDATE_RUNS]
+
+
 def second_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
-    """Per method, the mean validation accuracy of its seven runs under its first round's rule and under its second
-    round's candidate (:data:`SECOND`); the higher is chosen (a tie: the first)."""
+    """Per method, the mean validation accuracy of its seven runs under its first round's rule and under each of its
+    second round's candidates (:data:`SECOND`); the highest is chosen (a tie: the earlier)."""
     def mean(m: str, cand: str) -> float | None:
         vals = [r["val_accuracy"] for r in results if r["method"] == m and r["candidate"] == cand]
         return float(sum(vals) / len(vals)) if len(vals) == len(CANDIDATE_RUNS) and None not in vals else None
 
-    table = {m: {c: mean(m, c) for c in ("first", "second")} for m in CANDIDATE_METHODS}
-    runs = {f"{r['model']}/{r['method']}/{r['attack']}/{r['attackers']}": {} for r in results}
+    table = {m: {c: mean(m, c) for c in ("first", *SECOND[m])} for m in CANDIDATE_METHODS}
+    runs: dict[str, dict[str, float]] = {}
     for r in results:
-        runs[f"{r['model']}/{r['method']}/{r['attack']}/{r['attackers']}"][r["candidate"]] = r["val_accuracy"]
-    chosen = {m: "second" if v["second"] > v["first"] else "first" for m, v in table.items() if None not in v.values()}
-    return {"what": "each method's rule of the first round against its second round's candidate, 3 attackers of 10, "
+        runs.setdefault(f"{r['model']}/{r['method']}/{r['attack']}/{r['attackers']}", {})[r["candidate"]] = \
+            r["val_accuracy"]
+    chosen = {m: max(v, key=lambda c, v=v: (round(v[c], 6), -list(v).index(c)))
+              for m, v in table.items() if None not in v.values()}
+    return {"what": "each method's rule of the first round against its second round's candidates, 3 attackers of 10, "
                     "on the validation split (10% of the 3000 training images held out)", "rounds": rounds,
             "first": FIRST, "second": SECOND, "results": table, "runs": dict(sorted(runs.items())), "chosen": chosen,
             "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def second_markdown(res: dict[str, Any]) -> str:
+    names = {"first": "first round's rule", "rule_mean": "screened against the mean update",
+             "rule_mean03": "the same, cosine at least 0.3", "mean_masks": "the plain mean of the screened masks"}
     lines = [f"# Robust rules, second round: validation accuracy ({res['rounds']} rounds)", "",
              "Written by `benchmarks/attacks_inside.py --stage second`: the mean final validation accuracy of a "
-             "method's seven runs (as robust_candidates.md) under its rule of the first round and under its second "
-             "round's candidate: the cosine screen against the round's mean update (FedPM: the plain mean of the "
-             "masks its likelihood screen passes). The chosen in bold.", "",
-             "| method | first round's rule | second round's candidate |", "|---|---|---|"]
+             "method's seven runs (as robust_candidates.md) under its rule of the first round and under each of its "
+             "second round's candidates (the rules in robust_second.json). The chosen in bold.", "",
+             "| method | candidate | mean validation accuracy |", "|---|---|---|"]
     for m, v in res["results"].items():
-        cells = ["-" if v[c] is None else f"{100 * v[c]:.1f}" for c in ("first", "second")]
-        if m in res["chosen"]:
-            i = ("first", "second").index(res["chosen"][m])
-            cells[i] = f"**{cells[i]}**"
-        lines.append(f"| {m} | {' | '.join(cells)} |")
-    lines += ["", "Each run's final validation accuracy (%):", "", "| run | first | second |", "|---|---|---|"]
-    lines += [f"| {k} | " + " | ".join("-" if v.get(c) is None else f"{100 * v[c]:.1f}" for c in ("first", "second"))
-              + " |" for k, v in res["runs"].items()]
+        for c, acc in v.items():
+            cell = "-" if acc is None else f"{100 * acc:.1f}"
+            lines.append(f"| {m} | {names[c]} | {f'**{cell}**' if res['chosen'].get(m) == c else cell} |")
+    lines += ["", "Each run's final validation accuracy (%):", "", "| run | " + " | ".join(names.values()) + " |",
+              "|---|" + "---|" * len(names)]
+    lines += [f"| {k} | " + " | ".join("" if v.get(c) is None else f"{100 * v[c]:.1f}" for c in names) + " |"
+              for k, v in res["runs"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -747,8 +763,7 @@ def main() -> None:
         print(screen_markdown(res))
         return
     if args.stage == "second":
-        results = run_cached(candidate_jobs(args.rounds, ("first", "second")), args.work / "second", args.only,
-                             args.jobs)
+        results = run_cached(second_jobs(args.rounds), args.work / "second", args.only, args.jobs)
         res = second_report(results, args.rounds)
         (RESULTS / "robust_second.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / "robust_second.md").write_text(second_markdown(res))
