@@ -95,7 +95,10 @@ SECOND = {m: {"mean_masks": {"robust.rule": "mean", "robust.refuse_median": 10.0
           {"rule_mean": (CENTERED if m == "fedpaq" else r) | MEAN_SCREEN,
            "rule_mean03": (CENTERED if m == "fedpaq" else r) | MEAN_SCREEN | {"robust.min_cosine": 0.3}}
           for m, r in RULES.items()}
-SECOND_CHOSEN = {m: "first" for m in FIRST}
+# Each method's choice, as the second round's results file has it (before that round ran: the first round's rule).
+_SECOND_FILE = RESULTS / "robust_second.json"
+SECOND_CHOSEN = {m: "first" for m in FIRST} | (json.loads(_SECOND_FILE.read_text())["chosen"]
+                                               if _SECOND_FILE.exists() else {})
 RECOMMENDED = {m: r if SECOND_CHOSEN[m] == "first" else SECOND[m][SECOND_CHOSEN[m]] for m, r in FIRST.items()}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
