@@ -3,7 +3,7 @@ the Flower Strategy: runs that must not stop, resumes that must work, accuracy t
 bounded.
 
     python benchmarks/attacks_inside.py [--rounds 12] [--jobs 2] [--seeds 0 1 2] [--work runs/attacks_inside]
-        [--stage runs|report] [--reuse METHOD ...]
+        [--stage runs|main|report|candidates|screen|second] [--reuse METHOD ...]
 
 Fashion-MNIST (3000 training images, 1000 test), 10 clients (Dirichlet 0.5), 2 local epochs, one torch thread a run,
 each row on the seeds given (its accuracy and its clean run's the means over them), every method with its preset's
@@ -699,6 +699,13 @@ def candidates_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --stage NAME: (its jobs, its report, the report's markdown, the results file's name)
+ROUNDS = {"candidates": (candidate_jobs, candidates_report, candidates_markdown, "robust_candidates"),
+          "screen": (lambda rounds: candidate_jobs(rounds, tuple(SCREENS)), screen_report, screen_markdown,
+                     "robust_screen"),
+          "second": (second_jobs, second_report, second_markdown, "robust_second")}
+
+
 def main_job(work: Path) -> dict[str, Any]:
     """The main job (`dturbo run --preset quick`, one torch thread as benchmarks/presets.py runs it) with
     D-Turbo-VBI's recommended rule, against the main job of benchmarks/results/presets.json."""
@@ -737,8 +744,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "attacks_inside")
-    ap.add_argument("--stage", choices=("runs", "main", "report", "all", "candidates", "screen", "second"),
-                    default="all")
+    ap.add_argument("--stage", choices=("runs", "main", "report", "all", *ROUNDS), default="all")
     ap.add_argument("--only", default="", help="run the jobs whose key starts with this (runner/model/method/...)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="runs, report: the seeds each row runs on")
     ap.add_argument("--reuse", nargs="+", default=[], choices=list(PRESETS), metavar="METHOD", help=(
@@ -750,27 +756,13 @@ def main() -> None:
             path = args.work / "rows" / (key(run).replace("/", "_") + ".json")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(run))
-    if args.stage == "candidates":
-        results = run_cached(candidate_jobs(args.rounds), args.work / "candidates", args.only, args.jobs)
-        res = candidates_report(results, args.rounds)
-        (RESULTS / "robust_candidates.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "robust_candidates.md").write_text(candidates_markdown(res))
-        print(candidates_markdown(res))
-        return
-    if args.stage == "screen":
-        results = run_cached(candidate_jobs(args.rounds, tuple(SCREENS)), args.work / "screen", args.only,
-                             args.jobs)
-        res = screen_report(results, args.rounds)
-        (RESULTS / "robust_screen.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "robust_screen.md").write_text(screen_markdown(res))
-        print(screen_markdown(res))
-        return
-    if args.stage == "second":
-        results = run_cached(second_jobs(args.rounds), args.work / "second", args.only, args.jobs)
-        res = second_report(results, args.rounds)
-        (RESULTS / "robust_second.json").write_text(json.dumps(res, indent=1) + "\n")
-        (RESULTS / "robust_second.md").write_text(second_markdown(res))
-        print(second_markdown(res))
+    if args.stage in ROUNDS:  # a round of robust rules: its runs, its choice, its results file
+        make_jobs, report_, markdown_, name = ROUNDS[args.stage]
+        results = run_cached(make_jobs(args.rounds), args.work / args.stage, args.only, args.jobs)
+        res = report_(results, args.rounds)
+        (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / f"{name}.md").write_text(markdown_(res))
+        print(markdown_(res))
         return
     if args.stage in ("runs", "all"):
         run_cached(jobs(args.rounds, tuple(args.seeds)), args.work, args.only, args.jobs)
