@@ -49,6 +49,27 @@ def test_each_method_takes_the_screen_of_highest_validation_accuracy_the_simpler
     assert ai.SCREENED.keys() == ai.RULES.keys() and set(ai.SCREENED.values()) <= set(ai.SCREENS)
 
 
+def test_the_second_round_takes_each_methods_highest_mean_the_first_rule_on_a_tie(ai):
+    """Seven runs a candidate; the mean decides, and a tie keeps the earlier candidate (the first round's rule)."""
+    def rows(method: str, cand: str, vals: list[float]) -> list[dict]:
+        return [{"model": model, "method": method, "attack": a, "attackers": k, "candidate": cand, "val_accuracy": v}
+                for (model, a, k), v in zip(ai.CANDIDATE_RUNS, vals, strict=True)]
+
+    flat = [0.7] * 7
+    results = rows("stc", "first", flat) + rows("stc", "rule_mean", flat) + rows("stc", "rule_mean03", flat)
+    results += rows("fedpaq", "first", flat) + rows("fedpaq", "rule_mean", [0.7] * 6 + [0.77])  # mean 0.71
+    results += rows("fedpaq", "rule_mean03", [0.69] * 7)
+    res = ai.second_report(results, 12)
+    assert res["chosen"] == {"stc": "first", "fedpaq": "rule_mean"}
+    assert res["results"]["fedpaq"]["rule_mean"] == pytest.approx(0.71)
+    assert res["results"]["dturbo"]["first"] is None  # a method without its runs chooses nothing
+    assert {m: list(c) for m, c in ai.SECOND.items() if m != "fedpm"} == \
+        {m: ["rule_mean", "rule_mean03"] for m in ai.RULES if m != "fedpm"}
+    for m, pick in ai.SECOND_CHOSEN.items():  # the recommended rule is the choice the results file records
+        assert ai.RECOMMENDED[m] == (ai.FIRST[m] if pick == "first" else ai.SECOND[m][pick])
+    assert "| fedpaq | screened against the mean update | **71.0** |" in ai.second_markdown(res)
+
+
 def test_a_row_over_seeds_is_the_mean_of_its_runs_and_stops_if_one_stopped(ai):
     results = [
         _row("simulator", "mlp", "fedpm", "none", 0, 0.70), _row("simulator", "mlp", "fedpm", "none", 0, 0.74, seed=1),
