@@ -24,6 +24,7 @@ from dturbo.algorithms.robust import (
     RobustAggregation,
     TrimmedMean,
     aligned,
+    cosines,
     krum_scores,
     ordinary,
 )
@@ -472,30 +473,40 @@ def test_uploads_that_point_away_from_the_rounds_median_update_are_left_out_befo
     assert aligned(np.zeros((4, 3)), 0.0).all()
 
 
-def test_sparse_updates_are_screened_against_the_rounds_mean_update():
-    """Ternary updates on a tenth of the coordinates each (STC's): their coordinate-wise median is 0, so the screen
-    against it refuses nothing, while against the mean (cosine_to = "mean") the 3 reversed ones go and the 7 honest
-    stay; the cosines equal those computed apart."""
+def test_sparse_updates_are_screened_against_the_mean_of_the_other_updates():
+    """Ternary updates on a fifth of the coordinates each (STC's): their coordinate-wise median is 0 nearly
+    everywhere, so the screen against it misses reversed ones, while against the mean of the others (cosine_to =
+    "mean") the 3 reversed ones go and the 7 honest stay. Each row's own share is left out of its centre: with it, a
+    reversed update 4 times as long (clipped to the median length) leans the mean its way far enough to pass. The
+    cosines equal those computed apart."""
     rng = np.random.default_rng(5)
-    n = 400
+    n = 1000
     direction = np.sign(rng.normal(size=n))
-    honest = []
-    for _ in range(7):
-        keep = rng.choice(n, n // 10, replace=False)
+    honest = []  # each client's own update; the last 3 clients reverse theirs
+    for _ in range(10):
+        keep = rng.choice(n, n // 5, replace=False)
         u = np.zeros(n)
         u[keep] = direction[keep]
         honest.append(u)
-    hostile = [-h for h in honest[:3]]
-    rows = hostile + honest
-    by_median = RobustAggregation(RobustConfig(rule="centered_clip", min_cosine=0.0))
-    by_mean = RobustAggregation(RobustConfig(rule="centered_clip", min_cosine=0.0, cosine_to="mean"))
-    assert not np.median(np.stack(rows), axis=0).any() and by_median.screen(rows) == {}
-    screened = by_mean.screen(rows)
-    assert sorted(screened) == [0, 1, 2] and all("round's mean update" in why for why in screened.values())
-    steps = np.stack(rows)
-    centre = steps.mean(axis=0)
-    cosine = steps @ centre / (np.linalg.norm(steps, axis=1) * np.linalg.norm(centre))
-    np.testing.assert_array_equal(aligned(steps, 0.0, "mean"), cosine >= 0)
+    by_median = RobustAggregation(RobustConfig(rule="centered_clip", min_cosine=0.0, clip_median=1.0))
+    by_mean = RobustAggregation(RobustConfig(rule="centered_clip", min_cosine=0.0, clip_median=1.0,
+                                             cosine_to="mean"))
+    for scale in (1.0, 4.0):
+        rows = [-scale * h for h in honest[7:]] + honest[:7]
+        assert (np.median(np.stack(rows), axis=0) != 0).mean() < 0.01 and len(by_median.screen(rows)) < 3
+        screened = by_mean.screen(rows)
+        assert sorted(screened) == [0, 1, 2] and all("round's mean update" in why for why in screened.values())
+        steps = np.stack(rows)
+        clipped = steps / np.maximum(np.linalg.norm(steps, axis=1) / np.median(np.linalg.norm(steps, axis=1)),
+                                     1.0)[:, None]
+        with_own = clipped @ clipped.mean(axis=0)
+        if scale == 4.0:  # against the whole mean, the row's own share in it, a reversed update passes
+            assert (with_own[:3] > 0).any()
+    cosine = [steps[i] @ np.delete(steps, i, 0).mean(axis=0)
+              / (np.linalg.norm(steps[i]) * np.linalg.norm(np.delete(steps, i, 0).mean(axis=0))) for i in range(10)]
+    np.testing.assert_allclose(cosines(steps, "mean"), cosine)
+    np.testing.assert_array_equal(aligned(steps, 0.0, "mean"), np.array(cosine) >= 0)
+    assert cosines(steps[:1], "mean")[0] == 1.0  # a round of one upload: no others, no direction
 
 
 def test_uploads_far_longer_than_the_rounds_median_update_are_left_out_before_clipping():

@@ -154,7 +154,8 @@ class RobustConfig(_Section):
         "before the rule, with the reason (a reversed update: sign flipping, inner-product manipulation); None: none"))
     cosine_to: Literal["median", "mean"] = Field("median", description=(
         "min_cosine: the round's update each upload's is compared with: the coordinate-wise median of the updates, or "
-        "their mean once clipped as the rule clips them (sparse updates, whose median is 0 nearly everywhere)"))
+        "the mean of the other uploads' updates, clipped as the rule clips them (sparse updates, whose median is 0 "
+        "nearly everywhere)"))
     refuse_median: float | None = Field(None, gt=1, description=(
         "each upload whose update has an L2 norm above this times the round's median update norm is refused before "
         "clipping, with the reason (an update stretched to the value bound); None: every upload is clipped instead"))

@@ -200,11 +200,21 @@ def ordinary(step: np.ndarray, ratio: float) -> np.ndarray:
 
 
 def cosines(step: np.ndarray, to: str = "median") -> np.ndarray:
-    """Each row's cosine with the coordinate-wise median of the rows, or (``to = "mean"``) their mean (1 where that
-    centre or the row is zero: no direction to compare)."""
-    centre = np.median(step, axis=0) if to == "median" else step.mean(axis=0)
-    norms = lengths(step) * float(np.sqrt(centre @ centre))
-    return np.divide(step @ centre, norms, out=np.ones(step.shape[0]), where=norms > 0)
+    """Each row's cosine with the coordinate-wise median of the rows, or (``to = "mean"``) with the mean of the
+    other rows: a row's own share of the mean would lean it that row's way, enough to pass a reversed update when
+    honest updates are far from parallel (1 where that centre or the row is zero: no direction to compare)."""
+    if to == "median":
+        centre = np.median(step, axis=0)
+        dots, centre_norms = step @ centre, np.full(step.shape[0], float(np.sqrt(centre @ centre)))
+    else:  # the sum of the others is total - row; the 1 / (n - 1) cancels in the cosine
+        total = step.sum(axis=0)
+        own = np.einsum("ij,ij->i", step, step)
+        dots = step @ total - own
+        centre_norms = np.sqrt(np.maximum(total @ total - 2.0 * (step @ total) + own, 0.0))
+        # what is left of the others' sum after the subtraction's rounding: no direction
+        centre_norms[centre_norms <= 1e-9 * float(np.sqrt(own.max(initial=0.0)))] = 0.0
+    norms = lengths(step) * centre_norms
+    return np.divide(dots, norms, out=np.ones(step.shape[0]), where=norms > 0)
 
 
 def aligned(step: np.ndarray, min_cosine: float, to: str = "median") -> np.ndarray:
