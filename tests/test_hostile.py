@@ -495,7 +495,8 @@ def test_sparse_updates_are_screened_against_the_mean_of_the_other_updates():
         rows = [-scale * h for h in honest[7:]] + honest[:7]
         assert (np.median(np.stack(rows), axis=0) != 0).mean() < 0.01 and len(by_median.screen(rows)) < 3
         screened = by_mean.screen(rows)
-        assert sorted(screened) == [0, 1, 2] and all("round's mean update" in why for why in screened.values())
+        assert sorted(screened) == [0, 1, 2]
+        assert all("the mean of the others' updates" in why for why in screened.values())
         steps = np.stack(rows)
         clipped = steps / np.maximum(np.linalg.norm(steps, axis=1) / np.median(np.linalg.norm(steps, axis=1)),
                                      1.0)[:, None]

@@ -252,6 +252,11 @@ def test_the_later_keys_a_checkpoint_fingerprint_leaves_out_hold_the_values_olde
         cfg = parse_config({section: {key: value}}).to_dict()
         older = {**cfg, section: {k: v for k, v in cfg[section].items() if k != key}}
         assert config_fingerprint(older) == config_fingerprint(cfg)
+    robust = parse_config({"robust": {"rule": "centered_clip", "min_cosine": 0.0}}).to_dict()  # before cosine_to
+    older = {**robust, "robust": {k: v for k, v in robust["robust"].items() if k != "cosine_to"}}
+    assert robust["robust"]["cosine_to"] == "median" and config_fingerprint(older) == config_fingerprint(robust)
+    robust["robust"]["cosine_to"] = "mean"
+    assert config_fingerprint(older) != config_fingerprint(robust)
     assert parse_config({}).dturbo.global_model == "trained"
     cfg = parse_config({}).to_dict()
     older = {**cfg, "dturbo": {k: v for k, v in cfg["dturbo"].items() if k != "global_model"}}

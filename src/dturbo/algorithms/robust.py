@@ -273,8 +273,9 @@ class RobustAggregation:
         if self.min_cosine is not None and left.size:
             cos = cosines(self._clip(x[left], ref) - ref, self.cosine_to)
             kept = _some(cos >= self.min_cosine)
-            out |= {int(left[k]): f"its update has a cosine of {cos[k]:.3f} with the round's {self.cosine_to} update "
-                                  f"(at least robust.min_cosine = {self.min_cosine:g})" for k in np.flatnonzero(~kept)}
+            centre = "the round's median update" if self.cosine_to == "median" else "the mean of the others' updates"
+            out |= {int(left[k]): f"its update has a cosine of {cos[k]:.3f} with {centre} (at least "
+                                  f"robust.min_cosine = {self.min_cosine:g})" for k in np.flatnonzero(~kept)}
         return dict(sorted(out.items()))
 
     def combine(self, rows: list[np.ndarray], p: np.ndarray, reference: np.ndarray | None = None,
