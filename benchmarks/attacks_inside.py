@@ -83,12 +83,12 @@ SCREENED = {"dturbo": "rule_screen_refuse", "fedavg": "rule_screen_refuse", "fed
 FIRST = {m: r | SCREENS[SCREENED[m]] for m, r in RULES.items()}
 # A second round (--stage second, robust_second.md), fixed before its runs, on the same seven validation runs: each
 # method's rule of the first round against its candidates here. A sparse update (STC's ternary one) has a
-# coordinate-wise median of 0 nearly everywhere, so the cosine screen compares with the round's mean update instead
-# (clipped as the rule clips; an attacker minority cannot turn it), refusing what points away from it (0) or what
-# follows it less than honest updates do (0.3); FedPAQ's candidates start from centered clipping, since the screens
-# now stop the sign flip it lost to under centered clipping in the first round, while the identical uploads of
-# colluding ALIE attackers are what Krum selects; FedPM's masks are screened by their likelihood under theta_G
-# whenever a rule is set, so its candidate is the plain mean of the masks that pass (Krum also drops honest masks).
+# coordinate-wise median of 0 nearly everywhere, so the candidates' cosine screen compares each update with the mean
+# of the other updates (clipped as the rule clips), refusing what points away from it (0) or what follows it less
+# than honest updates do (0.3); FedPAQ's candidates start from centered clipping, since the screens stop the sign
+# flip it lost to under centered clipping in the first round, while the identical uploads of colluding ALIE attackers
+# are what Krum selects; FedPM's masks are screened by their likelihood under theta_G whenever a rule is set, so its
+# candidate is the plain mean of the masks that pass (Krum also drops honest masks).
 # Each method takes its candidate of highest mean validation accuracy; a tie keeps the earlier. A candidate that beats
 # the first round's rule on seed 0 meets it again over seeds 0-2 (the higher mean wins; a tie keeps the first's).
 MEAN_SCREEN = {"robust.min_cosine": 0.0, "robust.cosine_to": "mean", "robust.refuse_median": 10.0}
@@ -575,9 +575,15 @@ def summary(res: dict[str, Any]) -> str:
 
 
 
+def rule_jobs(method: str, candidate: str, rounds: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The seven validation runs of :data:`CANDIDATE_RUNS` for one method under one candidate rule."""
+    return [{"runner": "simulator", "model": model, "method": method, "attack": a, "attackers": k,
+             "candidate": candidate, "rounds": rounds} | ({"seed": seed} if seed else {})
+            for model, a, k in CANDIDATE_RUNS]
+
+
 def candidate_jobs(rounds: int, rules: tuple[str, ...] = tuple(CANDIDATES)) -> list[dict[str, Any]]:
-    return [{"runner": "simulator", "model": model, "method": m, "attack": a, "attackers": k, "candidate": rule,
-             "rounds": rounds} for rule in rules for m in CANDIDATE_METHODS for model, a, k in CANDIDATE_RUNS]
+    return [j for rule in rules for m in CANDIDATE_METHODS for j in rule_jobs(m, rule, rounds)]
 
 
 def screen_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
@@ -613,18 +619,15 @@ def screen_markdown(res: dict[str, Any]) -> str:
 
 
 def second_jobs(rounds: int) -> list[dict[str, Any]]:
-    return [{"runner": "simulator", "model": model, "method": m, "attack": a, "attackers": k, "candidate": c,
-             "rounds": rounds} for m in CANDIDATE_METHODS for c in ("first", *SECOND[m])
-            for model, a, k in CANDIDATE_RUNS]
+    return [j for m in CANDIDATE_METHODS for c in ("first", *SECOND[m]) for j in rule_jobs(m, c, rounds)]
 
 
 def confirm_jobs(results: list[dict[str, Any]], rounds: int) -> list[dict[str, Any]]:
     """Seeds 1 and 2 of the seven runs, under its first round's rule and under the candidate that beats it on seed 0,
     for each method where one does: a choice made on one seed's runs is confirmed on three."""
     picks = second_report(results, rounds)["seed0_chosen"]
-    return [{"runner": "simulator", "model": model, "method": m, "attack": a, "attackers": k, "candidate": c,
-             "rounds": rounds, "seed": seed} for m, pick in picks.items() if pick != "first"
-            for c in ("first", pick) for seed in CONFIRM_SEEDS for model, a, k in CANDIDATE_RUNS]
+    return [j for m, pick in picks.items() if pick != "first" for c in ("first", pick) for seed in CONFIRM_SEEDS
+            for j in rule_jobs(m, c, rounds, seed)]
 
 
 CONFIRM_SEEDS = (1, 2)
@@ -728,11 +731,11 @@ def candidates_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --stage NAME: (its jobs, its report, the report's markdown, the results file's name)
-ROUNDS = {"candidates": (candidate_jobs, candidates_report, candidates_markdown, "robust_candidates"),
-          "screen": (lambda rounds: candidate_jobs(rounds, tuple(SCREENS)), screen_report, screen_markdown,
+# --stage NAME: (its jobs, the jobs its results then ask for, its report, the report's markdown, the results file)
+ROUNDS = {"candidates": (candidate_jobs, None, candidates_report, candidates_markdown, "robust_candidates"),
+          "screen": (lambda rounds: candidate_jobs(rounds, tuple(SCREENS)), None, screen_report, screen_markdown,
                      "robust_screen"),
-          "second": (second_jobs, second_report, second_markdown, "robust_second")}
+          "second": (second_jobs, confirm_jobs, second_report, second_markdown, "robust_second")}
 
 
 def main_job(work: Path) -> dict[str, Any]:
@@ -786,10 +789,10 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(run))
     if args.stage in ROUNDS:  # a round of robust rules: its runs, its choice, its results file
-        make_jobs, report_, markdown_, name = ROUNDS[args.stage]
+        make_jobs, then, report_, markdown_, name = ROUNDS[args.stage]
         results = run_cached(make_jobs(args.rounds), args.work / args.stage, args.only, args.jobs)
-        if args.stage == "second":  # a seed-0 choice that is not the first round's rule, confirmed over 3 seeds
-            results += run_cached(confirm_jobs(results, args.rounds), args.work / args.stage, args.only, args.jobs)
+        if then is not None:  # e.g. a seed-0 choice confirmed over 3 seeds
+            results += run_cached(then(results, args.rounds), args.work / args.stage, args.only, args.jobs)
         res = report_(results, args.rounds)
         (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / f"{name}.md").write_text(markdown_(res))
