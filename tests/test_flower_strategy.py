@@ -25,6 +25,8 @@ from flwr.serverapp import ServerApp  # noqa: E402
 import dturbo  # noqa: E402
 import dturbo.flower as dflower  # noqa: E402
 from dturbo.algorithms.base import ClientData  # noqa: E402
+from dturbo.algorithms.dturbo.layers import layer_infos  # noqa: E402
+from dturbo.algorithms.dturbo.units import DeadUnits  # noqa: E402
 from dturbo.checkpoint import CheckpointError  # noqa: E402
 from dturbo.config import Config, ConfigError  # noqa: E402
 from dturbo.data import dataset_from_arrays  # noqa: E402
@@ -520,3 +522,27 @@ def test_settings_presets_and_initial_arrays() -> None:
     # a seeded factory: the same initial weights every time
     a, b = s.initial_model(cfg), s.initial_model(cfg)
     assert torch.equal(a.head.weight_mu, b.head.weight_mu)
+
+
+class EmptyShapeNet(TinyNet):
+    """TinyNet that records an empty sample shape, as a model written for several inputs may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_shape: tuple[int, ...] = ()
+
+
+def test_the_strategys_input_shape_fills_an_empty_recorded_one_and_keeps_a_real_one() -> None:
+    """input_shape= is recorded where the model records none, an empty shape included (the cut reads the graph on
+    it: an empty shape would cut nothing); a shape the model records is the user's, kept."""
+    s = dflower.DTurboVBI(EmptyShapeNet, input_shape=(12,), dead_units="cut")
+    cfg = s.config_for(3, 3)
+    model = s.initial_model(cfg)
+    assert model.input_shape == (12,)
+    assert DeadUnits(model, layer_infos(model, cfg)).links, "the cut reads the graph on the filled shape"
+    # the runner's factory of a user's model fills it alike
+    factory = user_model_factory(EmptyShapeNet, sigma_mode="layer", sigma_init_ratio=0.02, seed=0, input_shape=(12,))
+    assert factory().input_shape == (12,)
+    recorded = TinyNet()
+    recorded.input_shape = (1, 12)
+    assert dflower.DTurboVBI(recorded, input_shape=(12,)).initial_model(cfg).input_shape == (1, 12)

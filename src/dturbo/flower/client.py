@@ -68,6 +68,7 @@ from ..codec import CodecError
 from ..config import Config
 from ..nn.bayes import bayesian_layers
 from ..nn.convert import bayesianize
+from ..nn.models import record_input_shape
 from ..protocol import NO_CLIENT
 from . import protocol, wire
 from .client_app import ClientRuntime, restore_state, save_state
@@ -261,8 +262,7 @@ def count_samples(msg: Message, context: Context, data: DataSource) -> Message:
 def _input_shape(rt: Runtime, data: ClientData) -> None:
     """Record one sample's shape on the client's model when it records none (``sparsity.budget = "flops"`` counts
     the multiply-adds on it)."""
-    if getattr(rt.client.model, "input_shape", None) is None:
-        rt.client.model.input_shape = tuple(int(d) for d in data.x.shape[1:])
+    record_input_shape(rt.client.model, data.x.shape[1:])
 
 
 # ------------------------------------------------------------------------------------ the global model

@@ -70,6 +70,7 @@ from ..algorithms.statistics import Statistics, calibrate
 from ..checkpoint import CheckpointError, config_fingerprint, continued, save_checkpoint
 from ..config import Config, ConfigError
 from ..ledger import Traffic
+from ..nn.models import record_input_shape
 from ..settings import load_config, merged
 from ..transport import Reply
 from . import protocol, wire
@@ -226,8 +227,8 @@ class DturboStrategy(Strategy):
             base.load_state_dict(sd)
             sd = None
         model = bayesian_model(base, cfg)
-        if self.input_shape is not None and getattr(model, "input_shape", None) is None:
-            model.input_shape = self.input_shape
+        if self.input_shape is not None:
+            record_input_shape(model, self.input_shape)
         if sd is not None:
             if set(sd) != set(model.state_dict()):
                 raise ValueError("initial_arrays do not hold the strategy's model: pass "

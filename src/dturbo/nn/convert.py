@@ -25,7 +25,7 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from .bayes import BayesConv1d, BayesConv2d, BayesConv3d, BayesianLayer, BayesLinear, bayesian_layers
-from .models import init_sigmas
+from .models import init_sigmas, record_input_shape
 
 SIGMA_MODES = ("layer", "weight", "client")
 # torch's layer -> dturbo's Bayesian layer of the same geometry
@@ -210,8 +210,7 @@ def user_model_factory(
             raise BayesianizeError(f"the model function returned a {type(model).__name__}, not a torch.nn.Module")
         if not bayesian_layers(model):
             model = bayesianize(model, sigma_mode=sigma_mode, sigma_init_ratio=sigma_init_ratio)
-        if getattr(model, "input_shape", None) is None:
-            model.input_shape = tuple(int(d) for d in input_shape)
+        record_input_shape(model, input_shape)
         return model.cpu().float()
 
     return factory

@@ -340,13 +340,21 @@ def init_sigmas(model: nn.Module, sigma_mode: str, sigma_init_ratio: float) -> N
             layer.sigma_param = shared  # one Parameter object: one gradient, one value for every layer
 
 
+def record_input_shape(model: nn.Module, input_shape: Sequence[int]) -> None:
+    """Record one sample's shape on ``model`` where it records none (no ``input_shape``, ``None`` or an empty shape):
+    what a layer's compute and the graph that ``dead_units = "cut"`` reads are taken on. A shape the model records
+    is kept: the user's own."""
+    if not getattr(model, "input_shape", None):
+        model.input_shape = tuple(int(d) for d in input_shape)
+
+
 def weight_uses(model: nn.Module, input_shape: Sequence[int] | None = None) -> dict[str, int]:
     """Multiply-adds each weight of every Bayesian layer does for one sample: the output positions of a
     convolution (H_out x W_out), 1 for a dense layer. A layer's share of the model's compute is its weight count
     times this (the cost that ``sparsity.budget = "flops"`` counts). ``input_shape`` defaults to the shape
     :func:`build_model` recorded on the model."""
     shape = input_shape if input_shape is not None else getattr(model, "input_shape", None)
-    if shape is None:
+    if not shape:
         raise ValueError("the model's input shape is unknown: pass input_shape (one sample's shape, e.g. (1, 28, 28))")
     uses: dict[str, int] = {}
     hooks = []
