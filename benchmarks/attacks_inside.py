@@ -3,7 +3,7 @@ the Flower Strategy: runs that must not stop, resumes that must work, accuracy t
 bounded.
 
     python benchmarks/attacks_inside.py [--rounds 12] [--jobs 2] [--seeds 0 1 2] [--work runs/attacks_inside]
-        [--stage runs|main|report|candidates|screen|second] [--reuse METHOD ...]
+        [--stage runs|main|report|candidates|screen|second|third] [--reuse METHOD ...]
 
 Fashion-MNIST (3000 training images, 1000 test), 10 clients (Dirichlet 0.5), 2 local epochs, one torch thread a run,
 each row on the seeds given (its accuracy and its clean run's the means over them), every method with its preset's
@@ -38,6 +38,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from multiprocessing import get_context
 from pathlib import Path
@@ -96,11 +97,26 @@ SECOND = {m: {"mean_masks": {"robust.rule": "mean", "robust.refuse_median": 10.0
           {"rule_mean": (CENTERED if m == "fedpaq" else r) | MEAN_SCREEN,
            "rule_mean03": (CENTERED if m == "fedpaq" else r) | MEAN_SCREEN | {"robust.min_cosine": 0.3}}
           for m, r in RULES.items()}
-# Each method's choice, as the second round's results file has it (before that round ran: the first round's rule).
-_SECOND_FILE = RESULTS / "robust_second.json"
-SECOND_CHOSEN = {m: "first" for m in FIRST} | (json.loads(_SECOND_FILE.read_text())["chosen"]
-                                               if _SECOND_FILE.exists() else {})
-RECOMMENDED = {m: r if SECOND_CHOSEN[m] == "first" else SECOND[m][SECOND_CHOSEN[m]] for m, r in FIRST.items()}
+# A third round (--stage third, robust_third.md), fixed before its runs, the same way: each method's rule after the
+# second round against it with a floor on update norms (robust.refuse_short), refusing what is shorter than 0.5 or
+# 0.3 times the round's median update. ALIE's and IPM's uploads are built from the honest mean, which is shorter than
+# an honest update where honest updates disagree (STC's ALIE uploads: 0.14-0.22 of the median norm in seed 0's first
+# rounds). FedPM's masks have no update norm: no candidate.
+FLOORS = {"floor05": 0.5, "floor03": 0.3}
+
+
+def _chosen(name: str) -> dict[str, str]:
+    """Each method's choice as a round's results file has it (before that round ran: none)."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text())["chosen"] if path.exists() else {}
+
+
+SECOND_CHOSEN = {m: "first" for m in FIRST} | _chosen("robust_second")
+AFTER_SECOND = {m: r if SECOND_CHOSEN[m] == "first" else SECOND[m][SECOND_CHOSEN[m]] for m, r in FIRST.items()}
+THIRD = {m: {} if m == "fedpm" else {c: r | {"robust.refuse_short": f} for c, f in FLOORS.items()}
+         for m, r in AFTER_SECOND.items()}
+THIRD_CHOSEN = {m: SECOND_CHOSEN[m] for m in FIRST} | _chosen("robust_third")
+RECOMMENDED = {m: THIRD[m].get(THIRD_CHOSEN[m], r) for m, r in AFTER_SECOND.items()}
 ATTACKS = {"mlp": ("scaled_sign_flip", "alie", "ipm"), "bn": ("plain_state", "calibration")}
 OVERSIZE = "upload_200MB"
 ATTACKERS = (1, 3)
@@ -184,8 +200,9 @@ def rule_of(job: dict[str, Any]) -> dict[str, Any]:
         return RULES[job["method"]] | SCREENS[cand]
     if cand == "first":
         return FIRST[job["method"]]
-    if cand in SECOND[job["method"]]:
-        return SECOND[job["method"]][cand]
+    for later in (SECOND, THIRD):
+        if cand in later[job["method"]]:
+            return later[job["method"]][cand]
     return CANDIDATES[cand]
 
 
@@ -618,74 +635,94 @@ def screen_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def second_jobs(rounds: int) -> list[dict[str, Any]]:
-    return [j for m in CANDIDATE_METHODS for c in ("first", *SECOND[m]) for j in rule_jobs(m, c, rounds)]
-
-
-def confirm_jobs(results: list[dict[str, Any]], rounds: int) -> list[dict[str, Any]]:
-    """Seeds 1 and 2 of the seven runs, under its first round's rule and under the candidate that beats it on seed 0,
-    for each method where one does: a choice made on one seed's runs is confirmed on three."""
-    picks = second_report(results, rounds)["seed0_chosen"]
-    return [j for m, pick in picks.items() if pick != "first" for c in ("first", pick) for seed in CONFIRM_SEEDS
-            for j in rule_jobs(m, c, rounds, seed)]
-
-
 CONFIRM_SEEDS = (1, 2)
 
 
-def second_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
-    """Per method, the mean validation accuracy of its seven runs on seed 0 under its first round's rule and under
-    each of its second round's candidates (:data:`SECOND`); the highest is chosen (a tie: the earlier). Where that is
-    not the first round's rule, the two are compared again over seeds 0-2 (:func:`confirm_jobs`), and the higher
-    mean is chosen (a tie: the first round's)."""
-    def mean(m: str, cand: str, seeds: tuple[int, ...] = (0,)) -> float | None:
-        vals = [r["val_accuracy"] for r in results
-                if r["method"] == m and r["candidate"] == cand and r.get("seed", 0) in seeds]
-        full = len(vals) == len(CANDIDATE_RUNS) * len(seeds) and None not in vals
-        return float(sum(vals) / len(vals)) if full else None
+@dataclass(frozen=True)
+class RuleRound:
+    """A round of robust rules fixed before its runs: per method, its rule before the round (``before``: its label,
+    a candidate of an earlier round) against the round's ``candidates``, on the seven validation runs of
+    :data:`CANDIDATE_RUNS`. The highest mean validation accuracy on seed 0 is chosen (a tie: the earlier); a candidate
+    that beats the rule before meets it again over seeds 0-2 (:meth:`confirm_jobs`), and keeps its win only with a
+    higher mean there."""
 
-    table = {m: {c: mean(m, c) for c in ("first", *SECOND[m])} for m in CANDIDATE_METHODS}
-    runs: dict[str, dict[str, float]] = {}
-    for r in results:
-        if not r.get("seed"):
-            runs.setdefault(f"{r['model']}/{r['method']}/{r['attack']}/{r['attackers']}", {})[r["candidate"]] = \
-                r["val_accuracy"]
-    seed0 = {m: max(v, key=lambda c, v=v: (round(v[c], 6), -list(v).index(c)))
-             for m, v in table.items() if None not in v.values()}
-    seeds = (0, *CONFIRM_SEEDS)
-    confirmed = {m: {c: mean(m, c, seeds) for c in ("first", pick)} for m, pick in seed0.items() if pick != "first"}
-    chosen = dict(seed0)
-    for m, v in confirmed.items():
-        chosen[m] = "first" if None in v.values() or v["first"] >= v[seed0[m]] else seed0[m]
-    return {"what": "each method's rule of the first round against its second round's candidates, 3 attackers of 10, "
-                    "on the validation split (10% of the 3000 training images held out); a candidate that wins on "
-                    "seed 0 is compared with the first round's rule again over seeds 0-2", "rounds": rounds,
-            "first": FIRST, "second": SECOND, "results": table, "runs": dict(sorted(runs.items())),
-            "seed0_chosen": seed0, "confirmed": confirmed, "chosen": chosen,
-            "date": datetime.now(UTC).isoformat(timespec="seconds")}
+    number: str
+    before: dict[str, str]
+    candidates: dict[str, dict[str, dict[str, Any]]]
+    names: dict[str, str]
+
+    def labels(self, m: str) -> tuple[str, ...]:
+        return (self.before[m], *self.candidates[m])
+
+    def jobs(self, rounds: int) -> list[dict[str, Any]]:
+        return [j for m in CANDIDATE_METHODS for c in self.labels(m) for j in rule_jobs(m, c, rounds)]
+
+    def confirm_jobs(self, results: list[dict[str, Any]], rounds: int) -> list[dict[str, Any]]:
+        """Seeds 1 and 2 of the seven runs, under the rule before and the candidate that beats it on seed 0, for
+        each method where one does: a choice made on one seed's runs is confirmed on three."""
+        res = self.report(results, rounds)
+        return [j for m, pick in res["seed0_chosen"].items() if pick != self.before[m]
+                for c in (self.before[m], pick) for seed in CONFIRM_SEEDS for j in rule_jobs(m, c, rounds, seed)]
+
+    def report(self, results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+        def mean(m: str, cand: str, seeds: tuple[int, ...] = (0,)) -> float | None:
+            vals = [r["val_accuracy"] for r in results
+                    if r["method"] == m and r["candidate"] == cand and r.get("seed", 0) in seeds]
+            full = len(vals) == len(CANDIDATE_RUNS) * len(seeds) and None not in vals
+            return float(sum(vals) / len(vals)) if full else None
+
+        table = {m: {c: mean(m, c) for c in self.labels(m)} for m in CANDIDATE_METHODS}
+        runs: dict[str, dict[str, float]] = {}
+        for r in results:
+            if not r.get("seed"):
+                runs.setdefault(f"{r['model']}/{r['method']}/{r['attack']}/{r['attackers']}", {})[r["candidate"]] = \
+                    r["val_accuracy"]
+        seed0 = {m: max(v, key=lambda c, v=v: (round(v[c], 6), -list(v).index(c)))
+                 for m, v in table.items() if None not in v.values()}
+        seeds = (0, *CONFIRM_SEEDS)
+        confirmed = {m: {c: mean(m, c, seeds) for c in (self.before[m], pick)} for m, pick in seed0.items()
+                     if pick != self.before[m]}
+        chosen = dict(seed0)
+        for m, v in confirmed.items():
+            first = self.before[m]
+            chosen[m] = first if None in v.values() or v[first] >= v[seed0[m]] else seed0[m]
+        return {"what": f"each method's rule before the {self.number} round against the round's candidates, 3 "
+                        "attackers of 10, on the validation split (10% of the 3000 training images held out); a "
+                        "candidate that wins on seed 0 is compared with the rule before again over seeds 0-2",
+                "rounds": rounds, "before": {m: rule_of({"method": m, "candidate": c}) for m, c in self.before.items()},
+                "candidates": self.candidates, "results": table, "runs": dict(sorted(runs.items())),
+                "seed0_chosen": seed0, "confirmed": confirmed, "chosen": chosen,
+                "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+    def markdown(self, res: dict[str, Any]) -> str:
+        names = self.names
+        lines = [f"# Robust rules, {self.number} round: validation accuracy ({res['rounds']} rounds)", "",
+                 f"Written by `benchmarks/attacks_inside.py --stage {self.number}`: the mean final validation accuracy "
+                 "of a method's seven runs (as robust_candidates.md) under its rule before the round and under each of "
+                 f"the round's candidates (the rules in robust_{self.number}.json). The chosen in bold.", "",
+                 "| method | candidate | mean validation accuracy |", "|---|---|---|"]
+        for m, v in res["results"].items():
+            for c, acc in v.items():
+                cell = "-" if acc is None else f"{100 * acc:.1f}"
+                lines.append(f"| {m} | {names[c]} | {f'**{cell}**' if res['chosen'].get(m) == c else cell} |")
+        for m, v in res.get("confirmed", {}).items():
+            cells = ", ".join(f"{names[c]} {'-' if x is None else f'{100 * x:.1f}'}" for c, x in v.items())
+            lines += ["", f"{m}: seed 0 chose {names[res['seed0_chosen'][m]]}; over seeds 0-2: {cells}; chosen: "
+                          f"{names[res['chosen'][m]]}."]
+        shown = [c for c in names if any(c in v for v in res["runs"].values())]
+        lines += ["", "Each run's final validation accuracy (%):", "",
+                  "| run | " + " | ".join(names[c] for c in shown) + " |", "|---|" + "---|" * len(shown)]
+        lines += [f"| {k} | " + " | ".join("" if v.get(c) is None else f"{100 * v[c]:.1f}" for c in shown) + " |"
+                  for k, v in res["runs"].items()]
+        return "\n".join(lines) + "\n"
 
 
-def second_markdown(res: dict[str, Any]) -> str:
-    names = {"first": "first round's rule", "rule_mean": "screened against the mean update",
-             "rule_mean03": "the same, cosine at least 0.3", "mean_masks": "the plain mean of the screened masks"}
-    lines = [f"# Robust rules, second round: validation accuracy ({res['rounds']} rounds)", "",
-             "Written by `benchmarks/attacks_inside.py --stage second`: the mean final validation accuracy of a "
-             "method's seven runs (as robust_candidates.md) under its rule of the first round and under each of its "
-             "second round's candidates (the rules in robust_second.json). The chosen in bold.", "",
-             "| method | candidate | mean validation accuracy |", "|---|---|---|"]
-    for m, v in res["results"].items():
-        for c, acc in v.items():
-            cell = "-" if acc is None else f"{100 * acc:.1f}"
-            lines.append(f"| {m} | {names[c]} | {f'**{cell}**' if res['chosen'].get(m) == c else cell} |")
-    for m, v in res.get("confirmed", {}).items():
-        cells = ", ".join(f"{names[c]} {'-' if x is None else f'{100 * x:.1f}'}" for c, x in v.items())
-        lines += ["", f"{m}: seed 0 chose {names[res['seed0_chosen'][m]]}; over seeds 0-2: {cells}; chosen: "
-                      f"{names[res['chosen'][m]]}."]
-    lines += ["", "Each run's final validation accuracy (%):", "", "| run | " + " | ".join(names.values()) + " |",
-              "|---|" + "---|" * len(names)]
-    lines += [f"| {k} | " + " | ".join("" if v.get(c) is None else f"{100 * v[c]:.1f}" for c in names) + " |"
-              for k, v in res["runs"].items()]
-    return "\n".join(lines) + "\n"
+SECOND_ROUND = RuleRound("second", {m: "first" for m in FIRST}, SECOND, {
+    "first": "first round's rule", "rule_mean": "screened against the mean update",
+    "rule_mean03": "the same, cosine at least 0.3", "mean_masks": "the plain mean of the screened masks"})
+THIRD_ROUND = RuleRound("third", SECOND_CHOSEN, THIRD, {
+    **SECOND_ROUND.names, "floor05": "updates shorter than 0.5 times the median refused",
+    "floor03": "updates shorter than 0.3 times the median refused"})
 
 
 def candidates_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
@@ -735,7 +772,8 @@ def candidates_markdown(res: dict[str, Any]) -> str:
 ROUNDS = {"candidates": (candidate_jobs, None, candidates_report, candidates_markdown, "robust_candidates"),
           "screen": (lambda rounds: candidate_jobs(rounds, tuple(SCREENS)), None, screen_report, screen_markdown,
                      "robust_screen"),
-          "second": (second_jobs, confirm_jobs, second_report, second_markdown, "robust_second")}
+          **{r.number: (r.jobs, r.confirm_jobs, r.report, r.markdown, f"robust_{r.number}")
+             for r in (SECOND_ROUND, THIRD_ROUND)}}
 
 
 def main_job(work: Path) -> dict[str, Any]:

@@ -62,24 +62,24 @@ def test_the_second_round_takes_each_methods_highest_mean_confirmed_over_three_s
     results += rows("fedpaq", "first", flat) + rows("fedpaq", "rule_mean", [0.7] * 6 + [0.77])  # mean 0.71
     results += rows("fedpaq", "rule_mean03", [0.69] * 7)
     results += rows("dssm", "first", flat) + rows("dssm", "rule_mean", [0.72] * 7) + rows("dssm", "rule_mean03", flat)
-    res = ai.second_report(results, 12)
+    res = ai.SECOND_ROUND.report(results, 12)
     assert res["seed0_chosen"] == {"stc": "first", "fedpaq": "rule_mean", "dssm": "rule_mean"}
     assert res["chosen"] == {"stc": "first", "fedpaq": "first", "dssm": "first"}  # not confirmed yet: the first's
-    jobs = ai.confirm_jobs(results, 12)
+    jobs = ai.SECOND_ROUND.confirm_jobs(results, 12)
     assert {(j["method"], j["candidate"], j["seed"]) for j in jobs} == \
         {(m, c, seed) for m in ("fedpaq", "dssm") for c in ("first", "rule_mean") for seed in (1, 2)}
     assert len(jobs) == 2 * 2 * 2 * len(ai.CANDIDATE_RUNS)
     for seed in (1, 2):  # fedpaq's win holds over 3 seeds (0.71, 0.71, 0.71 against 0.70); dssm's does not
         results += rows("fedpaq", "first", flat, seed) + rows("fedpaq", "rule_mean", [0.71] * 7, seed)
         results += rows("dssm", "first", flat, seed) + rows("dssm", "rule_mean", [0.6] * 7, seed)
-    res = ai.second_report(results, 12)
+    res = ai.SECOND_ROUND.report(results, 12)
     assert res["chosen"] == {"stc": "first", "fedpaq": "rule_mean", "dssm": "first"}
     assert res["confirmed"]["dssm"] == pytest.approx({"first": 0.70, "rule_mean": (0.72 + 0.6 + 0.6) / 3})
     assert res["results"]["fedpaq"]["rule_mean"] == pytest.approx(0.71)  # the table is seed 0's
     assert res["results"]["dturbo"]["first"] is None  # a method without its runs chooses nothing
     assert {m: list(c) for m, c in ai.SECOND.items() if m != "fedpm"} == \
         {m: ["rule_mean", "rule_mean03"] for m in ai.RULES if m != "fedpm"}
-    md = ai.second_markdown(res)
+    md = ai.SECOND_ROUND.markdown(res)
     assert "| fedpaq | screened against the mean update | **71.0** |" in md and "dssm: seed 0 chose" in md
 
 

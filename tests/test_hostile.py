@@ -534,6 +534,31 @@ def test_uploads_far_longer_than_the_rounds_median_update_are_left_out_before_cl
     assert ordinary(np.zeros((4, 3)), 10.0).all()
 
 
+def test_refuse_short_refuses_updates_built_from_the_honest_mean_with_the_reason():
+    """refuse_short: ALIE's and IPM's uploads are built from the honest mean, shorter than most honest updates when
+    those disagree; those below the floor are refused with the bound named, the band's rows equal a brute-force
+    count, the median row passes any floor, and a round of zero updates keeps every row."""
+    rng = np.random.default_rng(3)
+    ref = rng.normal(size=40)
+    honest = [ref + rng.normal(size=40) for _ in range(7)]
+    mean = np.mean(honest, axis=0) - ref
+    # ALIE at z = 0 (one attacker of ten) sends the honest mean; IPM -0.1 times it
+    rows = [ref + mean, ref + mean, ref - 0.1 * mean] + honest
+    agg = RobustAggregation(RobustConfig(rule="centered_clip", clip_median=1.0, refuse_median=10.0, refuse_short=0.6))
+    screened = agg.screen(rows, ref)
+    assert sorted(screened) == [0, 1, 2]
+    assert all("robust.refuse_short = 0.6" in why for why in screened.values())
+    steps = np.stack(rows) - ref
+    norms = np.linalg.norm(steps, axis=1)
+    median = np.median(norms)
+    for short in (0.2, 0.6, 0.9):
+        want = [k for k in range(len(rows)) if short * median <= norms[k] <= 10 * median]
+        assert list(np.flatnonzero(ordinary(steps, 10.0, short))) == want
+    assert ordinary(steps, None, 0.999)[np.argsort(norms)[len(rows) // 2]]
+    assert ordinary(np.zeros((4, 3)), None, 0.5).all()
+    assert RobustAggregation(RobustConfig(refuse_short=0.5)).screens
+
+
 @pytest.mark.parametrize("algorithm", METHODS)
 def test_screened_uploads_are_rejections_with_their_reason_and_leave_the_round_whole(toy, algorithm):
     """Two of six clients send the scaled sign flip (stretched to the value bound): refuse_median = 10 refuses both

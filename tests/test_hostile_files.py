@@ -257,6 +257,11 @@ def test_the_later_keys_a_checkpoint_fingerprint_leaves_out_hold_the_values_olde
     assert robust["robust"]["cosine_to"] == "median" and config_fingerprint(older) == config_fingerprint(robust)
     robust["robust"]["cosine_to"] = "mean"
     assert config_fingerprint(older) != config_fingerprint(robust)
+    robust = parse_config({"robust": {"rule": "krum", "refuse_median": 10.0}}).to_dict()  # before refuse_short
+    older = {**robust, "robust": {k: v for k, v in robust["robust"].items() if k != "refuse_short"}}
+    assert config_fingerprint(older) == config_fingerprint(robust)
+    robust["robust"]["refuse_short"] = 0.5
+    assert config_fingerprint(older) != config_fingerprint(robust)
     assert parse_config({}).dturbo.global_model == "trained"
     cfg = parse_config({}).to_dict()
     older = {**cfg, "dturbo": {k: v for k, v in cfg["dturbo"].items() if k != "global_model"}}

@@ -145,14 +145,15 @@ def continued(folder: Path, fingerprint: str, fresh: dict[str, Any]) -> tuple[di
 
 def _drop_later_defaults(data: dict[str, Any]) -> None:
     """Leave out the keys that came after the first checkpoints while they hold the values runs written before them
-    ran with (the plain mean, no attackers, the cosine screen against the median, :data:`LATER_METHOD_KEYS`), so
-    that such a run still resumes."""
+    ran with (the plain mean, no attackers, the cosine screen against the median, no floor on update norms,
+    :data:`LATER_METHOD_KEYS`), so that such a run still resumes."""
     from .config import FaultsConfig, RobustConfig
 
     if data.get("robust") == RobustConfig().model_dump(mode="json", exclude_none=True):
         data.pop("robust")
     later = {("faults", "attackers"): FaultsConfig().attackers, ("faults", "attack"): FaultsConfig().attack,
-             ("robust", "cosine_to"): RobustConfig().cosine_to, **LATER_METHOD_KEYS}
+             ("robust", "cosine_to"): RobustConfig().cosine_to, ("robust", "refuse_short"): RobustConfig().refuse_short,
+             **LATER_METHOD_KEYS}
     for (section, key), default in later.items():
         if (part := data.get(section, {})).get(key, default) == default:
             part.pop(key, None)

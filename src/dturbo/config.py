@@ -159,6 +159,10 @@ class RobustConfig(_Section):
     refuse_median: float | None = Field(None, gt=1, description=(
         "each upload whose update has an L2 norm above this times the round's median update norm is refused before "
         "clipping, with the reason (an update stretched to the value bound); None: every upload is clipped instead"))
+    refuse_short: float | None = Field(None, gt=0, lt=1, description=(
+        "each upload whose update has an L2 norm below this times the round's median update norm is refused before "
+        "clipping, with the reason (a colluding update built from the honest mean: ALIE, IPM; an update shorter "
+        "than most honest ones); None: none"))
 
 
 class ModelConfig(_Section):

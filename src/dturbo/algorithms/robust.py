@@ -190,13 +190,20 @@ def clip(x: np.ndarray, reference: np.ndarray, norm: float) -> np.ndarray:
     return reference + step * scale[:, None]
 
 
-def ordinary(step: np.ndarray, ratio: float) -> np.ndarray:
-    """Which rows of ``step`` (one update each) have an L2 norm of at most ``ratio`` times the rows' median norm: an
-    update stretched to the value bound is orders of magnitude longer than an honest one. Every row is kept when the
-    median norm is zero."""
+def ordinary(step: np.ndarray, ratio: float | None, short: float | None = None) -> np.ndarray:
+    """Which rows of ``step`` (one update each) have an L2 norm of at most ``ratio`` times the rows' median norm (an
+    update stretched to the value bound is orders of magnitude longer than an honest one) and at least ``short``
+    times it (an update built from the honest mean, as ALIE and IPM build theirs, is shorter than most honest ones);
+    None: no bound on that side. Every row is kept when the median norm is zero."""
     norms = lengths(step)
     median = float(np.median(norms))
-    return norms <= ratio * median if median > 0 else np.ones(step.shape[0], dtype=bool)
+    kept = np.ones(step.shape[0], dtype=bool)
+    if median > 0:
+        if ratio is not None:
+            kept &= norms <= ratio * median
+        if short is not None:
+            kept &= norms >= short * median
+    return kept
 
 
 def cosines(step: np.ndarray, to: str = "median") -> np.ndarray:
@@ -231,9 +238,9 @@ def _some(kept: np.ndarray) -> np.ndarray:
 
 class RobustAggregation:
     """``[robust]`` on a round's matrix of client vectors: :meth:`screen` names the uploads to refuse (their update
-    far longer than the round's median, ``refuse_median``; pointing away from the round's median update,
-    ``min_cosine``), :meth:`combine` clips the rest (to ``clip_norm``, then to ``clip_median`` times the round's median
-    update norm) and applies the rule."""
+    far longer than the round's median, ``refuse_median``, or far shorter, ``refuse_short``; pointing away from the
+    round's median update, ``min_cosine``), :meth:`combine` clips the rest (to ``clip_norm``, then to ``clip_median``
+    times the round's median update norm) and applies the rule."""
 
     def __init__(self, cfg: RobustConfig) -> None:
         self.rule = make_rule(cfg)
@@ -242,6 +249,7 @@ class RobustAggregation:
         self.min_cosine = cfg.min_cosine
         self.cosine_to = cfg.cosine_to
         self.refuse_median = cfg.refuse_median
+        self.refuse_short = cfg.refuse_short
 
     @property
     def plain(self) -> bool:
@@ -251,24 +259,27 @@ class RobustAggregation:
     @property
     def screens(self) -> bool:
         """Whether :meth:`screen` can refuse an upload."""
-        return self.min_cosine is not None or self.refuse_median is not None
+        return self.min_cosine is not None or self.refuse_median is not None or self.refuse_short is not None
 
     def screen(self, rows: list[np.ndarray], reference: np.ndarray | None = None) -> dict[int, str]:
         """The rows (by index) to refuse, with the reason: those whose update from ``reference`` (None: the rows are
-        updates) is more than ``refuse_median`` times the median update norm, then among the rest, clipped as
-        :meth:`combine` clips them, those whose cosine with the median update is below ``min_cosine`` (all of them
-        failing: none refused)."""
+        updates) is more than ``refuse_median`` or less than ``refuse_short`` times the median update norm (the
+        median upload passes both), then among the rest, clipped as :meth:`combine` clips them, those whose cosine
+        with the median update is below ``min_cosine`` (all of them failing: none refused)."""
         x = self._stack(rows)
         ref = self._reference(reference, x)
         out: dict[int, str] = {}
         left = np.arange(x.shape[0])
-        if self.refuse_median is not None:
+        if self.refuse_median is not None or self.refuse_short is not None:
             step = x - ref
-            kept = ordinary(step, self.refuse_median)
+            kept = ordinary(step, self.refuse_median, self.refuse_short)
             norms = lengths(step)
             median = float(np.median(norms))
-            out |= {int(k): f"its update is {norms[k] / median:.3g} times the round's median update norm (at most "
-                            f"robust.refuse_median = {self.refuse_median:g})" for k in np.flatnonzero(~kept)}
+            for k in np.flatnonzero(~kept):
+                ratio = norms[k] / median
+                bound = (f"at most robust.refuse_median = {self.refuse_median:g}" if ratio > 1 else
+                         f"at least robust.refuse_short = {self.refuse_short:g}")
+                out[int(k)] = f"its update is {ratio:.3g} times the round's median update norm ({bound})"
             left = left[kept]
         if self.min_cosine is not None and left.size:
             cos = cosines(self._clip(x[left], ref) - ref, self.cosine_to)
