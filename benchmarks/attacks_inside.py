@@ -131,7 +131,8 @@ ROW = ("runner", "model", "method", "attack", "attackers", "robust", "rule", "st
 
 def rule_name(method: str) -> str:
     r = RECOMMENDED[method]
-    keys = ("byzantine", "trim", "radius", "clip_median", "min_cosine", "cosine_to", "refuse_median")
+    keys = ("byzantine", "trim", "radius", "clip_median", "min_cosine", "cosine_to", "refuse_median",
+            "refuse_short")
     head = ", ".join(f"{k} {r['robust.' + k]}" for k in keys if "robust." + k in r)
     return f"{r['robust.rule']} {head}" + "".join(f", {k} {v}" for k, v in r.items() if not k.startswith("robust."))
 

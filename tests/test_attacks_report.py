@@ -119,3 +119,17 @@ def test_reuse_reads_back_the_runs_a_report_keeps_and_refuses_another_rule(ai, t
         ai.committed_runs(["stc"], 12)
     with pytest.raises(SystemExit, match="ran 12 rounds"):
         ai.committed_runs(["fedavg"], 8)
+
+
+def test_the_recommended_rule_is_each_rounds_recorded_choice_and_its_name_says_every_setting(ai):
+    """RECOMMENDED follows the rounds' results files: the third round's candidate where it chose one (its rule after
+    the second round with refuse_short), else the rule after the second; rule_name names every robust setting."""
+    for m, rule in ai.RECOMMENDED.items():
+        pick = ai.THIRD_CHOSEN[m]
+        assert rule == ai.THIRD[m].get(pick, ai.AFTER_SECOND[m])
+        if pick in ai.FLOORS:
+            assert rule == ai.AFTER_SECOND[m] | {"robust.refuse_short": ai.FLOORS[pick]}
+        name = ai.rule_name(m)
+        for k, v in rule.items():
+            assert (f"{k.removeprefix('robust.')} {v}" in name) if k != "robust.rule" else name.startswith(v)
+    assert ai.THIRD["fedpm"] == {} and set(ai.THIRD["stc"]) == set(ai.FLOORS)
