@@ -194,13 +194,20 @@ def line(method: str, runs: list[h.Run], t: float, speed: dict[str, float], n_pa
 
 def axes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool | None]:
     """Whether ``a`` beats ``b`` on each axis: accuracy (higher mean), bits to T (fewer; never reaching T is worse
-    than any number of bits; neither reaching it is a tie), speedup (higher); None where a number is missing."""
+    than any number of bits; neither reaching it is a tie), speedup (every seed's model faster than every one of the
+    other's, where both give their seeds' timings: one architecture timed twice differs by the timing's noise, a tie;
+    else the higher mean); None where a number is missing."""
     inf = math.inf
     ba, bb = (a["bits_to_t"] if a["bits_to_t"] is not None else inf), (b["bits_to_t"] if b["bits_to_t"] is not None
                                                                          else inf)
-    return {"accuracy": a["accuracy"] > b["accuracy"],
-            "bits_to_t": ba < bb,
-            "speedup": None if a["speedup"] is None or b["speedup"] is None else a["speedup"] > b["speedup"]}
+    sa, sb = a.get("speedup_seeds") or [], b.get("speedup_seeds") or []
+    if a["speedup"] is None or b["speedup"] is None:
+        faster = None
+    elif sa and sb and None not in sa and None not in sb:
+        faster = min(sa) > max(sb)
+    else:
+        faster = a["speedup"] > b["speedup"]
+    return {"accuracy": a["accuracy"] > b["accuracy"], "bits_to_t": ba < bb, "speedup": faster}
 
 
 def goals(rows: dict[str, dict[str, Any]], curves: list[np.ndarray] | None = None, classes: int = 10

@@ -208,6 +208,12 @@ def test_axes_count_never_reaching_t_as_worse(mods):
     assert j.axes(a, b) == {"accuracy": True, "bits_to_t": False, "speedup": False}
     assert j.axes(b, a)["bits_to_t"] is True
     assert j.axes(a, {**b, "bits_to_t": None})["bits_to_t"] is False  # neither reaches T: no win
+    # speedup: with the seeds' timings, a win needs every seed faster than every one of the other's
+    fast = {**a, "speedup": 2.52, "speedup_seeds": [2.52, 2.49, 2.54]}
+    same = {**b, "speedup": 2.54, "speedup_seeds": [2.54, 2.54, 2.53]}
+    assert j.axes(fast, same)["speedup"] is False and j.axes(same, fast)["speedup"] is False
+    assert j.axes(fast, {**b, "speedup": 1.0, "speedup_seeds": [1.0, 1.01, 0.99]})["speedup"] is True
+    assert j.axes(fast, {**b, "speedup": 2.4, "speedup_seeds": [2.4, 2.5, 2.3]})["speedup"] is False  # 2.49 < 2.5
 
 
 def test_the_report_names_each_axis_a_peer_wins_with_both_numbers(mods):
