@@ -209,7 +209,7 @@ def fit(msg: Message, context: Context, model: nn.Module, data: DataSource) -> M
     task = protocol.read_task(msg.content)
     rt = runtime(task, model)
     local = client_data(data)
-    _input_shape(rt, local)
+    record_input_shape(rt.client.model, local.x.shape[1:])  # what budget = "flops" and the cut read
     down = wire.record_bytes(msg.content, wire.DOWN)
     cid, rnd = task.client, task.round_idx
     calibration = is_request(down)
@@ -257,12 +257,6 @@ def count_samples(msg: Message, context: Context, data: DataSource) -> Message:
     content = RecordDict({protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: len(client_data(data))}),
                           wire.TASK: ConfigRecord({wire.PARTITION_ID: pid})})
     return Message(content, reply_to=msg)
-
-
-def _input_shape(rt: Runtime, data: ClientData) -> None:
-    """Record one sample's shape on the client's model when it records none (``sparsity.budget = "flops"`` counts
-    the multiply-adds on it)."""
-    record_input_shape(rt.client.model, data.x.shape[1:])
 
 
 # ------------------------------------------------------------------------------------ the global model
