@@ -43,6 +43,7 @@ PEERS = ("stc", "feddst", "fedpaq", "dssm", "fedpm", "narrow_fedavg16", "narrow_
 DENSE_FINAL = {"fedavg", "fedpaq", "stc", "dssm"}
 GOALS = {"points_below_fedavg32": 1.0, "points_below_stc": 0.3, "vs_stc": 0.7, "speedup": 2.5, "axes_won": 2,
          "above_chance": 0.05, "largest_drop": 0.03, "drop_after": 3}
+TIMING = {"samples": 3000, "batch": 3000, "threads": 2, "device": "cpu"}  # time_runs's
 STEADY_ROUNDS = 5  # bits per parameter per round: the mean over the last rounds
 RULE = (
     "Each candidate runs seed 0. The accuracy references (FedAvg 32-bit and 16-bit) take their candidate with the "
@@ -430,53 +431,60 @@ def report(camp: h.Campaign, s: h.Settings, docs: Path) -> dict[str, Any]:
     return res
 
 
-def time_chosen(camp: h.Campaign, s: h.Settings, sessions: int = 3, only: list[str] | None = None) -> dict[str, Any]:
-    """Every chosen seed's final model of a method whose model can be sparse (of ``only``'s methods; None: all),
-    exported into ``<results>/joint_models/<run>/{exported,dense}`` (kept, so that the timing can be repeated without
-    the run directory) and timed against the same network dense: 3000 test images, batch 3000, 2 threads; the other
-    methods' timings stay as they are."""
+def time_runs(runs: dict[str, tuple[Path, Path, Path]], base: dict[str, Any], s: h.Settings, sessions: int = 3
+              ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Time each run ``name: (run directory, models folder, dense network)``: its final model exported into
+    ``<models>/exported`` (kept, so that the timing can be repeated without the run directory; the dense network too
+    where it is ``<models>/dense``) against the same network dense: 3000 test images of the protocol's data, batch
+    3000, 2 threads, ``sessions`` sessions. Returns the records by name and the machine's description."""
     import speed as sp
     import torch
 
     from dturbo.data import load_dataset
 
-    choice = choose(camp, h.load_runs(camp, s))
-    by = camp.by_label()
-    base = camp.base
-    path = s.results / "joint_speed.json"
-    old = json.loads(path.read_text())["runs"] if path.exists() else {}
     ds = load_dataset(base["data"]["name"], s.data_path or h.DEFAULT_DATA[base["data"]["name"]], limit_test=3000,
                       seed=0)
     x = torch.from_numpy(ds.x_test[:3000])
     allocator = sp.reuse_memory()
-    records = dict(old)
+    records = {}
+    for name, (run_dir, models, dense) in runs.items():
+        if not (models / "exported").exists():
+            if not (run_dir / "model.safetensors").exists():
+                h.say(f"{name}: no exported model and no run directory; train it first")
+                continue
+            sp.export_run(run_dir, models / "exported")
+            if dense == models / "dense":
+                sp.export_run(run_dir, dense, compaction=False)
+        if not dense.exists():
+            h.say(f"{name}: no dense network of the protocol's size at {dense}; time D-Turbo-VBI's first")
+            continue
+        rec = sp.time_pair(models / "exported", dense, x, batches=(3000,), threads=(2,), sessions=sessions)
+        records[name] = {k: rec[k] for k in ("speedup", "speedup_sessions", "speedup_eager")}
+        h.say(f"{name}: {rec['speedup']:.2f}x (sessions {rec['speedup_sessions']})")
+    return records, sp.machine(allocator)
+
+
+def time_chosen(camp: h.Campaign, s: h.Settings, sessions: int = 3, only: list[str] | None = None) -> dict[str, Any]:
+    """Every chosen seed's final model of a method whose model can be sparse (of ``only``'s methods; None: all),
+    timed by :func:`time_runs` into ``<results>/joint_models/<run>``; a narrow network against D-Turbo-VBI's seed's
+    dense export (the protocol's network). The other methods' timings stay as they are."""
+    choice = choose(camp, h.load_runs(camp, s))
+    by = camp.by_label()
+    path = s.results / "joint_speed.json"
+    records = json.loads(path.read_text())["runs"] if path.exists() else {}
+    runs = {}
     for method, label in choice.chosen.items():
-        cand = by[label]
-        if dense_final(cand) or (only is not None and method not in only):
+        if dense_final(by[label]) or (only is not None and method not in only):
             continue
         for seed in camp.seeds:
             name = f"{label}_s{seed}"
             models = s.results / "joint_models" / name
-            run_dir = s.runs_root / camp.tag / name
-            # a narrow network against the protocol's network dense: D-Turbo-VBI's seed's dense export
-            dense = (s.results / "joint_models" / f"{choice.chosen['dturbo']}_s{seed}" / "dense" if narrow(cand)
-                     else models / "dense")
-            if not (models / "exported").exists():
-                if not (run_dir / "model.safetensors").exists():
-                    h.say(f"{name}: no exported model and no run directory; train it first")
-                    continue
-                sp.export_run(run_dir, models / "exported")
-                if not narrow(cand):
-                    sp.export_run(run_dir, dense, compaction=False)
-            if not dense.exists():
-                h.say(f"{name}: no dense network of the protocol's size at {dense}; time D-Turbo-VBI's first")
-                continue
-            rec = sp.time_pair(models / "exported", dense, x, batches=(3000,), threads=(2,), sessions=sessions)
-            records[name] = {k: rec[k] for k in ("speedup", "speedup_sessions", "speedup_eager")}
-            h.say(f"{name}: {rec['speedup']:.2f}x (sessions {rec['speedup_sessions']})")
-    out = {"machine": sp.machine(allocator), "timing": {"samples": 3000, "batch": 3000, "threads": 2,
-                                                        "sessions": sessions, "device": "cpu"},
-           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "runs": records}
+            dense = (s.results / "joint_models" / f"{choice.chosen['dturbo']}_s{seed}" / "dense"
+                     if narrow(by[label]) else models / "dense")
+            runs[name] = (s.runs_root / camp.tag / name, models, dense)
+    timed, machine = time_runs(runs, camp.base, s, sessions)
+    out = {"machine": machine, "timing": TIMING | {"sessions": sessions},
+           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "runs": records | timed}
     path.write_text(json.dumps(out, indent=1) + "\n")
     return out
 

@@ -21,9 +21,10 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
 The rule, fixed before the runs: a variant is recommended when its mean final validation accuracy is at most
 ``MARGIN`` below its reference's (the chosen setting's runs, or those it names) and it is better on its axis (means
 over the seeds; validation only, test accuracy and bits to T are reported).
-Writes ``benchmarks/results/variants.{json,md}``.
+Writes ``benchmarks/results/variants.{json,md}`` (``time``: ``variants_speed.json``, the exported models in
+``variants_models/``).
 
-Usage: .venv/bin/python benchmarks/variants.py [plan|run|report] [--jobs 2] [--only VARIANT ...]
+Usage: .venv/bin/python benchmarks/variants.py [plan|run|time|report] [--jobs 2] [--only VARIANT ...]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness as h  # noqa: E402
-from joint import _mbit, largest_drop, per_param  # noqa: E402
+from joint import TIMING, _mbit, largest_drop, per_param, time_runs  # noqa: E402
 from sampling import campaigns as sampling_campaigns  # noqa: E402
 from sampling import dispatch, seed_table, shape  # noqa: E402
 
@@ -74,11 +75,31 @@ def campaigns(s: h.Settings) -> tuple[h.Campaign, h.Campaign, str]:
     return joint, h.Campaign("variants", joint.protocol, cands), chosen
 
 
-def row(run: h.Run, variant: str, t: float) -> dict[str, Any]:
+def row(run: h.Run, variant: str, t: float, speed: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return ({"variant": variant} | shape(run, t)
             | {"initial_bits": float(run.m["down_bits"][0]), "val_drop": largest_drop(run.m["val_accuracy"]),
                # the steady state, as joint.py's: the mean downlink of the last rounds, per participating client
-               "steady_down_mbit": per_param(run, "down", 1) / 1e6})
+               "steady_down_mbit": per_param(run, "down", 1) / 1e6,
+               "speedup": speed.get(f"{run.cand.label}_s{run.seed}", {}).get("speedup")})
+
+
+def time_speedups(s: h.Settings, sessions: int = 3) -> dict[str, Any]:
+    """The exported models of every variant judged on speed and of the chosen setting, one session
+    (``joint.time_runs``), each against the chosen setting's seed's dense network."""
+    joint, camp, chosen = campaigns(s)
+    runs = {}
+    for seed in camp.seeds:
+        dense = s.results / "joint_models" / f"{chosen}_s{seed}" / "dense"
+        runs[f"{chosen}_s{seed}"] = (s.runs_root / joint.tag / f"{chosen}_s{seed}", dense.parent, dense)
+        for name, (_, _, axis, _) in VARIANTS.items():
+            if axis == "speedup":
+                label = f"{chosen}_{name}_s{seed}"
+                runs[label] = (s.runs_root / camp.tag / label, s.results / "variants_models" / label, dense)
+    timed, machine = time_runs(runs, camp.base, s, sessions)
+    out = {"machine": machine, "timing": TIMING | {"sessions": sessions},
+           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "runs": timed}
+    (s.results / "variants_speed.json").write_text(json.dumps(out, indent=1) + "\n")
+    return out
 
 
 def summarize(rows: list[dict[str, Any]], seeds: int) -> dict[str, dict[str, Any]]:
@@ -92,19 +113,30 @@ def summarize(rows: list[dict[str, Any]], seeds: int) -> dict[str, dict[str, Any
             return None if any(x is None for x in xs) else float(np.mean(xs))
 
         after = [None if r["bits_to_t"] is None else r["bits_to_t"] - r["initial_bits"] for r in mine]
+        speed = [r["speedup"] for r in mine]
         out[name] = {"accuracy": mean("accuracy"), "val_accuracy": mean("val_accuracy"),
                      "bits_to_t": mean("bits_to_t"),
                      "bits_to_t_after_initial": None if None in after else float(np.mean(after)),
                      "total_bits": mean("total_bits"), "steady_down_mbit": mean("steady_down_mbit"),
                      "largest_drop": max(r["largest_drop"] for r in mine), "val_drop": mean("val_drop"),
+                     "speedup": mean("speedup"),
+                     "speedup_range": None if None in speed else [min(speed), max(speed)],
                      "seeds_reaching_t": sum(r["bits_to_t"] is not None for r in mine), "seeds": seeds}
     return out
+
+
+def better(axis: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a`` better than ``b`` on ``axis``: faster on every seed than ``b`` on any (speedup), else a lower mean."""
+    if axis == "speedup":
+        return a["speedup_range"] is not None and b["speedup_range"] is not None and \
+            a["speedup_range"][0] > b["speedup_range"][1]
+    return a[axis] < b[axis]
 
 
 def recommend(summary: dict[str, dict[str, Any]]) -> dict[str, bool]:
     """The rule of the module docstring, per variant against its reference's runs: validation only."""
     return {name: (summary[name]["val_accuracy"] >= summary[ref]["val_accuracy"] - MARGIN
-                   and summary[name][axis] < summary[ref][axis])
+                   and better(axis, summary[name], summary[ref]))
             for name, (_, _, axis, ref) in VARIANTS.items() if name in summary and ref in summary}
 
 
@@ -114,15 +146,17 @@ def report(s: h.Settings) -> None:
     t = float(res_joint["t"])
     runs = h.load_runs(camp, s)
     done = [r for r in runs if sum(o.cand.label == r.cand.label for o in runs) == len(camp.seeds)]
+    speed_path = s.results / "variants_speed.json"
+    speed = json.loads(speed_path.read_text())["runs"] if speed_path.exists() else {}
     if not done:
         raise h.HarnessError(f"no variant has all {len(camp.seeds)} seeds done: run `benchmarks/variants.py run` "
                              f"first")
-    rows = [row(r, REFERENCE, t) for r in h.load_runs(joint, s) if r.cand.label == chosen]
+    rows = [row(r, REFERENCE, t, speed) for r in h.load_runs(joint, s) if r.cand.label == chosen]
     if any(VARIANTS[r.cand.label.removeprefix(f"{chosen}_")][3] == "detached" for r in done):
         _, sampling_camp, _ = sampling_campaigns(s)
-        rows += [row(r, "detached", t) for r in h.load_runs(sampling_camp, s)
+        rows += [row(r, "detached", t, speed) for r in h.load_runs(sampling_camp, s)
                  if r.cand.label == f"{chosen}_detached"]
-    rows += [row(r, r.cand.label.removeprefix(f"{chosen}_"), t)
+    rows += [row(r, r.cand.label.removeprefix(f"{chosen}_"), t, speed)
              for r in sorted(done, key=lambda r: (r.cand.label, r.seed))]
     summary = summarize(rows, len(camp.seeds))
     recommended = recommend(summary)
@@ -137,22 +171,28 @@ def report(s: h.Settings) -> None:
         return "" if x is None or stc is None or not stc.get(key) else f" ({x / stc[key]:.3f}x STC's)"
 
     what = REFERENCES | {name: v[1] for name, v in VARIANTS.items()}
+
+    def speedups(v: dict[str, Any]) -> str:
+        return "" if v["speedup_range"] is None else \
+            f"{v['speedup']:.2f}x ({v['speedup_range'][0]:.2f}-{v['speedup_range'][1]:.2f}x)"
     md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` with one option changed, on the joint protocol (3 seeds; "
           f"T = {t:.2%}).", "",
           *seed_table(rows, "variant", lambda r: what[r["variant"]],
                       {"steady downlink (Mbit a client)": lambda r: f"{r['steady_down_mbit']:.3f}",
+                       "speedup": lambda r: "" if r["speedup"] is None else f"{r['speedup']:.2f}x",
                        "largest drop after round 3 (test / validation)":
                            lambda r: f"{r['largest_drop'] * 100:.1f} / {r['val_drop'] * 100:.1f} points"})]
     md += ["", "| variant | mean validation accuracy | mean test accuracy | seeds reaching T | mean Mbit to T | "
-               "after round 1's downlink | mean total Mbit | largest drop after round 3 (test) | recommended |",
-           "|---|---|---|---|---|---|---|---|---|"]
+               "after round 1's downlink | mean total Mbit | largest drop after round 3 (test) | speedup (seeds) | "
+               "recommended |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in summary.items():
         rec = "yes" if recommended.get(name) else "" if name in REFERENCES else "no"
         md.append(f"| {what[name]} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {v['seeds_reaching_t']} of "
                   f"{v['seeds']} | {_mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t')} | "
                   f"{_mbit(v['bits_to_t_after_initial'])}"
                   f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial')} | {_mbit(v['total_bits'])} | "
-                  f"{v['largest_drop'] * 100:.1f} points | {rec} |")
+                  f"{v['largest_drop'] * 100:.1f} points | {speedups(v)} | {rec} |")
     md += ["", f"Recommended: a variant whose mean validation accuracy is at most {100 * MARGIN:.1f} points below its "
                f"reference's and that is better on its axis ("
                + "; ".join(f"{what[name]}: {AXES[axis]} than {what[ref]}"
@@ -162,12 +202,16 @@ def report(s: h.Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("command", nargs="?", default="plan", choices=["plan", "run", "report"])
+    ap.add_argument("command", nargs="?", default="plan", choices=["plan", "run", "time", "report"])
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
     ap.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                     help="train these variants' runs (another process may be training the others)")
+    ap.add_argument("--sessions", type=int, default=3, help="time: timing sessions per model")
     args = ap.parse_args(argv)
     s = h.Settings()
+    if args.command == "time":
+        time_speedups(s, args.sessions)
+        return 0
     _, camp, chosen = campaigns(s)
     wanted = {f"{chosen}_{name}" for name in args.only}
     return dispatch(args.command, camp, s, lambda j: j.cand.label in wanted, args.jobs, report)

@@ -122,14 +122,19 @@ def test_reuse_reads_back_the_runs_a_report_keeps_and_refuses_another_rule(ai, t
 
 
 def test_the_recommended_rule_is_each_rounds_recorded_choice_and_its_name_says_every_setting(ai):
-    """RECOMMENDED follows the rounds' results files: the third round's candidate where it chose one (its rule after
-    the second round with refuse_short), else the rule after the second; rule_name names every robust setting."""
+    """RECOMMENDED follows the rounds' results files: the fourth round's candidate where it chose one (the rule after
+    the third with refuse_close), else the third's (the rule after the second with refuse_short), else the rule after
+    the second; rule_name names every robust setting."""
     for m, rule in ai.RECOMMENDED.items():
         pick = ai.THIRD_CHOSEN[m]
-        assert rule == ai.THIRD[m].get(pick, ai.AFTER_SECOND[m])
+        assert ai.AFTER_THIRD[m] == ai.THIRD[m].get(pick, ai.AFTER_SECOND[m])
         if pick in ai.FLOORS:
-            assert rule == ai.AFTER_SECOND[m] | {"robust.refuse_short": ai.FLOORS[pick]}
+            assert ai.AFTER_THIRD[m] == ai.AFTER_SECOND[m] | {"robust.refuse_short": ai.FLOORS[pick]}
+        last = ai.FOURTH_CHOSEN[m]
+        assert rule == (ai.AFTER_THIRD[m] | {"robust.refuse_close": ai.CLOSE[last]} if last in ai.CLOSE
+                        else ai.AFTER_THIRD[m])
         name = ai.rule_name(m)
         for k, v in rule.items():
             assert (f"{k.removeprefix('robust.')} {v}" in name) if k != "robust.rule" else name.startswith(v)
     assert ai.THIRD["fedpm"] == {} and set(ai.THIRD["stc"]) == set(ai.FLOORS)
+    assert [m for m, c in ai.FOURTH.items() if c] == ["fedpaq"] and set(ai.FOURTH["fedpaq"]) == set(ai.CLOSE)

@@ -24,6 +24,7 @@ from dturbo.algorithms.robust import (
     RobustAggregation,
     TrimmedMean,
     aligned,
+    apart,
     cosines,
     krum_scores,
     ordinary,
@@ -557,6 +558,35 @@ def test_refuse_short_refuses_updates_built_from_the_honest_mean_with_the_reason
     assert ordinary(steps, None, 0.999)[np.argsort(norms)[len(rows) // 2]]
     assert ordinary(np.zeros((4, 3)), None, 0.5).all()
     assert RobustAggregation(RobustConfig(refuse_short=0.5)).screens
+
+
+def test_refuse_close_refuses_colluding_copies_of_one_vector_with_the_reason():
+    """refuse_close: colluding attackers (ALIE, IPM) send one vector, so their updates coincide while honest
+    clients' differ; every row within the ratio times the median distance between rows of another is refused, both
+    of a pair, with the bound named; the kept rows equal a brute-force check of every pair; a round of equal rows or
+    of one row keeps them all."""
+    rng = np.random.default_rng(4)
+    ref = rng.normal(size=40)
+    honest = [ref + rng.normal(size=40) for _ in range(7)]
+    alie = np.mean(honest, axis=0) - 0.5 * np.std(honest, axis=0)
+    rows = honest[:3] + [alie, alie.copy(), alie + 1e-9] + honest[3:]
+    agg = RobustAggregation(RobustConfig(rule="krum", byzantine=3, refuse_median=10.0, refuse_close=0.1))
+    screened = agg.screen(rows, ref)
+    assert sorted(screened) == [3, 4, 5]
+    assert all("robust.refuse_close = 0.1" in why for why in screened.values())
+    steps = np.stack(rows) - ref
+    for ratio in (0.1, 0.5, 0.9):
+        pairs = [(i, j, np.linalg.norm(steps[i] - steps[j])) for i in range(len(rows)) for j in range(len(rows))
+                 if i != j]
+        median = np.median([d for _, _, d in pairs])
+        want = [i for i in range(len(rows)) if all(d >= ratio * median for a, _, d in pairs if a == i)]
+        kept, nearest = apart(steps, ratio)
+        assert list(np.flatnonzero(kept)) == want
+        np.testing.assert_allclose(nearest, [min(d for a, _, d in pairs if a == i) / median
+                                             for i in range(len(rows))], rtol=1e-6, atol=1e-6)
+    assert apart(np.ones((4, 3)), 0.5)[0].all() and apart(np.ones((1, 3)), 0.5)[0].all()
+    assert RobustAggregation(RobustConfig(refuse_close=0.1)).screens
+    assert RobustAggregation(RobustConfig(refuse_close=0.1)).screen(honest, ref) == {}
 
 
 @pytest.mark.parametrize("algorithm", METHODS)

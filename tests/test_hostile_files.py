@@ -262,6 +262,10 @@ def test_the_later_keys_a_checkpoint_fingerprint_leaves_out_hold_the_values_olde
     assert config_fingerprint(older) == config_fingerprint(robust)
     robust["robust"]["refuse_short"] = 0.5
     assert config_fingerprint(older) != config_fingerprint(robust)
+    older = {**robust, "robust": {k: v for k, v in robust["robust"].items() if k != "refuse_close"}}  # before it
+    assert config_fingerprint(older) == config_fingerprint(robust)
+    robust["robust"]["refuse_close"] = 0.1
+    assert config_fingerprint(older) != config_fingerprint(robust)
     assert parse_config({}).dturbo.global_model == "trained"
     cfg = parse_config({}).to_dict()
     older = {**cfg, "dturbo": {k: v for k, v in cfg["dturbo"].items() if k != "global_model"}}

@@ -7,10 +7,12 @@ import pytest
 from run_helpers import load_benchmark
 
 
-def rows(variant: str, val: list[float], total: float, to_t: list[float | None], drop: float) -> list[dict]:
+def rows(variant: str, val: list[float], total: float, to_t: list[float | None], drop: float,
+         speedup: list[float] | None = None) -> list[dict]:
     return [{"variant": variant, "seed": k, "accuracy": v - 0.01, "val_accuracy": v, "bits_to_t": b,
              "initial_bits": 2e6, "total_bits": total, "steady_down_mbit": 0.1, "largest_drop": drop + 0.01 * k,
-             "val_drop": drop} for k, (v, b) in enumerate(zip(val, to_t, strict=True))]
+             "val_drop": drop, "speedup": None if speedup is None else speedup[k]}
+            for k, (v, b) in enumerate(zip(val, to_t, strict=True))]
 
 
 def test_the_summary_and_the_rule_by_hand():
@@ -42,6 +44,21 @@ def test_a_variant_is_judged_against_its_own_reference():
     summary["cut"]["total_bits"] = 34e6
     assert v.recommend(summary) == {"cut": False}
     assert v.recommend(v.summarize(chosen + cut, 3)) == {}  # without its reference's runs it is not judged
+
+
+def test_speed_is_a_win_only_when_every_seed_is_faster():
+    """flops is judged on the exported model's speedup: faster on every seed than the chosen setting on any."""
+    v = load_benchmark("variants")
+    chosen = rows("chosen", [0.890, 0.888, 0.886], 33e6, [28e6, 30e6, 32e6], 0.06, [2.49, 2.52, 2.54])
+    flops = rows("flops", [0.889, 0.887, 0.886], 40e6, [30e6, 31e6, 33e6], 0.06, [2.60, 2.55, 2.71])
+    summary = v.summarize(chosen + flops, 3)
+    assert summary["flops"]["speedup"] == pytest.approx((2.60 + 2.55 + 2.71) / 3)
+    assert summary["flops"]["speedup_range"] == [2.55, 2.71]
+    assert v.recommend(summary) == {"flops": True}
+    summary["flops"]["speedup_range"] = [2.53, 2.71]  # seed 2 of the chosen setting times faster: a tie
+    assert v.recommend(summary) == {"flops": False}
+    untimed = v.summarize(chosen + rows("flops", [0.889, 0.887, 0.886], 40e6, [30e6, 31e6, 33e6], 0.06), 3)
+    assert untimed["flops"]["speedup"] is None and v.recommend(untimed) == {"flops": False}
 
 
 def test_the_presets_option_studies_rules_by_hand():

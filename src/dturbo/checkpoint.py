@@ -153,6 +153,7 @@ def _drop_later_defaults(data: dict[str, Any]) -> None:
         data.pop("robust")
     later = {("faults", "attackers"): FaultsConfig().attackers, ("faults", "attack"): FaultsConfig().attack,
              ("robust", "cosine_to"): RobustConfig().cosine_to, ("robust", "refuse_short"): RobustConfig().refuse_short,
+             ("robust", "refuse_close"): RobustConfig().refuse_close,
              **LATER_METHOD_KEYS}
     for (section, key), default in later.items():
         if (part := data.get(section, {})).get(key, default) == default:

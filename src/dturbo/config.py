@@ -163,6 +163,10 @@ class RobustConfig(_Section):
         "each upload whose update has an L2 norm below this times the round's median update norm is refused before "
         "clipping, with the reason (a colluding update built from the honest mean: ALIE, IPM; an update shorter "
         "than most honest ones); None: none"))
+    refuse_close: float | None = Field(None, gt=0, lt=1, description=(
+        "each upload whose update lies within this times the round's median distance between updates of another "
+        "upload's is refused before clipping, both of them, with the reason (colluding uploads built from one "
+        "vector: ALIE, IPM; honest clients' data differ); None: none"))
 
 
 class ModelConfig(_Section):

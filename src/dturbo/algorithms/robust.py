@@ -206,6 +206,29 @@ def ordinary(step: np.ndarray, ratio: float | None, short: float | None = None) 
     return kept
 
 
+def distances(step: np.ndarray) -> np.ndarray:
+    """The Euclidean distance between every two rows of ``step`` (NaN on the diagonal)."""
+    sq = np.einsum("ij,ij->i", step, step)
+    d = np.sqrt(np.maximum(sq[:, None] + sq[None, :] - 2.0 * (step @ step.T), 0.0))
+    np.fill_diagonal(d, np.nan)
+    return d
+
+
+def apart(step: np.ndarray, ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    """Which rows of ``step`` (one update each) are at least ``ratio`` times the median distance between two rows
+    from every other row (colluding attackers send one vector; honest clients' data differ), and each row's distance
+    from its nearest other row in those medians. Every row is kept when the median distance is zero or there is one
+    row."""
+    if step.shape[0] < 2:
+        return np.ones(step.shape[0], dtype=bool), np.full(step.shape[0], np.inf)
+    d = distances(step)
+    median = float(np.nanmedian(d))
+    if not median > 0:
+        return np.ones(step.shape[0], dtype=bool), np.full(step.shape[0], np.inf)
+    nearest = np.nanmin(d, axis=1) / median
+    return nearest >= ratio, nearest
+
+
 def cosines(step: np.ndarray, to: str = "median") -> np.ndarray:
     """Each row's cosine with the coordinate-wise median of the rows, or (``to = "mean"``) with the mean of the
     other rows: a row's own share of the mean would lean it that row's way, enough to pass a reversed update when
@@ -238,9 +261,9 @@ def _some(kept: np.ndarray) -> np.ndarray:
 
 class RobustAggregation:
     """``[robust]`` on a round's matrix of client vectors: :meth:`screen` names the uploads to refuse (their update
-    far longer than the round's median, ``refuse_median``, or far shorter, ``refuse_short``; pointing away from the
-    round's median update, ``min_cosine``), :meth:`combine` clips the rest (to ``clip_norm``, then to ``clip_median``
-    times the round's median update norm) and applies the rule."""
+    far longer than the round's median, ``refuse_median``, or far shorter, ``refuse_short``; next to another's,
+    ``refuse_close``; pointing away from the round's median update, ``min_cosine``), :meth:`combine` clips the rest
+    (to ``clip_norm``, then to ``clip_median`` times the round's median update norm) and applies the rule."""
 
     def __init__(self, cfg: RobustConfig) -> None:
         self.rule = make_rule(cfg)
@@ -250,6 +273,7 @@ class RobustAggregation:
         self.cosine_to = cfg.cosine_to
         self.refuse_median = cfg.refuse_median
         self.refuse_short = cfg.refuse_short
+        self.refuse_close = cfg.refuse_close
 
     @property
     def plain(self) -> bool:
@@ -259,13 +283,14 @@ class RobustAggregation:
     @property
     def screens(self) -> bool:
         """Whether :meth:`screen` can refuse an upload."""
-        return self.min_cosine is not None or self.refuse_median is not None or self.refuse_short is not None
+        return any(v is not None for v in (self.min_cosine, self.refuse_median, self.refuse_short, self.refuse_close))
 
     def screen(self, rows: list[np.ndarray], reference: np.ndarray | None = None) -> dict[int, str]:
         """The rows (by index) to refuse, with the reason: those whose update from ``reference`` (None: the rows are
         updates) is more than ``refuse_median`` or less than ``refuse_short`` times the median update norm (the
-        median upload passes both), then among the rest, clipped as :meth:`combine` clips them, those whose cosine
-        with the median update is below ``min_cosine`` (all of them failing: none refused)."""
+        median upload passes both), then among the rest those within ``refuse_close`` times their median distance of
+        another's update, then among the rest, clipped as :meth:`combine` clips them, those whose cosine with the
+        median update is below ``min_cosine`` (all of them failing: none refused)."""
         x = self._stack(rows)
         ref = self._reference(reference, x)
         out: dict[int, str] = {}
@@ -280,6 +305,12 @@ class RobustAggregation:
                 bound = (f"at most robust.refuse_median = {self.refuse_median:g}" if ratio > 1 else
                          f"at least robust.refuse_short = {self.refuse_short:g}")
                 out[int(k)] = f"its update is {ratio:.3g} times the round's median update norm ({bound})"
+            left = left[kept]
+        if self.refuse_close is not None and left.size:
+            kept, nearest = apart(x[left] - ref, self.refuse_close)
+            out |= {int(left[k]): f"its update is {nearest[k]:.3g} times the round's median distance between updates "
+                                  f"from another upload's (at least robust.refuse_close = {self.refuse_close:g})"
+                    for k in np.flatnonzero(~kept)}
             left = left[kept]
         if self.min_cosine is not None and left.size:
             cos = cosines(self._clip(x[left], ref) - ref, self.cosine_to)
