@@ -3,7 +3,7 @@ the Flower Strategy: runs that must not stop, resumes that must work, accuracy t
 bounded.
 
     python benchmarks/attacks_inside.py [--rounds 12] [--jobs 2] [--seeds 0 1 2] [--work runs/attacks_inside]
-        [--stage runs|main|report|candidates|screen|second|third|fourth] [--reuse METHOD ...]
+        [--stage runs|main|report|candidates|screen|second|third|fourth|absent] [--reuse METHOD ...]
 
 Fashion-MNIST (3000 training images, 1000 test), 10 clients (Dirichlet 0.5), 2 local epochs, one torch thread a run,
 each row on the seeds given (its accuracy and its clean run's the means over them), every method with its preset's
@@ -781,12 +781,64 @@ def candidates_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --stage absent: the methods with a row that misses the goal, their attackers' uploads absent (the ``loss`` attack:
+# a NaN training loss, refused by the bounds, from the same clients as every attack of the run's seed), under the
+# recommended rule, simulator, mlp, seeds 0-2: the accuracy a rule that refuses every attacker and nothing else ends
+# at, against the clean run (all ten clients' data) and the rows of attacks.json.
+ABSENT_METHODS = ("dssm", "fedpm")
+
+
+def absent_jobs(rounds: int) -> list[dict[str, Any]]:
+    return [{"runner": "simulator", "model": "mlp", "method": m, "attack": "loss", "attackers": k, "rounds": rounds}
+            | ({"seed": seed} if seed else {}) for seed in (0, *CONFIRM_SEEDS) for m in ABSENT_METHODS
+            for k in ATTACKERS]
+
+
+def absent_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """Per method and attacker count: the clean run's accuracy, the attackers' uploads absent, and each attack's row of
+    attacks.json (means over seeds 0-2), in points below the clean run."""
+    rows = json.loads((RESULTS / "attacks.json").read_text())["runs"]
+    absent = {(r["method"], r["attackers"]): r for r in over_seeds(results)}
+    table = []
+    for (m, k), a in sorted(absent.items()):
+        mine = [r for r in rows if r["runner"] == "sim" and r["model"] == "mlp" and r["method"] == m
+                and r["attackers"] == k and r["attack"] in ATTACKS["mlp"]]
+        clean = mine[0]["clean_accuracy"] if mine else None
+        table.append({"method": m, "attackers": k, "rule": rule_name(m), "clean_accuracy": clean,
+                      "absent_accuracy": a["accuracy"], "absent_by_seed": [r["accuracy"] for r in a["by_seed"]],
+                      "refused": a["clients_rejected"],
+                      "attacks": {r["attack"]: r["accuracy"] for r in mine}})
+    return {"what": "the attackers' uploads absent (refused by the bounds: a NaN training loss) under the recommended "
+                    "rule: what a rule that refuses every attacker and nothing else ends at", "rounds": rounds,
+            "seeds": [0, *CONFIRM_SEEDS], "rows": table, "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def absent_markdown(res: dict[str, Any]) -> str:
+    def pts(clean: float | None, x: float | None) -> str:
+        return "-" if clean is None or x is None else f"{100 * (clean - x):+.1f}"
+
+    lines = [f"# The attackers' data lost: their uploads absent ({res['rounds']} rounds, seeds 0-2)", "",
+             "Written by `benchmarks/attacks_inside.py --stage absent`: for the methods with a row of attacks.md that "
+             "misses the goal, the same attackers send a NaN training loss, which the bounds refuse, so the round "
+             "aggregates the honest uploads alone: what a rule that refuses every attacker and nothing else ends at. "
+             "Points below the clean run (all ten clients' data), means over the seeds.", "",
+             "| method | attackers | clean | attackers absent | points | by seed | " + " | ".join(ATTACKS["mlp"])
+             + " |", "|---|---|---|---|---|---|" + "---|" * len(ATTACKS["mlp"])]
+    for r in res["rows"]:
+        c = r["clean_accuracy"]
+        lines.append(f"| {r['method']} | {r['attackers']} | {100 * c:.1f}% | {100 * r['absent_accuracy']:.1f}% | "
+                     f"{pts(c, r['absent_accuracy'])} | {', '.join(f'{100 * x:.1f}' for x in r['absent_by_seed'])} | "
+                     + " | ".join(pts(c, r["attacks"].get(a)) for a in ATTACKS["mlp"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # --stage NAME: (its jobs, the jobs its results then ask for, its report, the report's markdown, the results file)
 ROUNDS = {"candidates": (candidate_jobs, None, candidates_report, candidates_markdown, "robust_candidates"),
           "screen": (lambda rounds: candidate_jobs(rounds, tuple(SCREENS)), None, screen_report, screen_markdown,
                      "robust_screen"),
           **{r.number: (r.jobs, r.confirm_jobs, r.report, r.markdown, f"robust_{r.number}")
-             for r in (SECOND_ROUND, THIRD_ROUND, FOURTH_ROUND)}}
+             for r in (SECOND_ROUND, THIRD_ROUND, FOURTH_ROUND)},
+          "absent": (absent_jobs, None, absent_report, absent_markdown, "attacks_absent")}
 
 
 def main_job(work: Path) -> dict[str, Any]:
