@@ -783,31 +783,34 @@ def candidates_markdown(res: dict[str, Any]) -> str:
 
 # --stage absent: the methods with a row that misses the goal, their attackers' uploads absent (the ``loss`` attack:
 # a NaN training loss, refused by the bounds, from the same clients as every attack of the run's seed), under the
-# recommended rule, simulator, mlp, seeds 0-2: the accuracy a rule that refuses every attacker and nothing else ends
-# at, against the clean run (all ten clients' data) and the rows of attacks.json.
+# recommended rule, simulator, mlp, seeds 0-2, beside their clean runs: the accuracy a rule that refuses every
+# attacker and nothing else ends at. At the matrix's 12 rounds the attacked rows of attacks.json stand beside it;
+# with --rounds N it asks whether the loss shrinks with longer training (attacks_absent_N.{json,md}).
 ABSENT_METHODS = ("dssm", "fedpm")
 
 
 def absent_jobs(rounds: int) -> list[dict[str, Any]]:
-    return [{"runner": "simulator", "model": "mlp", "method": m, "attack": "loss", "attackers": k, "rounds": rounds}
+    return [{"runner": "simulator", "model": "mlp", "method": m, "attack": a, "attackers": k, "rounds": rounds}
             | ({"seed": seed} if seed else {}) for seed in (0, *CONFIRM_SEEDS) for m in ABSENT_METHODS
-            for k in ATTACKERS]
+            for a, k in (("none", 0), *(("loss", k) for k in ATTACKERS))]
 
 
 def absent_report(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
-    """Per method and attacker count: the clean run's accuracy, the attackers' uploads absent, and each attack's row of
-    attacks.json (means over seeds 0-2), in points below the clean run."""
-    rows = json.loads((RESULTS / "attacks.json").read_text())["runs"]
-    absent = {(r["method"], r["attackers"]): r for r in over_seeds(results)}
+    """Per method and attacker count: the clean run's accuracy, the attackers' uploads absent and, at the matrix's
+    rounds, each attack's row of attacks.json (means over seeds 0-2)."""
+    matrix = json.loads((RESULTS / "attacks.json").read_text())
+    rows = matrix["runs"] if matrix.get("rounds") == rounds else []
+    runs = over_seeds(results)
+    clean = {r["method"]: r for r in runs if r["attack"] == "none"}
     table = []
-    for (m, k), a in sorted(absent.items()):
+    for a in sorted((r for r in runs if r["attack"] == "loss"), key=lambda r: (r["method"], r["attackers"])):
+        m, k = a["method"], a["attackers"]
         mine = [r for r in rows if r["runner"] == "sim" and r["model"] == "mlp" and r["method"] == m
                 and r["attackers"] == k and r["attack"] in ATTACKS["mlp"]]
-        clean = mine[0]["clean_accuracy"] if mine else None
-        table.append({"method": m, "attackers": k, "rule": rule_name(m), "clean_accuracy": clean,
+        table.append({"method": m, "attackers": k, "rule": rule_name(m), "clean_accuracy": clean[m]["accuracy"],
+                      "clean_by_seed": [r["accuracy"] for r in clean[m]["by_seed"]],
                       "absent_accuracy": a["accuracy"], "absent_by_seed": [r["accuracy"] for r in a["by_seed"]],
-                      "refused": a["clients_rejected"],
-                      "attacks": {r["attack"]: r["accuracy"] for r in mine}})
+                      "refused": a["clients_rejected"], "attacks": {r["attack"]: r["accuracy"] for r in mine}})
     return {"what": "the attackers' uploads absent (refused by the bounds: a NaN training loss) under the recommended "
                     "rule: what a rule that refuses every attacker and nothing else ends at", "rounds": rounds,
             "seeds": [0, *CONFIRM_SEEDS], "rows": table, "date": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -817,18 +820,26 @@ def absent_markdown(res: dict[str, Any]) -> str:
     def pts(clean: float | None, x: float | None) -> str:
         return "-" if clean is None or x is None else f"{100 * (clean - x):+.1f}"
 
+    def seeds(xs: list[float]) -> str:
+        return ", ".join(f"{100 * x:.1f}" for x in xs)
+
+    attacks = any(r["attacks"] for r in res["rows"])
     lines = [f"# The attackers' data lost: their uploads absent ({res['rounds']} rounds, seeds 0-2)", "",
              "Written by `benchmarks/attacks_inside.py --stage absent`: for the methods with a row of attacks.md that "
              "misses the goal, the same attackers send a NaN training loss, which the bounds refuse, so the round "
              "aggregates the honest uploads alone: what a rule that refuses every attacker and nothing else ends at. "
-             "Points below the clean run (all ten clients' data), means over the seeds.", "",
-             "| method | attackers | clean | attackers absent | points | by seed | " + " | ".join(ATTACKS["mlp"])
-             + " |", "|---|---|---|---|---|---|" + "---|" * len(ATTACKS["mlp"])]
+             "Points below the clean run (all ten clients' data), means over the seeds"
+             + ("; beside them, the attacked rows of attacks.md." if attacks else "."), "",
+             "| method | attackers | clean (by seed) | attackers absent (by seed) | points |"
+             + (" " + " | ".join(ATTACKS["mlp"]) + " |" if attacks else ""),
+             "|---|---|---|---|---|" + ("---|" * len(ATTACKS["mlp"]) if attacks else "")]
     for r in res["rows"]:
         c = r["clean_accuracy"]
-        lines.append(f"| {r['method']} | {r['attackers']} | {100 * c:.1f}% | {100 * r['absent_accuracy']:.1f}% | "
-                     f"{pts(c, r['absent_accuracy'])} | {', '.join(f'{100 * x:.1f}' for x in r['absent_by_seed'])} | "
-                     + " | ".join(pts(c, r["attacks"].get(a)) for a in ATTACKS["mlp"]) + " |")
+        lines.append(f"| {r['method']} | {r['attackers']} | {100 * c:.1f}% ({seeds(r['clean_by_seed'])}) | "
+                     f"{100 * r['absent_accuracy']:.1f}% ({seeds(r['absent_by_seed'])}) | "
+                     f"{pts(c, r['absent_accuracy'])} |"
+                     + (" " + " | ".join(pts(c, r["attacks"].get(a)) for a in ATTACKS["mlp"]) + " |"
+                        if attacks else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -897,6 +908,8 @@ def main() -> None:
         if then is not None:  # e.g. a seed-0 choice confirmed over 3 seeds
             results += run_cached(then(results, args.rounds), args.work / args.stage, args.only, args.jobs)
         res = report_(results, args.rounds)
+        if args.stage == "absent" and args.rounds != 12:  # the matrix's rounds keep the plain name
+            name = f"{name}_{args.rounds}"
         (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / f"{name}.md").write_text(markdown_(res))
         print(markdown_(res))
