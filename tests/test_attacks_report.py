@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from run_helpers import load_benchmark
 
@@ -138,3 +140,26 @@ def test_the_recommended_rule_is_each_rounds_recorded_choice_and_its_name_says_e
             assert (f"{k.removeprefix('robust.')} {v}" in name) if k != "robust.rule" else name.startswith(v)
     assert ai.THIRD["fedpm"] == {} and set(ai.THIRD["stc"]) == set(ai.FLOORS)
     assert [m for m, c in ai.FOURTH.items() if c] == ["fedpaq"] and set(ai.FOURTH["fedpaq"]) == set(ai.CLOSE)
+
+
+def test_the_absent_report_puts_the_lost_data_beside_the_attacked_rows_by_hand(ai, tmp_path, monkeypatch):
+    """--stage absent: per method and attacker count, the clean runs' and the attackers-absent runs' means over the
+    seeds and the points between them; the attacked rows of attacks.json beside them only at the matrix's rounds."""
+    seeds = [(0, 0.55, 0.53, 0.59), (1, 0.66, 0.58, 0.51), (2, 0.54, 0.53, 0.45)]
+    results = [_row("simulator", "mlp", "fedpm", attack, k, acc, **({"seed": s} if s else {}))
+               for s, clean, one, three in seeds
+               for attack, k, acc in (("none", 0, clean), ("loss", 1, one), ("loss", 3, three))]
+    (tmp_path / "attacks.json").write_text(json.dumps({"rounds": 12, "runs": [
+        {"runner": "sim", "model": "mlp", "method": "fedpm", "attack": a, "attackers": 3, "accuracy": 0.52}
+        for a in ai.ATTACKS["mlp"]]}))
+    monkeypatch.setattr(ai, "RESULTS", tmp_path)
+    res = ai.absent_report(results, 12)
+    one, three = res["rows"]
+    assert (one["attackers"], three["attackers"]) == (1, 3)
+    assert one["clean_accuracy"] == pytest.approx((0.55 + 0.66 + 0.54) / 3, abs=1e-4)
+    assert three["absent_by_seed"] == [0.59, 0.51, 0.45] and one["attacks"] == {}
+    assert three["attacks"] == {a: 0.52 for a in ai.ATTACKS["mlp"]}
+    line = next(x for x in ai.absent_markdown(res).splitlines() if x.startswith("| fedpm | 3 |"))
+    # clean (55 + 66 + 54) / 3 = 58.3, absent (59 + 51 + 45) / 3 = 51.7: 6.7 points; each attack at 52.0: 6.3
+    assert line == "| fedpm | 3 | 58.3% (55.0, 66.0, 54.0) | 51.7% (59.0, 51.0, 45.0) | +6.7 | +6.3 | +6.3 | +6.3 |"
+    assert ai.absent_report(results, 24)["rows"][1]["attacks"] == {}  # another length: no attacked rows beside
