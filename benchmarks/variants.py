@@ -48,10 +48,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness as h  # noqa: E402
-from joint import TIMING, _mbit, largest_drop, per_param, time_runs  # noqa: E402
+from joint import _mbit, faster, largest_drop, per_param, time_runs  # noqa: E402
 from sampling import campaigns as sampling_campaigns  # noqa: E402
 from sampling import dispatch, seed_table, shape  # noqa: E402
 
+# budget = "flops" on the chosen setting's compute: its support's share of the multiply-adds, its dense layers' density
+FLOPS = {"dturbo.sparsity.budget": "flops", "dturbo.sparsity.target_density": 0.38,
+         "dturbo.sparsity.layer_targets": {"dense": 0.19, "last": 1.0}}
 # name: (the options it changes, what it is, the row's key it is judged on (lower is better), the runs it is judged
 # against: REFERENCE, the joint campaign's, or "detached", sampling.py's with sampling = "detached")
 VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
@@ -59,12 +62,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
     "trained": ({"dturbo.global_model": "trained"}, 'global_model = "trained"', "val_drop", "chosen"),
     "cut": ({"dturbo.sampling": "detached", "dturbo.dead_units": "cut"}, 'dead_units = "cut" (sampling detached)',
             "total_bits", "detached"),
-    "flops": ({"dturbo.sparsity.budget": "flops", "dturbo.sparsity.target_density": 0.38,
-               "dturbo.sparsity.layer_targets": {"dense": 0.19, "last": 1.0}},
-              'budget = "flops" (the convolutions\' channels by the prior)', "speedup", "chosen"),
-    "flops_floor": ({"dturbo.sparsity.budget": "flops", "dturbo.sparsity.target_density": 0.38,
-                     "dturbo.sparsity.layer_targets": {"dense": 0.19, "last": 1.0},
-                     "dturbo.sparsity.min_layer_density": 0.19},
+    "flops": (FLOPS, 'budget = "flops" (the convolutions\' channels by the prior)', "speedup", "chosen"),
+    "flops_floor": (FLOPS | {"dturbo.sparsity.min_layer_density": 0.19},
                     'budget = "flops", each layer at least 0.19 of its channels', "speedup", "chosen"),
 }
 AXES = {"total_bits": "fewer total bits", "val_drop": "a smaller largest drop of validation accuracy after round 3",
@@ -104,9 +103,7 @@ def time_speedups(s: h.Settings, sessions: int = 3) -> dict[str, Any]:
             if axis == "speedup":
                 label = f"{chosen}_{name}_s{seed}"
                 runs[label] = (s.runs_root / camp.tag / label, s.results / "variants_models" / label, dense)
-    timed, machine = time_runs(runs, camp.base, s, sessions)
-    out = {"machine": machine, "timing": TIMING | {"sessions": sessions},
-           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "runs": timed}
+    out = time_runs(runs, camp.base, s, sessions)
     (s.results / "variants_speed.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
 
@@ -138,7 +135,7 @@ def better(axis: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
     """``a`` better than ``b`` on ``axis``: faster on every seed than ``b`` on any (speedup), else a lower mean."""
     if axis == "speedup":
         return a["speedup_range"] is not None and b["speedup_range"] is not None and \
-            a["speedup_range"][0] > b["speedup_range"][1]
+            faster(a["speedup_range"], b["speedup_range"])
     return a[axis] < b[axis]
 
 

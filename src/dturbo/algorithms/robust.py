@@ -74,11 +74,16 @@ def lengths(x: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ij,ij->i", x, x))
 
 
+def squared_distances(x: np.ndarray) -> np.ndarray:
+    """The squared Euclidean distance between every two rows of ``x`` (rounding below 0 raised to 0)."""
+    sq = np.einsum("ij,ij->i", x, x)
+    return np.maximum(sq[:, None] + sq[None, :] - 2.0 * (x @ x.T), 0.0)
+
+
 def krum_scores(x: np.ndarray, f: int) -> np.ndarray:
     """Each row's Krum score (Blanchard et al. 2017): the sum of its squared distances to its K - f - 2 nearest
     other rows (at least one)."""
-    sq = np.einsum("ij,ij->i", x, x)
-    d = np.maximum(sq[:, None] + sq[None, :] - 2.0 * (x @ x.T), 0.0)
+    d = squared_distances(x)
     np.fill_diagonal(d, np.inf)
     near = max(1, x.shape[0] - f - 2)
     return np.sort(d, axis=1)[:, :near].sum(axis=1)
@@ -206,27 +211,19 @@ def ordinary(step: np.ndarray, ratio: float | None, short: float | None = None) 
     return kept
 
 
-def distances(step: np.ndarray) -> np.ndarray:
-    """The Euclidean distance between every two rows of ``step`` (NaN on the diagonal)."""
-    sq = np.einsum("ij,ij->i", step, step)
-    d = np.sqrt(np.maximum(sq[:, None] + sq[None, :] - 2.0 * (step @ step.T), 0.0))
-    np.fill_diagonal(d, np.nan)
-    return d
-
-
 def apart(step: np.ndarray, ratio: float) -> tuple[np.ndarray, np.ndarray]:
     """Which rows of ``step`` (one update each) are at least ``ratio`` times the median distance between two rows
     from every other row (colluding attackers send one vector; honest clients' data differ), and each row's distance
     from its nearest other row in those medians. Every row is kept when the median distance is zero or there is one
     row."""
-    if step.shape[0] < 2:
-        return np.ones(step.shape[0], dtype=bool), np.full(step.shape[0], np.inf)
-    d = distances(step)
-    median = float(np.nanmedian(d))
-    if not median > 0:
-        return np.ones(step.shape[0], dtype=bool), np.full(step.shape[0], np.inf)
-    nearest = np.nanmin(d, axis=1) / median
-    return nearest >= ratio, nearest
+    if step.shape[0] > 1:
+        d = np.sqrt(squared_distances(step))
+        np.fill_diagonal(d, np.nan)
+        median = float(np.nanmedian(d))
+        if median > 0:
+            nearest = np.nanmin(d, axis=1) / median
+            return nearest >= ratio, nearest
+    return np.ones(step.shape[0], dtype=bool), np.full(step.shape[0], np.inf)
 
 
 def cosines(step: np.ndarray, to: str = "median") -> np.ndarray:
