@@ -22,6 +22,14 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   of seeds 0 and 1 (the shared field, scaled by each weight's multiply-adds, is steepest on the early
   convolutions); the floor keeps 2 of conv1's 6 channels, 4 of conv2's 16 and 7 of conv3's 32 at least. Its axis:
   speedup, as ``flops``'s.
+* ``flops_sqrt``: ``flops`` with ``sparsity.cost_power = 0.5``: each weight's field (u / mean u) ** 0.5 times the
+  shared one instead of u / mean u (on the convolutions 3.7x, 1.7x, 0.8x and 0.8x in place of 13.8x, 3.0x, 0.6x
+  and 0.6x), so that the cost still steers which channels go without emptying the early convolutions, and no floor.
+  Its axis: speedup, as ``flops``'s.
+* ``library``: the library's default sampling and round model, where the joint campaign's candidates keep ``local``
+  and ``cut``: ``sampling = "detached"`` (local training 1.26x FedAvg's in the steady state against local's 1.92x,
+  ``results/round_time.md``) and ``global_model = "trained"``, together in one run; its axis: the largest drop, as
+  ``trained``'s.
 
 The rule, fixed before the runs: a variant is recommended when its mean final validation accuracy is at most
 ``MARGIN`` below its reference's (the chosen setting's runs, or those it names) and it is better on its axis (means
@@ -65,6 +73,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
     "flops": (FLOPS, 'budget = "flops" (the convolutions\' channels by the prior)', "speedup", "chosen"),
     "flops_floor": (FLOPS | {"dturbo.sparsity.min_layer_density": 0.19},
                     'budget = "flops", each layer at least 0.19 of its channels', "speedup", "chosen"),
+    "flops_sqrt": (FLOPS | {"dturbo.sparsity.cost_power": 0.5},
+                   'budget = "flops", the field by the square root of the cost', "speedup", "chosen"),
+    "library": ({"dturbo.sampling": "detached", "dturbo.global_model": "trained"},
+                'sampling = "detached", global_model = "trained" (the library\'s)', "val_drop", "chosen"),
 }
 AXES = {"total_bits": "fewer total bits", "val_drop": "a smaller largest drop of validation accuracy after round 3",
         "speedup": "a faster exported model on every seed"}

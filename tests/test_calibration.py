@@ -134,6 +134,27 @@ def test_flops_budget_counts_multiply_adds_and_thins_costly_layers_hardest():
     assert np.all(f2 == f2[0])
 
 
+def test_cost_power_below_one_spares_the_costly_layers_and_holds_the_flops_budget():
+    """(u / mean u) ** cost_power: the field of each layer is the shared one times its cost to this power, so a
+    lower power thins the costliest layer less, and the budget in multiply-adds is held at every power."""
+    eta = None
+    dens: dict[float, dict[str, float]] = {}
+    for power in (1.0, 0.5, 0.25):
+        server = _server("lenet5", (1, 28, 28), 10, budget="flops", cost_power=power)
+        eta = eta or [np.random.default_rng(2).normal(0, 3, i.grid) for i in server.layers]
+        fields = server.sparsity.calibrate_field(eta, eta, 0.3, np.full(len(server.layers), np.nan),
+                                                 np.zeros(len(server.layers)))
+        assert 0.3 - 0.01 <= _density(server, eta, eta, fields, weights_of=lambda i: i.uses) <= 0.3
+        uses = np.array([i.uses for i in server.layers], dtype=float)
+        weights = np.array([np.prod(i.grid) for i in server.layers], dtype=float)
+        mean_use = (uses * weights).sum() / weights.sum()
+        np.testing.assert_allclose(fields / fields[0], (uses / mean_use) ** power / (uses[0] / mean_use) ** power)
+        dens[power] = {i.name: float(np.mean(e + turbo.module_b(e, i.prior, h, server.cfg.dturbo.spmp)[0] >= 0))
+                       for i, e, h in zip(server.layers, eta, fields, strict=True)}
+    costly = max(server.layers, key=lambda i: i.uses).name
+    assert dens[1.0][costly] < dens[0.5][costly] < dens[0.25][costly]
+
+
 def test_flops_budget_runs_and_reports_flops_density(tmp_path):
     from dturbo.sim import Simulator
 

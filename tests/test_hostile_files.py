@@ -4,6 +4,7 @@ gives a clear error (or a refusal in events.log), never a traceback or a silent 
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 from pathlib import Path
@@ -246,12 +247,21 @@ def test_a_model_too_big_for_memory_is_a_config_error_with_its_size(toy, monkeyp
 def test_the_later_keys_a_checkpoint_fingerprint_leaves_out_hold_the_values_older_runs_ran_with():
     """checkpoint.LATER_METHOD_KEYS: a run written before such a key resumes with the value it ran with, and only with
     it (global_model: "cut" before "trained" became the default)."""
-    from dturbo.checkpoint import LATER_METHOD_KEYS, config_fingerprint
+    from dturbo.checkpoint import LATER_METHOD_KEYS, config_fingerprint, with_earlier_values
 
     for (section, key), value in LATER_METHOD_KEYS.items():
-        cfg = parse_config({section: {key: value}}).to_dict()
-        older = {**cfg, section: {k: v for k, v in cfg[section].items() if k != key}}
-        assert config_fingerprint(older) == config_fingerprint(cfg)
+        *outer, inner = section.split(".")
+        tree: dict = {inner: {key: value}}
+        for name in reversed(outer):
+            tree = {name: tree}
+        cfg = parse_config(tree).to_dict()
+        older = copy.deepcopy(cfg)
+        part = older
+        for name in section.split("."):
+            part = part[name]
+        del part[key]
+        assert config_fingerprint(older) == config_fingerprint(cfg), (section, key)
+        assert with_earlier_values(older) == cfg, (section, key)  # what harness.run_tree reads an older run as
     robust = parse_config({"robust": {"rule": "centered_clip", "min_cosine": 0.0}}).to_dict()  # before cosine_to
     older = {**robust, "robust": {k: v for k, v in robust["robust"].items() if k != "cosine_to"}}
     assert robust["robust"]["cosine_to"] == "median" and config_fingerprint(older) == config_fingerprint(robust)
@@ -269,4 +279,8 @@ def test_the_later_keys_a_checkpoint_fingerprint_leaves_out_hold_the_values_olde
     assert parse_config({}).dturbo.global_model == "trained"
     cfg = parse_config({}).to_dict()
     older = {**cfg, "dturbo": {k: v for k, v in cfg["dturbo"].items() if k != "global_model"}}
+    assert config_fingerprint(older) != config_fingerprint(cfg)
+    cfg["dturbo"]["sparsity"]["cost_power"] = 0.5  # a run that set cost_power keeps it in its fingerprint
+    older = copy.deepcopy(cfg)
+    del older["dturbo"]["sparsity"]["cost_power"]
     assert config_fingerprint(older) != config_fingerprint(cfg)

@@ -6,6 +6,7 @@ A checkpoint is written to a temporary file in the same folder, fsynced, and ren
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -115,17 +116,27 @@ def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
 # Keys of a method's section that came after the first checkpoints, with the value a run written before them ran
 # with (the sections belong to their methods, which this floor does not import; tests/test_hostile_files.py holds
 # them to the sections' values).
+# A section is dotted where it lies inside another ("dturbo.sparsity").
 LATER_METHOD_KEYS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local", ("dturbo", "global_model"): "cut",
-                                                 ("dturbo", "dead_units"): "kept"}
+                                                 ("dturbo", "dead_units"): "kept",
+                                                 ("dturbo.sparsity", "cost_power"): 1.0}
+
+
+def _section(tree: dict[str, Any], dotted: str) -> dict[str, Any] | None:
+    """The (sub)section ``dotted`` of a config tree, None where the tree lacks it."""
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
 
 
 def with_earlier_values(tree: dict[str, Any]) -> dict[str, Any]:
     """A run's config.toml as read (``tree``), each later key it lacks (:data:`LATER_METHOD_KEYS`) set to the value
     the run ran with, in the sections it has."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    out = copy.deepcopy(tree)
     for (section, key), value in LATER_METHOD_KEYS.items():
-        if isinstance(out.get(section), dict):
-            out[section].setdefault(key, value)
+        if (part := _section(out, section)) is not None:
+            part.setdefault(key, value)
     return out
 
 
@@ -156,7 +167,7 @@ def _drop_later_defaults(data: dict[str, Any]) -> None:
              ("robust", "refuse_close"): RobustConfig().refuse_close,
              **LATER_METHOD_KEYS}
     for (section, key), default in later.items():
-        if (part := data.get(section, {})).get(key, default) == default:
+        if (part := _section(data, section)) is not None and part.get(key, default) == default:
             part.pop(key, None)
 
 

@@ -75,6 +75,9 @@ class SparsityConfig(Section):
     budget: Literal["weights", "flops"] = Field("weights", description=(
         "what target_density counts: the fraction of weights kept, or of multiply-adds for one sample (the "
         "shared field then weighs each weight by the multiply-adds it does: costly layers are thinned hardest)"))
+    cost_power: float = Field(1.0, gt=0, le=1, description=(
+        "budget 'flops': the shared field weighs a weight by (its multiply-adds / the shared layers' mean) to this "
+        "power; 1 charges the cost in full, below 1 spares the costly layers"))
     min_layer_density: Probability = Field(0.02, ge=0, le=1)
     distribution: Literal["auto", "evidence", "erk"] = Field("auto", description=(
         "scope 'global': how target_density spreads over the layers; evidence: one shared field, the layers' "

@@ -312,8 +312,8 @@ class TargetDensity:
         thr_lo = self.threshold_logodds
         sizes = budget_sizes(self.layers, sp)
         # The shared field is a log-odds against activity per unit of cost: with budget "flops" a weight that
-        # does u multiply-adds a sample gets u / (the shared layers' mean u) times it, so the costly layers
-        # (early convolutions) are thinned hardest and the cheap dense layers keep more.
+        # does u multiply-adds a sample gets (u / the shared layers' mean u) ** cost_power times it, so the costly
+        # layers (early convolutions) are thinned hardest and the cheap dense layers keep more.
         scale = np.ones(L)
         if sp.budget == "flops":
             uses = np.array([info.uses for info in self.layers], dtype=np.float64)
@@ -321,7 +321,7 @@ class TargetDensity:
             shared_idx = np.isnan(targets)
             if shared_idx.any():
                 mean_use = (uses * weights)[shared_idx].sum() / weights[shared_idx].sum()
-                scale = np.where(shared_idx, uses / mean_use, 1.0)
+                scale = np.where(shared_idx, (uses / mean_use) ** sp.cost_power, 1.0)
 
         def layer_density(i: int, h: float) -> float:
             lo_h, _ = module_b(eta[i], self.layers[i].prior, h * scale[i], self.spmp)
