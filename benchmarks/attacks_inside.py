@@ -5,6 +5,8 @@ bounded.
     python benchmarks/attacks_inside.py [--rounds 12] [--jobs 2] [--seeds 0 1 2] [--work runs/attacks_inside]
         [--stage runs|main|report|candidates|screen|second|third|fourth|absent] [--reuse METHOD ...]
 
+A stage run at another length than the matrix's 12 rounds writes its results beside the matrix's: NAME_N.{json,md}.
+
 Fashion-MNIST (3000 training images, 1000 test), 10 clients (Dirichlet 0.5), 2 local epochs, one torch thread a run,
 each row on the seeds given (its accuracy and its clean run's the means over them), every method with its preset's
 settings and its recommended rule (``RECOMMENDED``, fixed before the runs). Two models: ``mlp`` (the built-in 200-100
@@ -843,6 +845,8 @@ def absent_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+MATRIX_ROUNDS = 12  # the matrix's length (the "at least 12 rounds"); a stage at another N writes NAME_N
+
 # --stage NAME: (its jobs, the jobs its results then ask for, its report, the report's markdown, the results file)
 ROUNDS = {"candidates": (candidate_jobs, None, candidates_report, candidates_markdown, "robust_candidates"),
           "screen": (lambda rounds: candidate_jobs(rounds, tuple(SCREENS)), None, screen_report, screen_markdown,
@@ -887,7 +891,7 @@ def run_cached(jobs: list[dict[str, Any]], work: Path, only: str, workers: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=MATRIX_ROUNDS)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "attacks_inside")
     ap.add_argument("--stage", choices=("runs", "main", "report", "all", *ROUNDS), default="all")
@@ -908,7 +912,7 @@ def main() -> None:
         if then is not None:  # e.g. a seed-0 choice confirmed over 3 seeds
             results += run_cached(then(results, args.rounds), args.work / args.stage, args.only, args.jobs)
         res = report_(results, args.rounds)
-        if args.stage == "absent" and args.rounds != 12:  # the matrix's rounds keep the plain name
+        if args.rounds != MATRIX_ROUNDS:  # another length writes beside the matrix's, not over it
             name = f"{name}_{args.rounds}"
         (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
         (RESULTS / f"{name}.md").write_text(markdown_(res))

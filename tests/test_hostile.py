@@ -531,8 +531,10 @@ def test_uploads_far_longer_than_the_rounds_median_update_are_left_out_before_cl
     assert np.linalg.norm(without - got) > 0.1
     steps = np.stack(hostile + honest) - ref
     lengths = np.linalg.norm(steps, axis=1)
-    np.testing.assert_array_equal(ordinary(steps, 10.0), lengths <= 10 * np.median(lengths))
-    assert ordinary(np.zeros((4, 3)), 10.0).all()
+    kept, relative = ordinary(steps, 10.0)
+    np.testing.assert_array_equal(kept, lengths <= 10 * np.median(lengths))
+    np.testing.assert_allclose(relative, lengths / np.median(lengths))
+    assert ordinary(np.zeros((4, 3)), 10.0)[0].all()
 
 
 def test_refuse_short_refuses_updates_built_from_the_honest_mean_with_the_reason():
@@ -554,9 +556,9 @@ def test_refuse_short_refuses_updates_built_from_the_honest_mean_with_the_reason
     median = np.median(norms)
     for short in (0.2, 0.6, 0.9):
         want = [k for k in range(len(rows)) if short * median <= norms[k] <= 10 * median]
-        assert list(np.flatnonzero(ordinary(steps, 10.0, short))) == want
-    assert ordinary(steps, None, 0.999)[np.argsort(norms)[len(rows) // 2]]
-    assert ordinary(np.zeros((4, 3)), None, 0.5).all()
+        assert list(np.flatnonzero(ordinary(steps, 10.0, short)[0])) == want
+    assert ordinary(steps, None, 0.999)[0][np.argsort(norms)[len(rows) // 2]]
+    assert ordinary(np.zeros((4, 3)), None, 0.5)[0].all()
     assert RobustAggregation(RobustConfig(refuse_short=0.5)).screens
 
 

@@ -195,20 +195,22 @@ def clip(x: np.ndarray, reference: np.ndarray, norm: float) -> np.ndarray:
     return reference + step * scale[:, None]
 
 
-def ordinary(step: np.ndarray, ratio: float | None, short: float | None = None) -> np.ndarray:
+def ordinary(step: np.ndarray, ratio: float | None, short: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Which rows of ``step`` (one update each) have an L2 norm of at most ``ratio`` times the rows' median norm (an
     update stretched to the value bound is orders of magnitude longer than an honest one) and at least ``short``
-    times it (an update built from the honest mean, as ALIE and IPM build theirs, is shorter than most honest ones);
-    None: no bound on that side. Every row is kept when the median norm is zero."""
+    times it (an update built from the honest mean, as ALIE and IPM build theirs, is shorter than most honest ones),
+    and each row's norm in medians; None: no bound on that side. Every row is kept when the median norm is zero (its
+    norms in medians then NaN)."""
     norms = lengths(step)
     median = float(np.median(norms))
     kept = np.ones(step.shape[0], dtype=bool)
-    if median > 0:
-        if ratio is not None:
-            kept &= norms <= ratio * median
-        if short is not None:
-            kept &= norms >= short * median
-    return kept
+    if median <= 0:
+        return kept, np.full(step.shape[0], np.nan)
+    if ratio is not None:
+        kept &= norms <= ratio * median
+    if short is not None:
+        kept &= norms >= short * median
+    return kept, norms / median
 
 
 def apart(step: np.ndarray, ratio: float) -> tuple[np.ndarray, np.ndarray]:
@@ -293,12 +295,9 @@ class RobustAggregation:
         out: dict[int, str] = {}
         left = np.arange(x.shape[0])
         if self.refuse_median is not None or self.refuse_short is not None:
-            step = x - ref
-            kept = ordinary(step, self.refuse_median, self.refuse_short)
-            norms = lengths(step)
-            median = float(np.median(norms))
+            kept, relative = ordinary(x - ref, self.refuse_median, self.refuse_short)
             for k in np.flatnonzero(~kept):
-                ratio = norms[k] / median
+                ratio = relative[k]
                 bound = (f"at most robust.refuse_median = {self.refuse_median:g}" if ratio > 1 else
                          f"at least robust.refuse_short = {self.refuse_short:g}")
                 out[int(k)] = f"its update is {ratio:.3g} times the round's median update norm ({bound})"
