@@ -26,6 +26,14 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   shared one instead of u / mean u (on the convolutions 3.7x, 1.7x, 0.8x and 0.8x in place of 13.8x, 3.0x, 0.6x
   and 0.6x), so that the cost still steers which channels go without emptying the early convolutions, and no floor.
   Its axis: speedup, as ``flops``'s.
+* ``up_sign``: ``up_quantizer = "sign"`` (``up_bits = 1``): the update up as its signs times each layer's mean
+  magnitude, what it rounds off kept by the client and added to its next upload (error feedback), instead of QSGD's
+  unbiased 15 levels; its axis: total bits.
+* ``down_sign``: ``down_quantizer = "sign"``: the downlink's update from what each client holds as signs times each
+  layer's mean magnitude (the server's error feedback sends what it rounds off again), instead of 3 bits on levels
+  clipped at 3 root mean squares; the first downlink, to a client that holds nothing, stays on 3-bit max levels; its
+  axis: total bits.
+* ``signs``: ``up_sign`` and ``down_sign`` together; its axis: total bits.
 * ``library``: the library's default sampling and round model, where the joint campaign's candidates keep ``local``
   and ``cut``: ``sampling = "detached"`` (local training 1.26x FedAvg's in the steady state against local's 1.92x,
   ``results/round_time.md``) and ``global_model = "trained"``, together in one run; its axis: the largest drop, as
@@ -63,6 +71,8 @@ from sampling import dispatch, seed_table, shape  # noqa: E402
 # budget = "flops" on the chosen setting's compute: its support's share of the multiply-adds, its dense layers' density
 FLOPS = {"dturbo.sparsity.budget": "flops", "dturbo.sparsity.target_density": 0.38,
          "dturbo.sparsity.layer_targets": {"dense": 0.19, "last": 1.0}}
+UP_SIGN = {"dturbo.transmission.up_bits": 1, "dturbo.transmission.up_quantizer": "sign"}
+DOWN_SIGN = {"dturbo.transmission.down_quantizer": "sign"}
 # name: (the options it changes, what it is, the row's key it is judged on (lower is better), the runs it is judged
 # against: REFERENCE, the joint campaign's, or "detached", sampling.py's with sampling = "detached")
 VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
@@ -75,6 +85,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
                     'budget = "flops", each layer at least 0.19 of its channels', "speedup", "chosen"),
     "flops_sqrt": (FLOPS | {"dturbo.sparsity.cost_power": 0.5},
                    'budget = "flops", the field by the square root of the cost', "speedup", "chosen"),
+    "up_sign": (UP_SIGN, 'up_quantizer = "sign"', "total_bits", "chosen"),
+    "down_sign": (DOWN_SIGN, 'down_quantizer = "sign"', "total_bits", "chosen"),
+    "signs": (UP_SIGN | DOWN_SIGN, "signs up and down", "total_bits", "chosen"),
     "library": ({"dturbo.sampling": "detached", "dturbo.global_model": "trained"},
                 'sampling = "detached", global_model = "trained" (the library\'s)', "val_drop", "chosen"),
 }

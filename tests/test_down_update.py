@@ -93,7 +93,8 @@ def test_the_update_is_unbiased(messages):
 
 
 # ----------------------------------------------------------------------------- server and client halves
-@pytest.fixture(params=[(BITS, "max"), (2, "clipped"), (1, "clipped")], ids=["4max", "2clipped", "1clipped"])
+@pytest.fixture(params=[(BITS, "max"), (2, "clipped"), (1, "clipped"), (3, "sign")],
+                ids=["4max", "2clipped", "1clipped", "sign"])
 def halves(toy, request):
     bits, levels = request.param
     cfg = parse_config(config(toy, 4, down_bits=bits, federation={"clients": 3},
@@ -219,6 +220,18 @@ def test_a_clipped_downlink_keeps_the_weights_held_near_a_heavy_tailed_mu_g():
     most, _ = _tracking("max")
     assert clip.max() < 2.5 * step, (clip, step)
     assert clip.mean() < most.mean() and clip.max() < most.max()
+
+
+def test_a_sign_downlink_keeps_the_weights_held_near_mu_g_on_one_bit_a_value():
+    """Signs times the mean magnitude round off at most the update itself, and the next downlink sends it again: at
+    one bit a value the error of what a client holds stays within a few of mu_G's steps in every one of 30 rounds,
+    below what the max levels leave at 3 bits at worst."""
+    sign, step = _tracking("sign")
+    most, _ = _tracking("max")
+    assert sign.max() < 2.5 * step, (sign, step)
+    assert sign.max() < most.max()
+    with pytest.raises(ValidationError, match="down_quantizer = 'sign' needs down_mu = 'update'"):
+        TransmissionConfig(down_quantizer="sign")
 
 
 def test_a_clipped_downlink_sends_a_client_without_weights_the_max_levels(clipped):

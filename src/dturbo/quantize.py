@@ -71,6 +71,18 @@ def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator, c
     return (encode_symbols if coded else encode_quantized)(symbols, _levels(bits), [scale])
 
 
+def encode_sign(values: np.ndarray, coded: bool = False) -> bytes:
+    """``values`` as their signs times their mean magnitude m (one float32): 1 bit each, deterministic and biased.
+    What it rounds off is never more than the values: |v - m sign(v)|^2 = |v|^2 - d m^2 for d values, so a sender
+    that adds it to its next message (error feedback; Karimireddy et al. 2019) loses nothing for good. Decoded by
+    :func:`decode_stochastic` at 1 bit (levels -m and +m)."""
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(v)):
+        raise ValueError("cannot quantise NaN or Inf")
+    scale = float(np.float32(np.abs(v).mean())) if v.size else 0.0
+    return (encode_symbols if coded else encode_quantized)((v >= 0).astype(np.int64), 2, [scale])
+
+
 def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False) -> np.ndarray:
     """Inverse of :func:`encode_stochastic` (up to the rounding): exactly ``count`` values on 2**bits levels with
     a finite, non-negative scale, or CodecError. ``coded`` must be what the sender used."""

@@ -87,6 +87,7 @@ from .base import (
     upload_meta,
 )
 from .bounds import Limit, UploadBounds, magnitude
+from .feedback import ClientResiduals
 from .local import round_lr, train_local
 from .message import Layouts, MessageSpec, ledger, upload_metrics
 from .plain import PlainState
@@ -427,13 +428,6 @@ class _ModelCopy:
     theta: np.ndarray  # float32, flat
 
 
-@dataclass
-class _Residual:
-    round: int  # the round that produced ``after``
-    before: np.ndarray | None  # the residual entering that round (None when restored from a checkpoint)
-    after: np.ndarray  # float64, flat
-
-
 class StcClient(ClientAlgorithm):
     """Client half (Algorithm 2): rebuild W from the broadcast, train, send STC_{p_up}(update + residual), keep the
     new residual. State: residuals per client id, one model copy per process (module docstring)."""
@@ -451,7 +445,7 @@ class StcClient(ClientAlgorithm):
         self.messages = StcMessages(cfg, self.layers, self.plain)
         self.tensors, self.size = self.messages.tensors, self.messages.size
         self._model: _ModelCopy | None = None
-        self._residuals: dict[int, _Residual] = {}
+        self._residuals = ClientResiduals(self.size, np.float64)
 
     # ------------------------------------------------------------- downlink
     def global_weights(self, downlink: bytes, client_id: int) -> tuple[int, np.ndarray]:
@@ -482,18 +476,6 @@ class StcClient(ClientAlgorithm):
             self._model = _ModelCopy(round_idx, digest, theta)
         return round_idx, theta
 
-    def _residual_entering(self, client_id: int, round_idx: int) -> np.ndarray:
-        """R_i at the start of ``round_idx``: zero in round 0 (a run starts clean, also in a reused process) and
-        for a client that never sent; the one entering the round when the round is run again (a retry)."""
-        e = self._residuals.get(client_id)
-        if round_idx == 0 or e is None:
-            return np.zeros(self.size, dtype=np.float64)
-        if e.round < round_idx:
-            return e.after
-        if e.round == round_idx and e.before is not None:
-            return e.before
-        raise ClientError(f"client {client_id}: holds the residual of round {e.round}, cannot run round {round_idx}")
-
     # ------------------------------------------------------------------ fit
     def receive(self, downlink: bytes, client_id: int) -> nn.Module:
         self._load(downlink, self.global_weights(downlink, client_id)[1])
@@ -506,14 +488,14 @@ class StcClient(ClientAlgorithm):
         result = train_local(self.model, data, self.cfg.train, gen, device=self.device,
                              lr=round_lr(self.cfg, round_idx))
         local = np.concatenate([_theta(layer) for _, layer in bayesian_layers(self.model)])
-        before = self._residual_entering(client_id, round_idx)
+        before = self._residuals.entering(client_id, round_idx)
         acc = (local - start.astype(np.float64)) + before
         if not np.all(np.isfinite(acc)):
             raise ClientError(f"client {client_id}: the local update is not finite")
         after = np.empty_like(acc)
         up = self.messages.encode_uplink(round_idx, client_id, len(data), acc, after,
                                          self.plain.encode_model(self.model), result.nll)
-        self._residuals[client_id] = _Residual(round_idx, before, after)
+        self._residuals.record(client_id, round_idx, before, after)
         return up
 
     # ------------------------------------------------------------ resume
@@ -534,14 +516,11 @@ class StcClient(ClientAlgorithm):
             out["model"] = self._model.theta
             out["model_round"] = np.array([self._model.round], dtype=np.int64)
             out["model_digest"] = np.frombuffer(self._model.digest, dtype=np.uint8).copy()
-        for cid, e in sorted(self._residuals.items()):
-            out[f"residual/{cid}"] = e.after
-            out[f"residual_round/{cid}"] = np.array([e.round], dtype=np.int64)
-        return out
+        return out | self._residuals.export_state()
 
     def import_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Inverse of :meth:`export_state` (on resume); ValueError when the arrays do not fit this model."""
-        self._model, self._residuals = None, {}
+        self._model = None
         try:
             if "model" in arrays:
                 theta = np.asarray(arrays["model"], dtype=np.float32)
@@ -549,13 +528,7 @@ class StcClient(ClientAlgorithm):
                 if theta.shape != (self.size,) or len(digest) != DIGEST_BYTES or model_digest(theta) != digest:
                     raise ValueError("the model copy does not fit the model or its digest")
                 self._model = _ModelCopy(int(arrays["model_round"][0]), digest, theta.copy())
-            for key, after in arrays.items():
-                if key.startswith("residual/"):
-                    cid = int(key.split("/", 1)[1])
-                    after = np.asarray(after, dtype=np.float64)
-                    if after.shape != (self.size,):
-                        raise ValueError(f"residual of client {cid} has shape {after.shape}, expected ({self.size},)")
-                    self._residuals[cid] = _Residual(int(arrays[f"residual_round/{cid}"][0]), None, after.copy())
+            self._residuals.import_state(arrays)
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(f"checkpointed STC client state is incomplete ({err})") from None
 

@@ -14,6 +14,7 @@ from ...device import resolve_device
 from ...nn.bayes import SAMPLINGS, bayesian_layers
 from ...protocol import ClientAlgorithm, MessageError
 from ..base import ClientData, client_generator
+from ..feedback import ClientResiduals
 from ..held import ClientSupports
 from ..local import round_lr, train_local
 from ..plain import PlainState
@@ -37,8 +38,10 @@ class DturboClient(ClientAlgorithm):
     support of the last round it knows the client decoded (its upload was valid), and a round run again (a retry,
     or a resumed run whose client had decoded the round before the stop) must still find that one after the client
     decoded the round's own; with ``down_mu = "update"`` also the weights each of them left it holding (the next
-    update is coded from them). :meth:`export_state` / :meth:`import_state` carry them through a checkpoint, and the
-    Flower ClientApp keeps them in the node's state."""
+    update is coded from them). With ``up_quantizer = "sign"`` it keeps each client's residual: what its last upload
+    rounded off, on every layer's grid (0 off the support it sent), which the next upload adds to its update on the
+    support it sends (:mod:`dturbo.algorithms.feedback`). :meth:`export_state` / :meth:`import_state` carry them
+    through a checkpoint, and the Flower ClientApp keeps them in the node's state."""
 
     keeps_state = True
 
@@ -52,6 +55,9 @@ class DturboClient(ClientAlgorithm):
         self.device = resolve_device(cfg.experiment.device)
         self.supports = ClientSupports([info.name for info in self.layers], [info.grid for info in self.layers])
         self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": id -> round -> weights
+        self.feedback = self.messages.up_values.feedback
+        self._offsets = np.cumsum([0, *(int(np.prod(info.grid)) for info in self.layers)])
+        self._residuals = ClientResiduals(int(self._offsets[-1]), np.float32)
 
     def receive(self, downlink: bytes, client_id: int) -> nn.Module:
         self._load(self._decode(downlink, client_id))
@@ -89,17 +95,31 @@ class DturboClient(ClientAlgorithm):
 
         result = train_local(model, data, self.cfg.train, gen, penalty, device=self.device,
                              lr=round_lr(self.cfg, round_idx))
+        before = self._residuals.entering(client_id, round_idx) if self.feedback else None
         up: dict[str, UpLayer] = {}
-        for info, (_, layer), d, start in zip(self.layers, layers, down.layers, starts, strict=True):
+        for i, (info, (_, layer), d, start) in enumerate(zip(self.layers, layers, down.layers, starts, strict=True)):
             mask = d.support
             mu = layer.weight_mu.detach().double().numpy().reshape(info.grid)
             # a quantised upload: the update from the weights received (the server adds it to its own mu_G)
             sent = mu[mask] - start[mask] if self.messages.up_values.sends_update else mu[mask]
+            if before is not None:  # what the last upload rounded off, where this one sends
+                sent = sent + self._on_grid(before, i)[mask]
             bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)
             up[info.name] = UpLayer(sent, sigma_as_sent(layer.sigma.detach().numpy(), mask), bias)
         msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
-        return self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng)
+        received: dict[str, np.ndarray] | None = {} if before is not None else None
+        upload = self.messages.encode_uplink(round_idx, client_id, msg, self.plain.encode_model(model), rng, received)
+        if before is not None and received is not None:
+            after = np.zeros(self._residuals.size, dtype=np.float32)
+            for i, (info, d) in enumerate(zip(self.layers, down.layers, strict=True)):
+                self._on_grid(after, i)[d.support] = up[info.name].mu - received[info.name]
+            self._residuals.record(client_id, round_idx, before, after)
+        return upload
+
+    def _on_grid(self, flat: np.ndarray, i: int) -> np.ndarray:
+        """Layer ``i``'s part of a flat vector over every layer's grid, as its grid (a view)."""
+        return flat[self._offsets[i]:self._offsets[i + 1]].reshape(self.layers[i].grid)
 
     def _decode(self, downlink: bytes, client_id: int) -> DturboDownlink:
         """The downlink, decoded against the supports (and weights) ``client_id`` holds."""
@@ -131,9 +151,9 @@ class DturboClient(ClientAlgorithm):
             self._weights[client_id] = {r: mine[r] for r in self.supports.held[client_id] if r in mine}
 
     def export_state(self) -> dict[str, np.ndarray]:
-        """The supports every client holds (packed bits) and, with ``down_mu = "update"``, the weights, for the
-        checkpoint; empty with ``positions = "full"``."""
-        out = self.supports.export_state()
+        """The supports every client holds (packed bits), with ``down_mu = "update"`` the weights and with
+        ``up_quantizer = "sign"`` the residuals, for the checkpoint; empty with ``positions = "full"`` and neither."""
+        out = self.supports.export_state() | self._residuals.export_state()
         if self.messages.update:
             for cid, mine in sorted(self.supports.held.items()):
                 for slot, r in enumerate(sorted(mine)):
@@ -145,6 +165,7 @@ class DturboClient(ClientAlgorithm):
         """Inverse of :meth:`export_state` (on resume, or a Flower node's saved state); ValueError when the arrays
         do not fit this model."""
         self.supports.import_state(arrays)
+        self._residuals.import_state(arrays)
         self._weights = {}
         if not self.messages.update:
             return

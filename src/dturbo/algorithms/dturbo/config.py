@@ -115,14 +115,17 @@ class TransmissionConfig(Section):
         "2**down_bits levels per layer (stochastic rounding), so the rounding error of one downlink is sent again in "
         "the next; needs positions = 'delta' (the server knows what each client holds) and down_bits < 16 "
         "(docs/communication.md)"))
-    up_quantizer: Literal["max", "norm"] = Field("max", description=(
+    up_quantizer: Literal["max", "norm", "sign"] = Field("max", description=(
         "the levels of the quantised update up (up_bits < 16): max, 2**bits levels over the layer's largest value, "
         "none at 0; norm, QSGD's s = 2**(bits - 1) - 1 levels of the layer's norm, 0 among them (up_bits >= 2): "
-        "most values of an update round to 0 and range-code to under a bit each (docs/communication.md)"))
-    down_quantizer: Literal["max", "clipped"] = Field("max", description=(
+        "most values of an update round to 0 and range-code to under a bit each; sign (up_bits = 1), each value's "
+        "sign times the layer's mean magnitude, what it rounds off kept by the client and added to its next upload "
+        "(error feedback) (docs/communication.md)"))
+    down_quantizer: Literal["max", "clipped", "sign"] = Field("max", description=(
         "the levels of mu_G down (down_bits < 16): max, 2**bits levels over the layer's largest value; clipped, "
-        "over at most 3 root mean squares, larger values on the end levels (needs down_mu = 'update', which sends "
-        "what is clipped again; a client that holds no weights gets them on the max levels)"))
+        "over at most 3 root mean squares, larger values on the end levels; sign, the update's signs times the "
+        "layer's mean magnitude, 1 bit a value (clipped and sign need down_mu = 'update', which sends what they "
+        "round off again; a client that holds no weights gets them on the max levels)"))
     values_code: ValuesCode = Field("range", description=(
         "how quantised values (up_bits / down_bits < 16; float16 values are sent as they are) are written: fixed, "
         "bits bits each; range, range-coded under "
@@ -136,9 +139,11 @@ class TransmissionConfig(Section):
                 raise ValueError(f"{key} must be 16 (float16) or 1..12 (quantised), got {getattr(self, key)}")
         if self.up_quantizer == "norm" and self.up_bits == 1:
             raise ValueError("up_quantizer = 'norm' needs up_bits of at least 2 (1 bit holds no level 0)")
-        if self.down_quantizer == "clipped" and self.down_mu != "update":
-            raise ValueError("down_quantizer = 'clipped' needs down_mu = 'update' (the next downlink sends what is "
-                             "clipped)")
+        if self.up_quantizer == "sign" and self.up_bits != 1:
+            raise ValueError(f"up_quantizer = 'sign' needs up_bits = 1 (one bit is the sign), got {self.up_bits}")
+        if self.down_quantizer in ("clipped", "sign") and self.down_mu != "update":
+            raise ValueError(f"down_quantizer = '{self.down_quantizer}' needs down_mu = 'update' (the next downlink "
+                             f"sends what it rounds off)")
         if self.down_mu == "update" and (self.positions != "delta" or self.down_bits == 16):
             raise ValueError("down_mu = 'update' needs positions = 'delta' (the server must know which weights each "
                              f"client holds) and down_bits in 1..12; got positions = '{self.positions}', down_bits = "

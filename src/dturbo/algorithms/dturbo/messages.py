@@ -16,7 +16,9 @@ writes or reads their bytes: the server and the client hand it typed records (:c
   update on S afterwards (float32, 0 off S), and the server, which knows R, codes the next update from R', so one
   downlink's rounding error is sent again in the next (:meth:`DturboMessages.encode_update`).
 * up: per layer, mu on S in float16 (canonical row-major order, no positions), or with ``up_bits`` < 16 the update
-  from the weights received on 2**bits levels; sigma on S; the biases; then n_t and the training figures.
+  from the weights received on 2**bits levels (with ``up_quantizer = "sign"``: the signs, times the mean magnitude,
+  of the update plus what the client's last upload rounded off, on S); sigma on S; the biases; then n_t and the
+  training figures.
 * ``values_code = "range"``: every quantised mu (down and up) is range-coded, layout ``coded`` instead of
   ``quantized`` (:mod:`dturbo.coding.values`): the same symbols, so the same values on both sides, in fewer bits.
 
@@ -172,6 +174,7 @@ class DturboMessages:
         self.update = self.tr.down_mu == "update"
         coded = self.tr.values_code == "range"
         self.up_values = scheme(self.tr.up_bits, coded, self.tr.up_quantizer)
+        # signs take one bit whatever down_bits, which sets the levels of a downlink to a client that holds nothing
         self.down_values = scheme(self.tr.down_bits, coded, self.tr.down_quantizer)
         # down_mu = "update": a client that holds no weights gets them on the max levels (nothing sends the clipped
         # part again to a client that drops out)
@@ -356,13 +359,16 @@ class DturboMessages:
 
     # --------------------------------------------------------------- uplink
     def encode_uplink(self, round_idx: int, client_id: int, msg: DturboUplink, plain_fields: dict[str, bytes],
-                      rng: np.random.Generator) -> bytes:
+                      rng: np.random.Generator, received: dict[str, np.ndarray] | None = None) -> bytes:
         """A client's upload (its plain state already encoded, :meth:`PlainState.encode_model`, so ``msg.plain`` is
-        not read); the update is quantised with the client's ``rng`` (up_bits < 16)."""
+        not read); the update is quantised with the client's ``rng`` (up_bits < 16). ``received``, when given, is
+        filled with each layer's mu as the server decodes it (what error feedback subtracts)."""
         fields = {"meta": pack_scalars([round_idx, client_id, msg.n_t])}
         for info, scalar in zip(self.layers, self.scalar_sigma, strict=True):
             n, layer = info.name, msg.layers[info.name]
             fields[f"{n}.mu"] = self.up_values.encode(layer.mu, rng)
+            if received is not None:
+                received[n] = self.up_values.decode(fields[f"{n}.mu"], layer.mu.size, f"{n}.mu")
             fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             fields[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
         fields |= plain_fields

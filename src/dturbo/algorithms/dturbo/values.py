@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...codec import decode_values, encode_values
-from ...quantize import decode_norm, decode_stochastic, encode_norm, encode_stochastic
+from ...quantize import decode_norm, decode_stochastic, encode_norm, encode_sign, encode_stochastic
 from ..base import MessageError
 
 
@@ -19,6 +19,7 @@ class Float16:
 
     layout = "values"
     sends_update = False
+    feedback = False  # whether the sender keeps what it rounds off and adds it to its next message
 
     def encode(self, values: np.ndarray, rng: np.random.Generator) -> bytes:
         return encode_values(np.asarray(values).astype(np.float32), dtype="float16")
@@ -35,6 +36,7 @@ class Stochastic:
     bits: int
     coded: bool
     sends_update = True
+    feedback = False
 
     @property
     def layout(self) -> str:
@@ -71,16 +73,31 @@ class Clipped(Stochastic):
         return encode_stochastic(values, self.bits, rng, self.coded, clip=CLIP)
 
 
+@dataclass(frozen=True)
+class Sign(Stochastic):
+    """``up_quantizer = "sign"`` (``bits`` = 1): each value's sign times the layer's mean magnitude
+    (:func:`dturbo.quantize.encode_sign`), deterministic and biased; the client keeps what it rounds off and adds it
+    to its next upload (``feedback``; :mod:`dturbo.algorithms.feedback`), which the unbiased levels' rounding error,
+    larger than the update itself on most values, would not survive."""
+
+    feedback = True
+
+    def encode(self, values: np.ndarray, rng: np.random.Generator) -> bytes:
+        return encode_sign(values, self.coded)
+
+
 CLIP = 3.0
-ValueScheme = Float16 | Stochastic | Norm | Clipped
-QUANTIZERS = {"max": Stochastic, "norm": Norm, "clipped": Clipped}
+ValueScheme = Float16 | Stochastic | Norm | Clipped | Sign
+QUANTIZERS = {"max": Stochastic, "norm": Norm, "clipped": Clipped, "sign": Sign}
 
 
 def scheme(bits: int, coded: bool, quantizer: str = "max") -> ValueScheme:
     """The scheme of ``bits`` (16: float16) with ``values_code = "range"`` (``coded``) or ``"fixed"``, levels
     spread over the largest value (``quantizer = "max"``), the norm (``"norm"``) or at most 3 root mean squares
-    (``"clipped"``)."""
-    return Float16() if bits == 16 else QUANTIZERS[quantizer](bits, coded)
+    (``"clipped"``), or the signs times the mean magnitude (``"sign"``)."""
+    if bits == 16:
+        return Float16()
+    return Sign(1, coded) if quantizer == "sign" else QUANTIZERS[quantizer](bits, coded)
 
 
 def _count(values: np.ndarray, count: int, name: str) -> np.ndarray:
