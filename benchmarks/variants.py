@@ -33,7 +33,6 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   layer's mean magnitude (the server's error feedback sends what it rounds off again), instead of 3 bits on levels
   clipped at 3 root mean squares; the first downlink, to a client that holds nothing, stays on 3-bit max levels; its
   axis: total bits.
-* ``signs``: ``up_sign`` and ``down_sign`` together; its axis: total bits.
 * ``library``: the library's default sampling and round model, where the joint campaign's candidates keep ``local``
   and ``cut``: ``sampling = "detached"`` (local training 1.26x FedAvg's in the steady state against local's 1.92x,
   ``results/round_time.md``) and ``global_model = "trained"``, together in one run; its axis: the largest drop, as
@@ -87,7 +86,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
                    'budget = "flops", the field by the square root of the cost', "speedup", "chosen"),
     "up_sign": (UP_SIGN, 'up_quantizer = "sign"', "total_bits", "chosen"),
     "down_sign": (DOWN_SIGN, 'down_quantizer = "sign"', "total_bits", "chosen"),
-    "signs": (UP_SIGN | DOWN_SIGN, "signs up and down", "total_bits", "chosen"),
     "library": ({"dturbo.sampling": "detached", "dturbo.global_model": "trained"},
                 'sampling = "detached", global_model = "trained" (the library\'s)', "val_drop", "chosen"),
 }
