@@ -157,19 +157,29 @@ def test_an_update_run_learns_on_fewer_bits(tmp_path, toy):
     assert float(u4[-1]["accuracy"]) > 0.5
 
 
-def test_a_resumed_update_run_equals_an_uninterrupted_one(tmp_path, toy):
-    """The weights each client holds are in the checkpoint (server and clients), through sampling and drops."""
+# the update on 4-bit max levels; signs both ways, whose clients keep their residuals (tests/test_up_feedback.py)
+LEVELS_AND_SIGNS = pytest.mark.parametrize("transmission", [{}, {"up_bits": 1, "up_quantizer": "sign",
+                                                                  "down_quantizer": "sign"}], ids=["levels", "signs"])
+
+
+@LEVELS_AND_SIGNS
+def test_a_resumed_update_run_equals_an_uninterrupted_one(tmp_path, toy, transmission):
+    """The weights each client holds (and with signs up its residual) are in the checkpoint (server and clients),
+    through sampling and drops."""
     cfg = config(toy, 6, federation={"clients_per_round": 3, "min_clients": 1, "max_retries": 5},
-                 faults={"drop_prob": 0.25})
+                 faults={"drop_prob": 0.25}, transmission=transmission)
     cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", cut=3)
     assert rows_of(tmp_path / "part") == rows_of(tmp_path / "whole")
     assert_same_model(tmp_path / "part", tmp_path / "whole")
 
 
-def test_on_flower_an_update_run_is_the_simulators(tmp_path, toy):
-    """The ClientApp keeps the weights in the node's state: the Flower run directory equals the Simulator's."""
+@LEVELS_AND_SIGNS
+def test_on_flower_an_update_run_is_the_simulators(tmp_path, toy, transmission):
+    """The ClientApp keeps the weights (and residuals) in the node's state: the Flower run directory equals the
+    Simulator's."""
     pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flower]')")
-    sim, flower = flower_and_simulator(config(toy, 5, federation={"clients_per_round": 3}), tmp_path)
+    sim, flower = flower_and_simulator(config(toy, 5, federation={"clients_per_round": 3},
+                                              transmission=transmission), tmp_path)
     assert rows_of(flower) == rows_of(sim)
     assert_same_model(flower, sim)
 

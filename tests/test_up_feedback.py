@@ -1,8 +1,8 @@
 """``[dturbo.transmission] up_quantizer = "sign"`` (docs/communication.md, "Signs up"): the update up as its signs
 times each layer's mean magnitude, 1 bit a value, and each client adds what its last upload rounded off, on the
 support it sends, to its next update. The rounding never exceeds the values; the residual is exactly the update less
-what the server decodes; a retried round sends the same bytes; the residuals travel through a checkpoint and the
-Flower node state."""
+what the server decodes; a retried round sends the same bytes; the residuals travel through a checkpoint (runs cut
+and resumed, and on Flower: tests/test_down_update.py, with signs both ways)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from run_helpers import cut_and_resume, flower_and_simulator, rows_of
-from test_positions_delta import assert_same_model
+from run_helpers import rows_of
 from test_positions_delta import config as delta_config
 
 from dturbo.algorithms.dturbo import DturboClient
@@ -141,20 +140,3 @@ def test_a_sign_run_learns_on_a_bit_a_value(tmp_path, toy):
     norm, sign = rows_of(tmp_path / "norm"), rows_of(tmp_path / "sign")
     assert float(sign[-1]["accuracy"]) >= float(norm[-1]["accuracy"]) - 0.05
     assert float(sign[-1]["accuracy"]) > 0.5
-
-
-def test_a_resumed_feedback_run_equals_an_uninterrupted_one(tmp_path, toy):
-    """The residuals are in the checkpoint: through sampling and drops, a cut run resumes to the same run."""
-    cfg = config(toy, 6, federation={"clients_per_round": 3, "min_clients": 1, "max_retries": 5},
-                 faults={"drop_prob": 0.25})
-    cut_and_resume(cfg, tmp_path / "whole", tmp_path / "part", cut=3)
-    assert rows_of(tmp_path / "part") == rows_of(tmp_path / "whole")
-    assert_same_model(tmp_path / "part", tmp_path / "whole")
-
-
-def test_on_flower_a_feedback_run_is_the_simulators(tmp_path, toy):
-    """The ClientApp keeps the residuals in the node's state: the Flower run directory equals the Simulator's."""
-    pytest.importorskip("flwr", reason="flwr is not installed (pip install -e '.[flower]')")
-    sim, flower = flower_and_simulator(config(toy, 5, federation={"clients_per_round": 3}), tmp_path)
-    assert rows_of(flower) == rows_of(sim)
-    assert_same_model(flower, sim)

@@ -55,7 +55,6 @@ class DturboClient(ClientAlgorithm):
         self.device = resolve_device(cfg.experiment.device)
         self.supports = ClientSupports([info.name for info in self.layers], [info.grid for info in self.layers])
         self._weights: dict[int, dict[int, list[np.ndarray]]] = {}  # down_mu = "update": id -> round -> weights
-        self.feedback = self.messages.up_values.feedback
         self._offsets = np.cumsum([0, *(int(np.prod(info.grid)) for info in self.layers)])
         self._residuals = ClientResiduals(int(self._offsets[-1]), np.float32)
 
@@ -95,7 +94,7 @@ class DturboClient(ClientAlgorithm):
 
         result = train_local(model, data, self.cfg.train, gen, penalty, device=self.device,
                              lr=round_lr(self.cfg, round_idx))
-        before = self._residuals.entering(client_id, round_idx) if self.feedback else None
+        before = self._residuals.entering(client_id, round_idx) if self.messages.up_values.feedback else None
         up: dict[str, UpLayer] = {}
         for i, (info, (_, layer), d, start) in enumerate(zip(self.layers, layers, down.layers, starts, strict=True)):
             mask = d.support
