@@ -17,7 +17,7 @@ from test_positions_delta import config as delta_config
 from dturbo.algorithms.base import MessageError
 from dturbo.algorithms.dturbo import DturboClient
 from dturbo.algorithms.dturbo.config import TransmissionConfig
-from dturbo.algorithms.dturbo.messages import DownLayer, DturboDownlink
+from dturbo.algorithms.dturbo.messages import DownLayer, DturboDownlink, updated_weights
 from dturbo.algorithms.registry import build_algorithm
 from dturbo.federation import build_federation
 from dturbo.settings import parse_config
@@ -93,8 +93,8 @@ def test_the_update_is_unbiased(messages):
 
 
 # ----------------------------------------------------------------------------- server and client halves
-@pytest.fixture(params=[(BITS, "max"), (2, "clipped"), (1, "clipped"), (3, "sign")],
-                ids=["4max", "2clipped", "1clipped", "sign"])
+@pytest.fixture(params=[(BITS, "max"), (2, "clipped"), (1, "clipped"), (3, "sign"), (3, "settled_sign")],
+                ids=["4max", "2clipped", "1clipped", "sign", "settled_sign"])
 def halves(toy, request):
     bits, levels = request.param
     cfg = parse_config(config(toy, 4, down_bits=bits, federation={"clients": 3},
@@ -158,8 +158,10 @@ def test_an_update_run_learns_on_fewer_bits(tmp_path, toy):
 
 
 # the update on 4-bit max levels; signs both ways, whose clients keep their residuals (tests/test_up_feedback.py)
-LEVELS_AND_SIGNS = pytest.mark.parametrize("transmission", [{}, {"up_bits": 1, "up_quantizer": "sign",
-                                                                  "down_quantizer": "sign"}], ids=["levels", "signs"])
+# signs down once the support has settled (round 3 of these 5 or 6)
+LEVELS_AND_SIGNS = pytest.mark.parametrize(
+    "transmission", [{}, {"up_bits": 1, "up_quantizer": "sign", "down_quantizer": "sign"},
+                     {"down_quantizer": "settled_sign"}], ids=["levels", "signs", "settled_signs"])
 
 
 @LEVELS_AND_SIGNS
@@ -242,6 +244,30 @@ def test_a_sign_downlink_keeps_the_weights_held_near_mu_g_on_one_bit_a_value():
     assert sign.max() < most.max()
     with pytest.raises(ValidationError, match="down_quantizer = 'sign' needs down_mu = 'update'"):
         TransmissionConfig(down_quantizer="sign")
+
+
+def test_settled_signs_code_the_ramp_on_clipped_levels_and_the_rounds_after_on_signs(toy):
+    """``settled_sign``: the downlinks of the rounds up to the one whose support first has the target density
+    (round 2 of 1 warm-up and 2 ramp rounds) carry 2**3 clipped levels, later ones 2 (signs), and the client decodes
+    each by its level count, no schedule needed: the weights it holds are the server's, bit for bit."""
+    from dturbo.quantize import payload_levels
+
+    cfg = parse_config(config(toy, down_bits=3, dturbo={"transmission": {"down_quantizer": "settled_sign"}}))
+    server, client = build_algorithm(cfg, build_federation(cfg))
+    assert server.messages.settled_after == 2 and client.messages.settled_after is None
+    rng = np.random.default_rng(3)
+    support = rng.random((20, 30)) < 0.6
+    held = (rng.normal(size=support.shape) * support).astype(np.float32)
+    mu = held + 0.01 * _heavy(rng, support.shape) * support
+    for rnd, levels in [(0, 8), (2, 8), (3, 2), (5, 2)]:
+        (step,), (after,) = server.messages.encode_update(_record(mu, support, rnd), 0, [held])
+        assert payload_levels(step) == levels
+        decoded = client.messages.down_values.decode(step, int(support.sum()), "mu")
+        assert np.array_equal(after, updated_weights(held, support, decoded))
+    with pytest.raises(ValidationError, match="down_quantizer = 'settled_sign' needs down_mu = 'update'"):
+        TransmissionConfig(down_quantizer="settled_sign")
+    with pytest.raises(ValidationError, match="'settled_sign' needs down_bits of at least 2"):
+        TransmissionConfig(down_quantizer="settled_sign", down_mu="update", down_bits=1)
 
 
 def test_a_clipped_downlink_sends_a_client_without_weights_the_max_levels(clipped):

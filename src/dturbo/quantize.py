@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .codec import CodecError, decode_quantized, encode_quantized
+from .coding.bits import _Reader
 from .coding.values import decode_symbols, encode_symbols
 
 MIN_BITS, MAX_BITS = 1, 12
@@ -88,6 +89,12 @@ def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False
     a finite, non-negative scale, or CodecError. ``coded`` must be what the sender used."""
     symbols, scale = _read(payload, _levels(bits), bits, count, coded, ("quantised", "levels", "scale"))
     return dequantize(symbols, bits, scale)
+
+
+def payload_levels(payload: bytes) -> int:
+    """The level count a quantised payload starts with (fixed-length and range-coded alike), or CodecError: which
+    of two schemes wrote it, when they differ in levels."""
+    return _Reader(payload).varint(limit=1 << 32, what="level count")
 
 
 def _read(payload: bytes, levels: int, bits: int, count: int, coded: bool, words: tuple[str, str, str]

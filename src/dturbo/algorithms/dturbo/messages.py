@@ -162,8 +162,12 @@ class DturboUplink(Upload):
 class DturboMessages:
     """D-Turbo-VBI's downlink and uplink for one model and ``[dturbo.transmission]`` (module docstring)."""
 
-    def __init__(self, cfg: Config, model: nn.Module, layers: list[LayerInfo], plain: PlainState) -> None:
+    def __init__(self, cfg: Config, model: nn.Module, layers: list[LayerInfo], plain: PlainState,
+                 settled_after: int | None = None) -> None:
         self.cfg = cfg
+        # the 0-based round whose support first has the target density (the server's schedule): the downlinks of
+        # later rounds are coded by down_values.at(True); a receiver needs no schedule
+        self.settled_after = settled_after
         self.tr = cfg.dturbo.transmission
         self.layers = layers
         self.plain = plain
@@ -268,7 +272,8 @@ class DturboMessages:
         and the weights R' it holds once it decodes them (:func:`updated_weights`): |R' - mu_G| on S stays below one
         level spacing, 2 max|mu_G - R| / (2**down_bits - 1), and what one round rounds off the next one sends."""
         rng = np.random.default_rng([self.cfg.experiment.seed, msg.round_idx, client_id, 0xD1])
-        values = self.down_first if weights is None else self.down_values
+        settled = self.settled_after is not None and msg.round_idx > self.settled_after
+        values = self.down_first if weights is None else self.down_values.at(settled)
         steps, after = [], []
         for i, layer in enumerate(msg.layers):
             held = np.zeros(layer.support.shape, np.float32) if weights is None else weights[i]

@@ -54,7 +54,7 @@ class DturboServer(ServerBase[DturboUplink]):
         self.schedule = pruning_schedule(cfg.dturbo.sparsity, cfg.experiment.rounds, local_steps_a_round(
             cfg.train, self.total_samples, cfg.federation.clients))
         self.sparsity = make_policy(self.layers, cfg.dturbo, self.schedule)  # checks layer_targets now
-        self.messages = DturboMessages(cfg, model, self.layers, self.plain)
+        self.messages = DturboMessages(cfg, model, self.layers, self.plain, self.schedule.reached_at)
         self.dead_units = DeadUnits(model, self.layers) if cfg.dturbo.dead_units == "cut" else None
         self.layouts = self.messages.layouts
         # positions = "delta": what each client holds (docs/communication.md, "Positions")

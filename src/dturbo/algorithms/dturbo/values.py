@@ -10,7 +10,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...codec import decode_values, encode_values
-from ...quantize import decode_norm, decode_stochastic, encode_norm, encode_sign, encode_stochastic
+from ...quantize import (
+    decode_norm,
+    decode_stochastic,
+    encode_norm,
+    encode_sign,
+    encode_stochastic,
+    payload_levels,
+)
 from ..base import MessageError
 
 
@@ -26,6 +33,9 @@ class Float16:
 
     def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
         return _count(decode_values(payload, max_elements=count), count, name)
+
+    def at(self, settled: bool) -> Float16:
+        return self
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,10 @@ class Stochastic:
 
     def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
         return _count(decode_stochastic(payload, self.bits, count, self.coded), count, name)
+
+    def at(self, settled: bool) -> Stochastic:
+        """The scheme that encodes a round's downlink, ``settled``: the support has its target density."""
+        return self
 
 
 @dataclass(frozen=True)
@@ -86,15 +100,31 @@ class Sign(Stochastic):
         return encode_sign(values, self.coded)
 
 
+@dataclass(frozen=True)
+class SettledSign(Clipped):
+    """``down_quantizer = "settled_sign"``: :class:`Clipped` levels while the sparsity ramp moves the support, and
+    :class:`Sign` once it has settled (:meth:`at`), when the update is small and even. The payload's level
+    count says which wrote it, so the receiver needs no schedule."""
+
+    def at(self, settled: bool) -> Stochastic:
+        return Sign(1, self.coded) if settled else self
+
+    def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
+        if payload_levels(payload) == 2:  # signs (down_bits >= 2: the clipped levels are more)
+            return self.at(True).decode(payload, count, name)
+        return super().decode(payload, count, name)
+
+
 CLIP = 3.0
-ValueScheme = Float16 | Stochastic | Norm | Clipped | Sign
-QUANTIZERS = {"max": Stochastic, "norm": Norm, "clipped": Clipped, "sign": Sign}
+ValueScheme = Float16 | Stochastic | Norm | Clipped | Sign | SettledSign
+QUANTIZERS = {"max": Stochastic, "norm": Norm, "clipped": Clipped, "sign": Sign, "settled_sign": SettledSign}
 
 
 def scheme(bits: int, coded: bool, quantizer: str = "max") -> ValueScheme:
     """The scheme of ``bits`` (16: float16) with ``values_code = "range"`` (``coded``) or ``"fixed"``, levels
     spread over the largest value (``quantizer = "max"``), the norm (``"norm"``) or at most 3 root mean squares
-    (``"clipped"``), or the signs times the mean magnitude (``"sign"``)."""
+    (``"clipped"``), or the signs times the mean magnitude (``"sign"``; ``"settled_sign"``: once the support has
+    settled, clipped before)."""
     if bits == 16:
         return Float16()
     return Sign(1, coded) if quantizer == "sign" else QUANTIZERS[quantizer](bits, coded)
