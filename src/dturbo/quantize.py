@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec import CodecError, decode_quantized, encode_quantized
-from .coding.bits import _Reader
+from .codec import _MAX_LEVELS, CodecError, _Reader, decode_quantized, encode_quantized
 from .coding.values import decode_symbols, encode_symbols
 
 MIN_BITS, MAX_BITS = 1, 12
@@ -94,7 +93,7 @@ def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False
 def payload_levels(payload: bytes) -> int:
     """The level count a quantised payload starts with (fixed-length and range-coded alike), or CodecError: which
     of two schemes wrote it, when they differ in levels."""
-    return _Reader(payload).varint(limit=1 << 32, what="level count")
+    return _Reader(payload).varint(limit=_MAX_LEVELS, what="level count")  # as decode_quantized reads it
 
 
 def _read(payload: bytes, levels: int, bits: int, count: int, coded: bool, words: tuple[str, str, str]
