@@ -47,7 +47,9 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   without the drops; its axis: total bits.
 * ``settled_cut_t30``: ``settled_cut`` with ``target_density = 0.30``: the convolutions keep their ``layer_targets``,
   so the weights added are the dense layers' (they hold most of the weights and little of the compute); its axis:
-  validation accuracy, judged against ``settled_cut``. Both are timed (``time``) beside the variants judged on speed.
+  validation accuracy, judged against ``settled_cut``.
+* ``settled_cut_t35``, ``settled_cut_t40``: the same at 0.35 and 0.40, each judged on validation accuracy against the
+  one below it. The ``settled_cut`` family is timed (``time``) beside the variants judged on speed.
 
 The rule, fixed before the runs: a variant is recommended when its mean final validation accuracy is at most
 ``MARGIN`` below its reference's (the chosen setting's runs, or those it names) and it is better on its axis (means
@@ -109,11 +111,15 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
     "settled_cut_t30": (SETTLED_CUT | {"dturbo.sparsity.target_density": 0.30},
                         "settled_cut with target_density = 0.30 (the dense layers' share up)", "val_accuracy",
                         "settled_cut"),
+    "settled_cut_t35": (SETTLED_CUT | {"dturbo.sparsity.target_density": 0.35},
+                        "settled_cut with target_density = 0.35", "val_accuracy", "settled_cut_t30"),
+    "settled_cut_t40": (SETTLED_CUT | {"dturbo.sparsity.target_density": 0.40},
+                        "settled_cut with target_density = 0.40", "val_accuracy", "settled_cut_t35"),
 }
 AXES = {"total_bits": "fewer total bits", "val_drop": "a smaller largest drop of validation accuracy after round 3",
         "speedup": "a faster exported model on every seed", "val_accuracy": "a higher mean validation accuracy"}
 # timed beside those judged on speed: variants whose support differs from the chosen setting's
-TIMED = {"settled_cut", "settled_cut_t30"}
+TIMED = {"settled_cut", "settled_cut_t30", "settled_cut_t35", "settled_cut_t40"}
 REFERENCE = "chosen"
 REFERENCES = {REFERENCE: "the chosen setting", "detached": 'sampling = "detached"'}
 MARGIN = 0.002  # in accuracy: 0.2 points, as sampling.py's
@@ -229,7 +235,8 @@ def report(s: h.Settings) -> None:
     def speedups(v: dict[str, Any]) -> str:
         return "" if v["speedup_range"] is None else \
             f"{v['speedup']:.2f}x ({v['speedup_range'][0]:.2f}-{v['speedup_range'][1]:.2f}x)"
-    md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` with one option changed, on the joint protocol (3 seeds; "
+    md = [f"D-Turbo-VBI's chosen joint setting `{chosen}` with one option changed (or the options a row names, "
+          f"together), on the joint protocol (3 seeds; "
           f"T = {t:.2%}).", "",
           *seed_table(rows, "variant", lambda r: what[r["variant"]],
                       {"steady downlink (Mbit a client)": lambda r: f"{r['steady_down_mbit']:.3f}",

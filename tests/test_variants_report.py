@@ -61,6 +61,17 @@ def test_speed_is_a_win_only_when_every_seed_is_faster():
     assert untimed["flops"]["speedup"] is None and v.recommend(untimed) == {"flops": False}
 
 
+def test_a_variant_judged_on_accuracy_must_be_higher_on_validation():
+    """settled_cut_t30 is judged against settled_cut on validation accuracy: a higher mean wins, a tie does not."""
+    v = load_benchmark("variants")
+    base = rows("settled_cut", [0.888, 0.886, 0.884], 28e6, [24e6, 25e6, 26e6], 0.01)
+    wider = rows("settled_cut_t30", [0.890, 0.887, 0.884], 31e6, [25e6, 26e6, 27e6], 0.01)
+    summary = v.summarize(base + wider, 3)
+    assert v.recommend(summary) == {"settled_cut_t30": True}  # more bits do not count against it: its axis is accuracy
+    summary["settled_cut_t30"]["val_accuracy"] = summary["settled_cut"]["val_accuracy"]
+    assert v.recommend(summary) == {"settled_cut_t30": False}
+
+
 def test_the_presets_option_studies_rules_by_hand():
     """presets.py --stage dead_units / sampling: a preset takes the alternative when its mean final validation
     accuracy over the seeds is at most 0.2 points below the held value's and, for dead_units, its mean total bits are
