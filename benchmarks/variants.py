@@ -43,8 +43,8 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   ``results/round_time.md``) and ``global_model = "trained"``, together in one run; its axis: the largest drop, as
   ``trained``'s.
 * ``settled_cut``: ``settled_sign``, ``dead_units = "cut"`` and ``global_model = "trained"`` together, with the chosen
-  setting's sampling (``local``): the cheapest messages measured that keep every seed at T, and the round model
-  without the drops; its axis: total bits.
+  setting's sampling (``local``): the two options that each send fewer bits, and the round model without the
+  drops; its axis: total bits.
 * ``settled_cut_t30``: ``settled_cut`` with ``target_density = 0.30``: the convolutions keep their ``layer_targets``,
   so the weights added are the dense layers' (they hold most of the weights and little of the compute); its axis:
   validation accuracy, judged against ``settled_cut``.
@@ -87,11 +87,12 @@ FLOPS = {"dturbo.sparsity.budget": "flops", "dturbo.sparsity.target_density": 0.
          "dturbo.sparsity.layer_targets": {"dense": 0.19, "last": 1.0}}
 UP_SIGN = {"dturbo.transmission.up_bits": 1, "dturbo.transmission.up_quantizer": "sign"}
 DOWN_SIGN = {"dturbo.transmission.down_quantizer": "sign"}
-# the cheapest messages measured so far that keep every seed at T, together, on the round model the library evaluates
+# the two options that each send fewer bits (settled signs down, dead units cut), on the library's round model
 SETTLED_CUT = {"dturbo.transmission.down_quantizer": "settled_sign", "dturbo.dead_units": "cut",
                "dturbo.global_model": "trained"}
-# name: (the options it changes, what it is, the row's key it is judged on (lower is better), the runs it is judged
-# against: REFERENCE, the joint campaign's, or "detached", sampling.py's with sampling = "detached")
+# name: (the options it changes, what it is, the row's key it is judged on (lower is better, but for speedup and
+# val_accuracy), the runs it is judged against: REFERENCE, the joint campaign's, "detached", sampling.py's with
+# sampling = "detached", or another variant's)
 VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
     "down2": ({"dturbo.transmission.down_bits": 2}, "down_bits = 2", "total_bits", "chosen"),
     "trained": ({"dturbo.global_model": "trained"}, 'global_model = "trained"', "val_drop", "chosen"),
@@ -187,7 +188,8 @@ def summarize(rows: list[dict[str, Any]], seeds: int) -> dict[str, dict[str, Any
 
 
 def better(axis: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """``a`` better than ``b`` on ``axis``: faster on every seed than ``b`` on any (speedup), else a lower mean."""
+    """``a`` better than ``b`` on ``axis``: a higher mean (val_accuracy), faster on every seed than ``b`` on any
+    (speedup), else a lower mean."""
     if axis == "val_accuracy":
         return a[axis] > b[axis]
     if axis == "speedup":
