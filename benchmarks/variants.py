@@ -116,8 +116,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
                         "settled_cut"),
     "settled_cut_t35": (SETTLED_CUT | {"dturbo.sparsity.target_density": 0.35},
                         "settled_cut with target_density = 0.35", "val_accuracy", "settled_cut_t30"),
-    "settled_t30": ({"dturbo.transmission.down_quantizer": "settled_sign", "dturbo.global_model": "trained",
-                     "dturbo.sparsity.target_density": 0.30},
+    "settled_t30": (SETTLED_CUT | {"dturbo.dead_units": "kept", "dturbo.sparsity.target_density": 0.30},
                     "settled_cut_t30 with dead_units kept", "total_bits", "chosen"),
 }
 AXES = {"total_bits": "fewer total bits", "val_drop": "a smaller largest drop of validation accuracy after round 3",
