@@ -49,6 +49,13 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   so the weights added are the dense layers' (they hold most of the weights and little of the compute); its axis:
   validation accuracy, judged against ``settled_cut``.
 * ``settled_cut_t35``: the same at 0.35, judged on validation accuracy against ``settled_cut_t30``.
+* ``down_ternary``: ``down_quantizer = "ternary"`` with ``down_share = 0.1`` (STC's chosen share): the downlink's
+  update as STC's server sends it, the tenth of each layer's values largest in magnitude as signs times their mean
+  magnitude, the rest 0 (the server's error feedback sends them later), instead of 3 bits on clipped levels; the
+  first downlink stays on 3-bit max levels; its axis: total bits.
+* ``settled_ternary``: ``down_quantizer = "settled_ternary"``: ``down_ternary``'s code only after the support has
+  settled, the ramp's downlinks on 3-bit clipped levels: ``settled_sign`` with a tenth of the values a round in place
+  of all their signs; its axis: total bits, judged against ``settled_sign``.
 * ``settled_t30``: ``settled_cut_t30`` with ``dead_units = "kept"``: the ``settled_cut`` family's seeds 1 and 2 end
   below T where ``settled_sign``'s do not, and ``cut`` costs 0.27 test points under ``detached``; its axis: total
   bits. The family is timed (``time``) beside the variants judged on speed.
@@ -118,6 +125,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
                         "settled_cut with target_density = 0.35", "val_accuracy", "settled_cut_t30"),
     "settled_t30": (SETTLED_CUT | {"dturbo.dead_units": "kept", "dturbo.sparsity.target_density": 0.30},
                     "settled_cut_t30 with dead_units kept", "total_bits", "chosen"),
+    "down_ternary": ({"dturbo.transmission.down_quantizer": "ternary", "dturbo.transmission.down_share": 0.1},
+                     'down_quantizer = "ternary" (a tenth of the update)', "total_bits", "chosen"),
+    "settled_ternary": ({"dturbo.transmission.down_quantizer": "settled_ternary",
+                         "dturbo.transmission.down_share": 0.1},
+                        'down_quantizer = "settled_ternary"', "total_bits", "settled_sign"),
 }
 AXES = {"total_bits": "fewer total bits", "val_drop": "a smaller largest drop of validation accuracy after round 3",
         "speedup": "a faster exported model on every seed", "val_accuracy": "a higher mean validation accuracy"}

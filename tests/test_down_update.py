@@ -93,8 +93,9 @@ def test_the_update_is_unbiased(messages):
 
 
 # ----------------------------------------------------------------------------- server and client halves
-@pytest.fixture(params=[(BITS, "max"), (2, "clipped"), (1, "clipped"), (3, "sign"), (3, "settled_sign")],
-                ids=["4max", "2clipped", "1clipped", "sign", "settled_sign"])
+@pytest.fixture(params=[(BITS, "max"), (2, "clipped"), (1, "clipped"), (3, "sign"), (3, "settled_sign"),
+                        (3, "ternary"), (3, "settled_ternary")],
+                ids=["4max", "2clipped", "1clipped", "sign", "settled_sign", "ternary", "settled_ternary"])
 def halves(toy, request):
     bits, levels = request.param
     cfg = parse_config(config(toy, 4, down_bits=bits, federation={"clients": 3},
@@ -158,10 +159,11 @@ def test_an_update_run_learns_on_fewer_bits(tmp_path, toy):
 
 
 # the update on 4-bit max levels; signs both ways, whose clients keep their residuals (tests/test_up_feedback.py)
-# signs down once the support has settled (round 3 of these 5 or 6)
+# signs or ternary values down once the support has settled (round 3 of these 5 or 6)
 LEVELS_AND_SIGNS = pytest.mark.parametrize(
     "transmission", [{}, {"up_bits": 1, "up_quantizer": "sign", "down_quantizer": "sign"},
-                     {"down_quantizer": "settled_sign"}], ids=["levels", "signs", "settled_signs"])
+                     {"down_quantizer": "settled_sign"}, {"down_quantizer": "settled_ternary", "down_share": 0.2}],
+    ids=["levels", "signs", "settled_signs", "settled_ternary"])
 
 
 @LEVELS_AND_SIGNS
@@ -294,3 +296,71 @@ def test_norm_levels_are_unbiased_and_cost_under_a_bit_a_value():
     assert np.all(np.abs(draws.mean(0) - v) < 4 * spacing / 2 / np.sqrt(len(draws)))
     assert (draws == 0).mean() > 0.5
     assert 8 * np.mean([len(p) for p in payloads]) / v.size < 1.0
+
+
+# ------------------------------------------------------------------------------------- ternary updates
+def test_the_ternary_code_sends_the_largest_share_and_leaves_out_less_than_the_values():
+    """STC's ternary code against brute force: the ceil(share n) values largest in magnitude (nonzero ones only) at
+    their signs times their mean magnitude m, the rest 0; what it leaves out, |v|^2 - k m^2, never exceeds |v|^2;
+    both writings decode to the same values, and range-coded 10% of a long vector costs under 0.7 bits a value
+    (its entropy: 0.57)."""
+    from dturbo.codec import CodecError
+    from dturbo.quantize import decode_top_ternary, encode_sign, encode_top_ternary
+
+    rng = np.random.default_rng(0)
+    for v, share in ((rng.normal(size=1000), 0.1), (_heavy(rng, (999,)), 0.25), (np.zeros(5), 0.5),
+                     (np.array([0.0, 0.0, -3.0, 0.0]), 1.0), (np.array([1.0, -2.0, 0.5]), 0.01)):
+        k = min(int(np.ceil(share * v.size)), int(np.count_nonzero(v)))
+        top = np.argsort(-np.abs(v), kind="stable")[:k]
+        m = np.float32(np.abs(v[top]).mean()) if k else np.float32(0)
+        want = np.zeros(v.size)
+        want[top] = np.sign(v[top]) * float(m)
+        for coded in (False, True):
+            got = decode_top_ternary(encode_top_ternary(v, share, coded), v.size, coded)
+            np.testing.assert_array_equal(got, want)
+            assert np.sum((v - got) ** 2) == pytest.approx(np.sum(v * v) - k * float(m) ** 2, rel=1e-6, abs=1e-9)
+    long = rng.normal(size=20000)
+    assert 8 * len(encode_top_ternary(long, 0.1, True)) < 0.7 * long.size
+    with pytest.raises(CodecError, match="ternary payload has 2 levels"):
+        decode_top_ternary(encode_sign(long, True), long.size, True)
+    with pytest.raises(ValueError, match="share must be in"):
+        encode_top_ternary(long, 0.0)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        encode_top_ternary(np.array([1.0, np.inf]), 0.5)
+
+
+def test_a_ternary_downlink_keeps_the_weights_held_near_mu_g_at_a_tenth_of_the_values():
+    """Sending 10% of the update a round, what a client holds lags mu_G by what is not sent yet; the next downlinks
+    send it, so over 60 rounds of heavy-tailed steps the lag stays within a few steps, does not grow, and stays
+    below what signs leave at worst."""
+    ternary, step = _tracking("ternary", 60)
+    sign, _ = _tracking("sign", 60)
+    assert ternary.max() < 2.5 * step, (ternary, step)
+    assert ternary[30:].mean() < 1.1 * ternary[:30].mean()
+    assert ternary.max() < sign.max()
+
+
+def test_settled_ternary_codes_the_ramp_on_clipped_levels_and_the_rounds_after_as_ternary(toy):
+    """``settled_ternary``: clipped levels (2**3) up to the round whose support first has the target density,
+    3 levels after; the client tells them apart by the level count and holds the server's weights bit for bit."""
+    from dturbo.quantize import payload_levels
+
+    cfg = parse_config(config(toy, down_bits=3, dturbo={"transmission": {"down_quantizer": "settled_ternary",
+                                                                          "down_share": 0.2}}))
+    server, client = build_algorithm(cfg, build_federation(cfg))
+    rng = np.random.default_rng(3)
+    support = rng.random((20, 30)) < 0.6
+    held = (rng.normal(size=support.shape) * support).astype(np.float32)
+    mu = held + 0.01 * _heavy(rng, support.shape) * support
+    for rnd, levels in [(0, 8), (2, 8), (3, 3), (5, 3)]:
+        (step,), (after,) = server.messages.encode_update(_record(mu, support, rnd), 0, [held])
+        assert payload_levels(step) == levels
+        decoded = client.messages.down_values.decode(step, int(support.sum()), "mu")
+        assert np.array_equal(after, updated_weights(held, support, decoded))
+        if levels == 3:
+            assert np.count_nonzero(decoded) == int(np.ceil(0.2 * support.sum()))
+    for quantizer in ("ternary", "settled_ternary"):
+        with pytest.raises(ValidationError, match=f"down_quantizer = '{quantizer}' needs down_mu = 'update'"):
+            TransmissionConfig(down_quantizer=quantizer)
+    with pytest.raises(ValidationError, match="down_share"):
+        TransmissionConfig(down_share=0.0)

@@ -119,7 +119,8 @@ def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
 # A section is dotted where it lies inside another ("dturbo.sparsity").
 LATER_METHOD_KEYS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local", ("dturbo", "global_model"): "cut",
                                                  ("dturbo", "dead_units"): "kept",
-                                                 ("dturbo.sparsity", "cost_power"): 1.0}
+                                                 ("dturbo.sparsity", "cost_power"): 1.0,
+                                                 ("dturbo.transmission", "down_share"): 0.1}
 
 
 def _section(tree: dict[str, Any], dotted: str) -> dict[str, Any] | None:

@@ -83,6 +83,35 @@ def encode_sign(values: np.ndarray, coded: bool = False) -> bytes:
     return (encode_symbols if coded else encode_quantized)((v >= 0).astype(np.int64), 2, [scale])
 
 
+def encode_top_ternary(values: np.ndarray, share: float, coded: bool = False) -> bytes:
+    """``values`` as STC's sparse ternary vector (Sattler et al. 2019): the ``share`` of them largest in magnitude
+    (ceil(share n), nonzero ones only) as their signs times their mean magnitude m (one float32), every other value
+    0; symbols 0, 1, 2 on the 3 levels -m, 0, +m. Deterministic and biased; what it leaves out is never more than
+    the values: |v - t|^2 = |v|^2 - k m^2 for the k values kept, so a sender that sends it again (error feedback)
+    loses nothing for good. Most symbols are the middle one, so range-coded (``coded``) they cost about the
+    entropy of the share, well under a bit each. Decoded by :func:`decode_top_ternary`."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"the ternary share must be in (0, 1], got {share}")
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(v)):
+        raise ValueError("cannot quantise NaN or Inf")
+    symbols = np.ones(v.size, np.int64)
+    k = min(int(np.ceil(share * v.size)), int(np.count_nonzero(v)))
+    scale = 0.0
+    if k:
+        top = np.argpartition(-np.abs(v), k - 1)[:k]
+        scale = float(np.float32(np.abs(v[top]).mean()))
+        symbols[top] = np.where(v[top] > 0, 2, 0)
+    return (encode_symbols if coded else encode_quantized)(symbols, 3, [scale])
+
+
+def decode_top_ternary(payload: bytes, count: int, coded: bool = False) -> np.ndarray:
+    """Inverse of :func:`encode_top_ternary` (up to what it leaves out): exactly ``count`` values in {-m, 0, +m}, or
+    CodecError."""
+    symbols, scale = _read(payload, 3, 2, count, coded, ("ternary", "levels", "magnitude"))
+    return level_values(symbols, 3, scale)
+
+
 def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False) -> np.ndarray:
     """Inverse of :func:`encode_stochastic` (up to the rounding): exactly ``count`` values on 2**bits levels with
     a finite, non-negative scale, or CodecError. ``coded`` must be what the sender used."""

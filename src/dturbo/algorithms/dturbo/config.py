@@ -121,13 +121,18 @@ class TransmissionConfig(Section):
         "most values of an update round to 0 and range-code to under a bit each; sign (up_bits = 1), each value's "
         "sign times the layer's mean magnitude, what it rounds off kept by the client and added to its next upload "
         "(error feedback) (docs/communication.md)"))
-    down_quantizer: Literal["max", "clipped", "sign", "settled_sign"] = Field("max", description=(
-        "the levels of mu_G down (down_bits < 16): max, 2**bits levels over the layer's largest value; clipped, "
-        "over at most 3 root mean squares, larger values on the end levels; sign, the update's signs times the "
-        "layer's mean magnitude, 1 bit a value; settled_sign, clipped while the sparsity ramp runs, sign from the "
-        "round after the support reaches its target density (clipped, sign and settled_sign need down_mu = "
-        "'update', which sends what they round off again; a client that holds no weights gets them on the max "
-        "levels)"))
+    down_quantizer: Literal["max", "clipped", "sign", "settled_sign", "ternary", "settled_ternary"] = Field(
+        "max", description=(
+            "the levels of mu_G down (down_bits < 16): max, 2**bits levels over the layer's largest value; clipped, "
+            "over at most 3 root mean squares, larger values on the end levels; sign, the update's signs times the "
+            "layer's mean magnitude, 1 bit a value; settled_sign, clipped while the sparsity ramp runs, sign from "
+            "the round after the support reaches its target density; ternary, STC's sparse ternary update, the "
+            "down_share of its values largest in magnitude as their signs times their mean magnitude, the rest 0; "
+            "settled_ternary, clipped while the ramp runs, ternary after (all but max need down_mu = 'update', "
+            "which sends what they round off or leave out again; a client that holds no weights gets them on the "
+            "max levels)"))
+    down_share: float = Field(0.1, gt=0, le=1, description=(
+        "down_quantizer = 'ternary' / 'settled_ternary': the share of a layer's update values sent each round"))
     values_code: ValuesCode = Field("range", description=(
         "how quantised values (up_bits / down_bits < 16; float16 values are sent as they are) are written: fixed, "
         "bits bits each; range, range-coded under "
@@ -146,7 +151,7 @@ class TransmissionConfig(Section):
         if self.down_quantizer == "settled_sign" and self.down_bits == 1:
             raise ValueError("down_quantizer = 'settled_sign' needs down_bits of at least 2 (the ramp's clipped "
                              "levels; 1 bit is the sign itself)")
-        if self.down_quantizer in ("clipped", "sign", "settled_sign") and self.down_mu != "update":
+        if self.down_quantizer != "max" and self.down_mu != "update":
             raise ValueError(f"down_quantizer = '{self.down_quantizer}' needs down_mu = 'update' (the next downlink "
                              f"sends what it rounds off)")
         if self.down_mu == "update" and (self.positions != "delta" or self.down_bits == 16):

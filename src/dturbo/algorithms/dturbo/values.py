@@ -13,9 +13,11 @@ from ...codec import decode_values, encode_values
 from ...quantize import (
     decode_norm,
     decode_stochastic,
+    decode_top_ternary,
     encode_norm,
     encode_sign,
     encode_stochastic,
+    encode_top_ternary,
     payload_levels,
 )
 from ..base import MessageError
@@ -115,19 +117,59 @@ class SettledSign(Clipped):
         return super().decode(payload, count, name)
 
 
+@dataclass(frozen=True)
+class Ternary(Stochastic):
+    """``down_quantizer = "ternary"``: STC's sparse ternary update, the ``share`` of the values largest in magnitude
+    as their signs times their mean magnitude, the others 0 (:func:`dturbo.quantize.encode_top_ternary`):
+    deterministic and biased, and the error-feedback downlink sends what it leaves out again the next round. A
+    client's weights lag mu_G by the values not yet sent, where signs move every weight by the mean magnitude."""
+
+    share: float = 0.1
+    feedback = True
+
+    def encode(self, values: np.ndarray, rng: np.random.Generator) -> bytes:
+        return encode_top_ternary(values, self.share, self.coded)
+
+    def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
+        return _count(decode_top_ternary(payload, count, self.coded), count, name)
+
+
+@dataclass(frozen=True)
+class SettledTernary(Clipped):
+    """``down_quantizer = "settled_ternary"``: :class:`Clipped` levels while the sparsity ramp moves the support, and
+    :class:`Ternary` once it has settled (:meth:`at`). The payload's level count (3) says which wrote it."""
+
+    share: float = 0.1
+
+    def at(self, settled: bool) -> Stochastic:
+        return Ternary(1, self.coded, self.share) if settled else self
+
+    def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
+        if payload_levels(payload) == 3:  # ternary (the clipped levels are a power of 2)
+            return self.at(True).decode(payload, count, name)
+        return super().decode(payload, count, name)
+
+
 CLIP = 3.0
-ValueScheme = Float16 | Stochastic | Norm | Clipped | Sign | SettledSign
+ValueScheme = Float16 | Stochastic | Norm | Clipped | Sign | SettledSign | Ternary | SettledTernary
 QUANTIZERS = {"max": Stochastic, "norm": Norm, "clipped": Clipped, "sign": Sign, "settled_sign": SettledSign}
 
 
-def scheme(bits: int, coded: bool, quantizer: str = "max") -> ValueScheme:
+def scheme(bits: int, coded: bool, quantizer: str = "max", share: float = 0.1) -> ValueScheme:
     """The scheme of ``bits`` (16: float16) with ``values_code = "range"`` (``coded``) or ``"fixed"``, levels
     spread over the largest value (``quantizer = "max"``), the norm (``"norm"``) or at most 3 root mean squares
-    (``"clipped"``), or the signs times the mean magnitude (``"sign"``; ``"settled_sign"``: once the support has
-    settled, clipped before)."""
+    (``"clipped"``), the signs times the mean magnitude (``"sign"``; ``"settled_sign"``: once the support has
+    settled, clipped before), or the ``share`` of the values largest in magnitude as ternary values
+    (``"ternary"``; ``"settled_ternary"``: once the support has settled, clipped before)."""
     if bits == 16:
         return Float16()
-    return Sign(1, coded) if quantizer == "sign" else QUANTIZERS[quantizer](bits, coded)
+    if quantizer == "sign":
+        return Sign(1, coded)
+    if quantizer == "ternary":
+        return Ternary(1, coded, share)
+    if quantizer == "settled_ternary":
+        return SettledTernary(bits, coded, share)
+    return QUANTIZERS[quantizer](bits, coded)
 
 
 def _count(values: np.ndarray, count: int, name: str) -> np.ndarray:
