@@ -72,6 +72,22 @@ def test_a_variant_judged_on_accuracy_must_be_higher_on_validation():
     assert v.recommend(summary) == {"settled_cut_t30": False}
 
 
+def test_a_control_is_reported_but_never_judged():
+    """rerun (the chosen setting trained again) has no axis: it is summarised beside the others and left out of the
+    rule, whatever its figures; settled_ternary is judged against settled_sign, its own reference."""
+    v = load_benchmark("variants")
+    chosen = rows("chosen", [0.890, 0.888, 0.886], 33e6, [28e6, 30e6, 32e6], 0.06)
+    rerun = rows("rerun", [0.891, 0.889, 0.887], 32e6, [28e6, 29e6, 31e6], 0.05)
+    signs = rows("settled_sign", [0.886, 0.884, 0.882], 30e6, [27e6, 28e6, 29e6], 0.06)
+    ternary = rows("settled_ternary", [0.885, 0.883, 0.881], 28e6, [26e6, 27e6, 28e6], 0.06)  # 0.10 below signs
+    summary = v.summarize(chosen + rerun + signs + ternary, 3)
+    assert summary["rerun"]["total_bits"] == pytest.approx(32e6)
+    # settled_sign is 0.4 points below the chosen setting; settled_ternary 0.1 below settled_sign, with fewer bits
+    assert v.recommend(summary) == {"settled_sign": False, "settled_ternary": True}
+    summary["settled_ternary"]["total_bits"] = 30e6  # a tie with settled_sign: not fewer
+    assert v.recommend(summary)["settled_ternary"] is False
+
+
 def test_the_presets_option_studies_rules_by_hand():
     """presets.py --stage dead_units / sampling: a preset takes the alternative when its mean final validation
     accuracy over the seeds is at most 0.2 points below the held value's and, for dead_units, its mean total bits are
