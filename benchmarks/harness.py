@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from dturbo.algorithms.registry import ALGORITHMS  # noqa: E402
 from dturbo.checkpoint import with_earlier_values  # noqa: E402
 from dturbo.config import Config, ConfigError  # noqa: E402
+from dturbo.device import machine  # noqa: E402
 from dturbo.rundir import RunDir, RunDirLocked  # noqa: E402
 from dturbo.settings import parse_config  # noqa: E402
 
@@ -316,6 +317,8 @@ def execute(job: Job) -> bool:
         assert job.source is not None
         shutil.copyfile(job.source, csv_dest)
         shutil.copyfile(job.source.with_suffix(".toml"), toml_dest)
+        if (env := environment_of(job.source)).exists():
+            shutil.copyfile(env, environment_of(csv_dest))
         say(f"{job.name}: reused {job.source.parent.name}/{job.source.name} (the same resolved config)")
         return True
     if job.status in ("todo", "resume"):
@@ -352,9 +355,17 @@ def execute(job: Job) -> bool:
             return False
         say(f"{job.name}: finished in {(time.perf_counter() - t0) / 60:.1f} min")
     if job.status != "done":
+        if (job.run_dir / "environment.jsonl").exists():
+            shutil.copyfile(job.run_dir / "environment.jsonl", environment_of(csv_dest))
         shutil.copyfile(job.run_dir / "metrics.csv", csv_dest)
         shutil.copyfile(job.run_dir / "config.toml", toml_dest)
     return True
+
+
+def environment_of(csv_path: Path) -> Path:
+    """The committed copy of a run's environment.jsonl (the machine of each session that trained it), beside its
+    metrics: ``<name>.environment.jsonl``; runs committed before it was written have none."""
+    return csv_path.with_name(csv_path.name.removesuffix(".csv") + ".environment.jsonl")
 
 
 def run_jobs(jobs: list[Job], n: int) -> list[Job]:
@@ -505,4 +516,11 @@ def verify(job: Job, csv_path: Path, rounds: int = 2,
         a, b = committed[col][:rounds], fresh[col][:rounds]
         if not np.array_equal(a, b):
             diffs.append(f"{col}: committed {a.tolist()} vs now {b.tolist()}")
+    if diffs:  # the same code rounds differently on a CPU with other vector instructions
+        here = machine()
+        env = environment_of(csv_path)
+        there = json.loads(env.read_text().splitlines()[0]) if env.exists() else None
+        diffs.append(f"verified on {here['cpu']} ({here['cpu_capability']}, torch {here['torch']}); trained on "
+                     + (f"{there.get('cpu')} ({there.get('cpu_capability')}, torch {there.get('torch')})" if there
+                        else "a machine its files do not name"))
     return diffs

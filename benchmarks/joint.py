@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         (s.results / "joint_verify.json").write_text(json.dumps(
             {"what": "runs trained by an earlier campaign with the same resolved config, and seed 0 of each method's "
                      "chosen setting, their first rounds trained again with this code and compared column by column",
-             "runs": checked}, indent=1) + "\n")
+             "machine": h.machine(), "runs": checked}, indent=1) + "\n")
         return 1 if bad else 0
     elif args.command == "time":
         time_chosen(camp, s, args.sessions, args.only)

@@ -359,7 +359,14 @@ note = "n"
     first[head.index("cum_bits")] = "1"
     committed.write_text("\n".join([lines[0], ",".join(first), *lines[2:]]) + "\n")
     diffs = h.verify(job, committed, rounds=2)
-    assert len(diffs) == 1 and diffs[0].startswith("cum_bits")
+    assert len(diffs) == 2 and diffs[0].startswith("cum_bits")
+    assert diffs[1].endswith("trained on a machine its files do not name")  # committed without environment.jsonl
+    # with it, the difference names both machines: the same code rounds differently on other vector instructions
+    (tmp_path / "fa_s0.environment.jsonl").write_text((tmp_path / "ran" / "environment.jsonl").read_text())
+    here = h.machine()
+    assert h.verify(job, committed, rounds=2)[1] == (
+        f"verified on {here['cpu']} ({here['cpu_capability']}, torch {here['torch']}); trained on {here['cpu']} "
+        f"({here['cpu_capability']}, torch {here['torch']})")
 
 
 def test_a_label_with_dots_is_committed_under_its_whole_name(mods, tmp_path):
@@ -376,6 +383,10 @@ def test_a_label_with_dots_is_committed_under_its_whole_name(mods, tmp_path):
     job = h.Job(camp, camp.by_label()["fa16_lr1.5e-3"], 0, s, status="reuse", source=src)
     assert h.execute(job)
     assert sorted(p.name for p in job.committed.iterdir()) == ["fa16_lr1.5e-3_s0.csv", "fa16_lr1.5e-3_s0.toml"]
+    # a run whose machine is recorded takes its environment along
+    (tmp_path / "elsewhere" / "old_s0.environment.jsonl").write_text('{"first_round": 0}\n')
+    assert h.execute(job)
+    assert (job.committed / "fa16_lr1.5e-3_s0.environment.jsonl").read_text() == '{"first_round": 0}\n'
 
 
 @pytest.fixture()

@@ -7,6 +7,12 @@ so a CPU run is bit-identical to one made before the key existed.
 
 from __future__ import annotations
 
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 import torch
 
 from .config import ConfigError
@@ -32,3 +38,29 @@ def resolve_device(name: str) -> torch.device:
                               f"to use a GPU only where there is one")
         return torch.device("cuda")
     raise ConfigError(f"experiment.device must be 'cpu', 'cuda' or 'auto', got {name!r}")
+
+
+def machine(device: torch.device = CPU) -> dict[str, Any]:
+    """What a run's numbers depend on besides its config and seed: the versions that compute them, the CPU's model
+    and the vector instructions torch's kernels use on it (``cpu_capability``: AVX2, AVX512, ...; two CPUs that
+    differ there round differently, so the same run trains to other numbers), and the GPU a ``cuda`` run uses."""
+    from ._version import __version__
+
+    out: dict[str, Any] = {"dturbo": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                           "numpy": np.__version__, "platform": sys.platform, "cpu": _cpu_model(),
+                           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -2,9 +2,10 @@
 
 ``config.toml`` (the resolved configuration), ``metrics.csv`` (one row per round), ``checkpoint/`` (the atomic
 checkpoint, :mod:`dturbo.checkpoint`), ``messages/round_NNNN.safetensors`` (Module B's messages, for the heat
-maps), ``model.safetensors`` (the final global model), ``events.log`` (why clients failed or were rejected) and
-``figures/``. The runner writes them (:class:`dturbo.sim.Simulator`); the report and the export read them, and
-rebuild the run's model with :meth:`RunDir.build_model`, the one way a saved run's model is built again.
+maps), ``model.safetensors`` (the final global model), ``events.log`` (why clients failed or were rejected),
+``environment.jsonl`` (the machine and versions of each session that trained it) and ``figures/``. The runner
+writes them (:class:`dturbo.sim.Simulator`); the report and the export read them, and rebuild the run's model with
+:meth:`RunDir.build_model`, the one way a saved run's model is built again.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ class RunDir:
         return self.path / "events.log"
 
     @property
+    def environment_path(self) -> Path:
+        return self.path / "environment.jsonl"
+
+    @property
     def figures_dir(self) -> Path:
         return self.path / "figures"
 
@@ -149,7 +154,7 @@ class RunDir:
         writes ``config.toml``."""
         self._refuse_a_file()
         links = [p.name for p in (self.config_path, self.metrics_path, self.checkpoint_dir, self.events_path,
-                                  self.messages_dir, self.model_path) if p.is_symlink()]
+                                  self.messages_dir, self.model_path, self.environment_path) if p.is_symlink()]
         if links:
             raise FileExistsError(f"{self.path} holds a symbolic link where a run file goes ({', '.join(links)}): "
                                   f"a run never writes through one; remove it or choose another --out")
@@ -163,6 +168,22 @@ class RunDir:
             )
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.config_path, cfg.to_toml().encode())
+
+    def record_environment(self, first_round: int, machine: dict[str, Any]) -> None:
+        """Add a line to ``environment.jsonl`` for the session that trains from round ``first_round + 1``: the
+        ``machine`` it runs on (:func:`dturbo.device.machine`). Lines of sessions that began at or after that round
+        go (their rounds are trained again); a line that is not such a record is kept as it is."""
+        kept = []
+        if self.environment_path.is_file():
+            for line in self.environment_path.read_text(errors="replace").splitlines():
+                try:
+                    began = json.loads(line)["first_round"]
+                except (ValueError, TypeError, KeyError):
+                    began = None
+                if not isinstance(began, int) or began < first_round:
+                    kept.append(line)
+        kept.append(json.dumps({"first_round": first_round, **machine}))
+        atomic_write_bytes(self.environment_path, ("\n".join(kept) + "\n").encode())
 
     def checkpoint_to_resume(self, fingerprint: str, config: Config | None = None,
                              data: dict[str, str] | None = None, *, unverified: bool = False

@@ -28,7 +28,7 @@ from .algorithms.statistics import Statistics, calibrate
 from .checkpoint import CheckpointError, check_state, config_fingerprint, data_fingerprint
 from .config import Config
 from .data import Dataset
-from .device import CPU, resolve_device
+from .device import CPU, machine, resolve_device
 from .faults import CORRUPTIONS, corrupt, draw_faults, with_faults
 from .federation import Federation, build_federation
 from .ledger import LEDGER_COLUMNS, Traffic
@@ -206,6 +206,7 @@ class Simulator:
     def _run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         state, start, cum_bits, rows = self._open()
+        self.run_dir.record_environment(start, machine(self.device))
         acc = loss = float("nan")
         val = (float("nan"), float("nan"))
         if rows:
