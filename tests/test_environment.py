@@ -50,3 +50,11 @@ def test_a_session_trained_again_replaces_the_lines_of_the_rounds_it_repeats(tmp
     lines = (tmp_path / "environment.jsonl").read_text().splitlines()
     assert lines[1] == "not json"
     assert [json.loads(line) for line in (lines[0], lines[2])] == [first, {"first_round": 2, "cpu": "elsewhere"}]
+
+
+def test_an_environment_path_that_cannot_be_written_is_a_clear_error(tmp_path):
+    from dturbo.rundir import RunDirError
+
+    (tmp_path / "environment.jsonl").mkdir()  # a folder where the file goes
+    with pytest.raises(RunDirError, match="cannot write .*environment.jsonl"):
+        RunDir(tmp_path).record_environment(0, machine())

@@ -183,7 +183,11 @@ class RunDir:
                 if not isinstance(began, int) or began < first_round:
                     kept.append(line)
         kept.append(json.dumps({"first_round": first_round, **machine}))
-        atomic_write_bytes(self.environment_path, ("\n".join(kept) + "\n").encode())
+        try:
+            atomic_write_bytes(self.environment_path, ("\n".join(kept) + "\n").encode())
+        except OSError as err:
+            raise RunDirError(f"cannot write {self.environment_path}: {err.strerror or err}; nothing else was "
+                              f"changed") from None
 
     def checkpoint_to_resume(self, fingerprint: str, config: Config | None = None,
                              data: dict[str, str] | None = None, *, unverified: bool = False
