@@ -248,28 +248,38 @@ def test_a_sign_downlink_keeps_the_weights_held_near_mu_g_on_one_bit_a_value():
         TransmissionConfig(down_quantizer="sign")
 
 
-def test_settled_signs_code_the_ramp_on_clipped_levels_and_the_rounds_after_on_signs(toy):
-    """``settled_sign``: the downlinks of the rounds up to the one whose support first has the target density
-    (round 2 of 1 warm-up and 2 ramp rounds) carry 2**3 clipped levels, later ones 2 (signs), and the client decodes
-    each by its level count, no schedule needed: the weights it holds are the server's, bit for bit."""
+@pytest.mark.parametrize("quantizer, after_ramp", [("settled_sign", 2), ("settled_ternary", 3)])
+def test_settled_quantizers_code_the_ramp_on_clipped_levels_and_the_rounds_after_on_their_own(toy, quantizer,
+                                                                                            after_ramp):
+    """``settled_sign`` / ``settled_ternary``: the downlinks of the rounds up to the one whose support first has the
+    target density (round 2 of 1 warm-up and 2 ramp rounds) carry 2**3 clipped levels, later ones 2 (signs) or 3
+    (ternary, a fifth of the values nonzero at ``down_share = 0.2``), and the client decodes each by its level count,
+    no schedule needed: the weights it holds are the server's, bit for bit."""
     from dturbo.quantize import payload_levels
 
-    cfg = parse_config(config(toy, down_bits=3, dturbo={"transmission": {"down_quantizer": "settled_sign"}}))
+    cfg = parse_config(config(toy, down_bits=3, dturbo={"transmission": {"down_quantizer": quantizer,
+                                                                          "down_share": 0.2}}))
     server, client = build_algorithm(cfg, build_federation(cfg))
     assert server.messages.settled_after == 2 and client.messages.settled_after is None
     rng = np.random.default_rng(3)
     support = rng.random((20, 30)) < 0.6
     held = (rng.normal(size=support.shape) * support).astype(np.float32)
     mu = held + 0.01 * _heavy(rng, support.shape) * support
-    for rnd, levels in [(0, 8), (2, 8), (3, 2), (5, 2)]:
+    for rnd, levels in [(0, 8), (2, 8), (3, after_ramp), (5, after_ramp)]:
         (step,), (after,) = server.messages.encode_update(_record(mu, support, rnd), 0, [held])
         assert payload_levels(step) == levels
         decoded = client.messages.down_values.decode(step, int(support.sum()), "mu")
         assert np.array_equal(after, updated_weights(held, support, decoded))
-    with pytest.raises(ValidationError, match="down_quantizer = 'settled_sign' needs down_mu = 'update'"):
-        TransmissionConfig(down_quantizer="settled_sign")
+        if levels == 3:
+            assert np.count_nonzero(decoded) == int(np.ceil(0.2 * support.sum()))
+    with pytest.raises(ValidationError, match=f"down_quantizer = '{quantizer}' needs down_mu = 'update'"):
+        TransmissionConfig(down_quantizer=quantizer)
     with pytest.raises(ValidationError, match="'settled_sign' needs down_bits of at least 2"):
         TransmissionConfig(down_quantizer="settled_sign", down_mu="update", down_bits=1)
+    with pytest.raises(ValidationError, match="down_quantizer = 'ternary' needs down_mu = 'update'"):
+        TransmissionConfig(down_quantizer="ternary")
+    with pytest.raises(ValidationError, match="down_share"):
+        TransmissionConfig(down_share=0.0)
 
 
 def test_a_clipped_downlink_sends_a_client_without_weights_the_max_levels(clipped):
@@ -338,29 +348,3 @@ def test_a_ternary_downlink_keeps_the_weights_held_near_mu_g_at_a_tenth_of_the_v
     assert ternary.max() < 2.5 * step, (ternary, step)
     assert ternary[30:].mean() < 1.1 * ternary[:30].mean()
     assert ternary.max() < sign.max()
-
-
-def test_settled_ternary_codes_the_ramp_on_clipped_levels_and_the_rounds_after_as_ternary(toy):
-    """``settled_ternary``: clipped levels (2**3) up to the round whose support first has the target density,
-    3 levels after; the client tells them apart by the level count and holds the server's weights bit for bit."""
-    from dturbo.quantize import payload_levels
-
-    cfg = parse_config(config(toy, down_bits=3, dturbo={"transmission": {"down_quantizer": "settled_ternary",
-                                                                          "down_share": 0.2}}))
-    server, client = build_algorithm(cfg, build_federation(cfg))
-    rng = np.random.default_rng(3)
-    support = rng.random((20, 30)) < 0.6
-    held = (rng.normal(size=support.shape) * support).astype(np.float32)
-    mu = held + 0.01 * _heavy(rng, support.shape) * support
-    for rnd, levels in [(0, 8), (2, 8), (3, 3), (5, 3)]:
-        (step,), (after,) = server.messages.encode_update(_record(mu, support, rnd), 0, [held])
-        assert payload_levels(step) == levels
-        decoded = client.messages.down_values.decode(step, int(support.sum()), "mu")
-        assert np.array_equal(after, updated_weights(held, support, decoded))
-        if levels == 3:
-            assert np.count_nonzero(decoded) == int(np.ceil(0.2 * support.sum()))
-    for quantizer in ("ternary", "settled_ternary"):
-        with pytest.raises(ValidationError, match=f"down_quantizer = '{quantizer}' needs down_mu = 'update'"):
-            TransmissionConfig(down_quantizer=quantizer)
-    with pytest.raises(ValidationError, match="down_share"):
-        TransmissionConfig(down_share=0.0)
