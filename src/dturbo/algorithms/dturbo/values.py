@@ -103,18 +103,34 @@ class Sign(Stochastic):
 
 
 @dataclass(frozen=True)
-class SettledSign(Clipped):
-    """``down_quantizer = "settled_sign"``: :class:`Clipped` levels while the sparsity ramp moves the support, and
-    :class:`Sign` once it has settled (:meth:`at`), when the update is small and even. The payload's level
-    count says which wrote it, so the receiver needs no schedule."""
+class Settled(Clipped):
+    """:class:`Clipped` levels while the sparsity ramp moves the support, and :meth:`after`'s scheme once it has
+    settled (:meth:`at`). The payload's level count (``after_levels``: the later scheme's; the clipped levels are a
+    power of 2 above it) says which wrote it, so the receiver needs no schedule."""
+
+    after_levels = 0
+
+    def after(self) -> Stochastic:
+        raise NotImplementedError
 
     def at(self, settled: bool) -> Stochastic:
-        return Sign(1, self.coded) if settled else self
+        return self.after() if settled else self
 
     def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
-        if payload_levels(payload) == 2:  # signs (down_bits >= 2: the clipped levels are more)
-            return self.at(True).decode(payload, count, name)
+        if payload_levels(payload) == self.after_levels:
+            return self.after().decode(payload, count, name)
         return super().decode(payload, count, name)
+
+
+@dataclass(frozen=True)
+class SettledSign(Settled):
+    """``down_quantizer = "settled_sign"``: :class:`Sign` once the support has settled, when the update is small and
+    even (down_bits >= 2: the clipped levels are more than 2)."""
+
+    after_levels = 2
+
+    def after(self) -> Stochastic:
+        return Sign(1, self.coded)
 
 
 @dataclass(frozen=True)
@@ -135,23 +151,18 @@ class Ternary(Stochastic):
 
 
 @dataclass(frozen=True)
-class SettledTernary(Clipped):
-    """``down_quantizer = "settled_ternary"``: :class:`Clipped` levels while the sparsity ramp moves the support, and
-    :class:`Ternary` once it has settled (:meth:`at`). The payload's level count (3) says which wrote it."""
+class SettledTernary(Settled):
+    """``down_quantizer = "settled_ternary"``: :class:`Ternary` once the support has settled."""
 
     share: float = 0.1
+    after_levels = 3
 
-    def at(self, settled: bool) -> Stochastic:
-        return Ternary(1, self.coded, self.share) if settled else self
-
-    def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
-        if payload_levels(payload) == 3:  # ternary (the clipped levels are a power of 2)
-            return self.at(True).decode(payload, count, name)
-        return super().decode(payload, count, name)
+    def after(self) -> Stochastic:
+        return Ternary(1, self.coded, self.share)
 
 
 CLIP = 3.0
-ValueScheme = Float16 | Stochastic | Norm | Clipped | Sign | SettledSign | Ternary | SettledTernary
+ValueScheme = Float16 | Stochastic | Norm | Clipped | Sign | Ternary | Settled
 QUANTIZERS = {"max": Stochastic, "norm": Norm, "clipped": Clipped, "sign": Sign, "settled_sign": SettledSign}
 
 
