@@ -59,6 +59,12 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
 * ``rerun``: the chosen setting itself, trained again on a CPU whose kernels round differently from the one that
   trained the joint campaign (``joint.py verify`` finds round 1 different there); not judged: the spread it shows is
   what rounding alone moves, the noise under every comparison here.
+* ``partial``: the chosen setting with ``clients_per_round = 5`` (half the clients a round, drawn each round): a
+  client's downlink is the update from the weights it held when it last took part, however many rounds ago, its
+  error feedback the server's for that client; its axis: total bits, judged against ``partial_values8``.
+* ``partial_values8``: ``partial`` with ``down_mu = "values"`` and ``down_bits = 8`` (mu_G on the support at 8 bits
+  on max levels, what a client gets whatever it holds): the reference of ``partial``, not judged. Both change the
+  protocol (5 clients a round), so their bits are not set against STC's.
 * ``settled_t30``: ``settled_cut_t30`` with ``dead_units = "kept"``: the ``settled_cut`` family's seeds 1 and 2 end
   below T where ``settled_sign``'s do not, and ``cut`` costs 0.27 test points under ``detached``; its axis: total
   bits. The family is timed (``time``) beside the variants judged on speed.
@@ -100,6 +106,7 @@ DOWN_SIGN = {"dturbo.transmission.down_quantizer": "sign"}
 # the two options that each send fewer bits (settled signs down, dead units cut), on the library's round model
 SETTLED_CUT = {"dturbo.transmission.down_quantizer": "settled_sign", "dturbo.dead_units": "cut",
                "dturbo.global_model": "trained"}
+PARTIAL = {"federation.clients_per_round": 5}
 # name: (the options it changes, what it is, the row's key it is judged on (lower is better, but for speedup and
 # val_accuracy), the runs it is judged against: REFERENCE, the joint campaign's, "detached", sampling.py's with
 # sampling = "detached", or another variant's)
@@ -134,7 +141,13 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
                          "dturbo.transmission.down_share": 0.1},
                         'down_quantizer = "settled_ternary"', "total_bits", "settled_sign"),
     "rerun": ({}, "the chosen setting, trained again on another CPU", "none", "chosen"),
+    "partial": (PARTIAL, "5 of 10 clients a round (the chosen update downlink)", "total_bits", "partial_values8"),
+    "partial_values8": (PARTIAL | {"dturbo.transmission.down_mu": "values", "dturbo.transmission.down_bits": 8,
+                                   "dturbo.transmission.down_quantizer": "max"},
+                        '5 of 10 clients a round, down_mu = "values" at 8 bits', "none", "chosen"),
 }
+# the variants that change the protocol: their bits are not set against STC's (10 clients a round)
+OTHER_PROTOCOL = {"partial", "partial_values8"}
 AXES = {"total_bits": "fewer total bits", "val_drop": "a smaller largest drop of validation accuracy after round 3",
         "speedup": "a faster exported model on every seed", "val_accuracy": "a higher mean validation accuracy",
         "none": ""}  # "none": a control, not judged
@@ -248,8 +261,9 @@ def report(s: h.Settings) -> None:
            "summary": summary, "recommended": recommended, "runs": rows,
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
-    def vs_stc(x: float | None, key: str) -> str:
-        return "" if x is None or stc is None or not stc.get(key) else f" ({x / stc[key]:.3f}x STC's)"
+    def vs_stc(x: float | None, key: str, name: str) -> str:
+        return "" if x is None or stc is None or not stc.get(key) or name in OTHER_PROTOCOL else \
+            f" ({x / stc[key]:.3f}x STC's)"
 
     what = REFERENCES | {name: v[1] for name, v in VARIANTS.items()}
 
@@ -271,9 +285,10 @@ def report(s: h.Settings) -> None:
     for name, v in summary.items():
         rec = "yes" if recommended.get(name) else "" if name not in recommended else "no"
         md.append(f"| {what[name]} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {v['seeds_reaching_t']} of "
-                  f"{v['seeds']} | {_mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t')} | "
+                  f"{v['seeds']} | {_mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t', name)} | "
                   f"{_mbit(v['bits_to_t_after_initial'])}"
-                  f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial')} | {_mbit(v['total_bits'])} | "
+                  f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial', name)} | "
+                  f"{_mbit(v['total_bits'])} | "
                   f"{v['largest_drop'] * 100:.1f} points | {speedups(v)} | {rec} |")
     md += ["", f"Recommended: a variant whose mean validation accuracy is at most {100 * MARGIN:.1f} points below its "
                f"reference's and that is better on its axis ("
