@@ -234,6 +234,12 @@ def recommend(summary: dict[str, dict[str, Any]]) -> dict[str, bool]:
             for name, (_, _, axis, ref) in VARIANTS.items() if name in summary and ref in summary and axis != "none"}
 
 
+def vs_stc(x: float | None, key: str, name: str, stc: dict[str, Any] | None) -> str:
+    """`` (0.816x STC's)``: a variant's bits against the joint table's STC row, none for another protocol's."""
+    return "" if x is None or stc is None or not stc.get(key) or name in OTHER_PROTOCOL else \
+        f" ({x / stc[key]:.3f}x STC's)"
+
+
 def report(s: h.Settings) -> None:
     joint, camp, chosen = campaigns(s)
     res_joint = json.loads((s.results / "joint.json").read_text())
@@ -261,10 +267,6 @@ def report(s: h.Settings) -> None:
            "summary": summary, "recommended": recommended, "runs": rows,
            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
-    def vs_stc(x: float | None, key: str, name: str) -> str:
-        return "" if x is None or stc is None or not stc.get(key) or name in OTHER_PROTOCOL else \
-            f" ({x / stc[key]:.3f}x STC's)"
-
     what = REFERENCES | {name: v[1] for name, v in VARIANTS.items()}
 
     def speedups(v: dict[str, Any]) -> str:
@@ -285,9 +287,9 @@ def report(s: h.Settings) -> None:
     for name, v in summary.items():
         rec = "yes" if recommended.get(name) else "" if name not in recommended else "no"
         md.append(f"| {what[name]} | {v['val_accuracy']:.2%} | {v['accuracy']:.2%} | {v['seeds_reaching_t']} of "
-                  f"{v['seeds']} | {_mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t', name)} | "
+                  f"{v['seeds']} | {_mbit(v['bits_to_t'])}{vs_stc(v['bits_to_t'], 'bits_to_t', name, stc)} | "
                   f"{_mbit(v['bits_to_t_after_initial'])}"
-                  f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial', name)} | "
+                  f"{vs_stc(v['bits_to_t_after_initial'], 'bits_to_t_after_initial', name, stc)} | "
                   f"{_mbit(v['total_bits'])} | "
                   f"{v['largest_drop'] * 100:.1f} points | {speedups(v)} | {rec} |")
     md += ["", f"Recommended: a variant whose mean validation accuracy is at most {100 * MARGIN:.1f} points below its "

@@ -88,6 +88,23 @@ def test_a_control_is_reported_but_never_judged():
     assert v.recommend(summary)["settled_ternary"] is False
 
 
+def test_partial_participation_is_judged_against_its_own_protocol():
+    """partial (5 of 10 clients a round) is judged against partial_values8, a reference on the same protocol that is
+    itself not judged; neither's bits are set against STC's (10 clients a round)."""
+    v = load_benchmark("variants")
+    chosen = rows("chosen", [0.890, 0.888, 0.886], 33e6, [28e6, 30e6, 32e6], 0.06)
+    values8 = rows("partial_values8", [0.880, 0.878, 0.876], 30e6, [26e6, 27e6, 28e6], 0.06)
+    update = rows("partial", [0.879, 0.877, 0.875], 18e6, [15e6, 16e6, 17e6], 0.06)  # 0.1 below values8, 1.1 below
+    summary = v.summarize(chosen + values8 + update, 3)
+    assert v.recommend(summary) == {"partial": True}
+    summary["partial"]["val_accuracy"] = summary["partial_values8"]["val_accuracy"] - 0.0021
+    assert v.recommend(summary) == {"partial": False}
+    stc = {"bits_to_t": 40e6}
+    assert v.vs_stc(30e6, "bits_to_t", "settled_sign", stc) == " (0.750x STC's)"
+    assert v.vs_stc(30e6, "bits_to_t", "partial", stc) == v.vs_stc(30e6, "bits_to_t", "partial_values8", stc) == ""
+    assert v.vs_stc(None, "bits_to_t", "settled_sign", stc) == v.vs_stc(30e6, "bits_to_t", "chosen", None) == ""
+
+
 def test_the_presets_option_studies_rules_by_hand():
     """presets.py --stage dead_units / sampling: a preset takes the alternative when its mean final validation
     accuracy over the seeds is at most 0.2 points below the held value's and, for dead_units, its mean total bits are
