@@ -8,8 +8,10 @@ import torch
 from run_helpers import rows_of
 from typer.testing import CliRunner
 
+from dturbo import presets
 from dturbo.algorithms.base import ClientData
 from dturbo.algorithms.local import train_local
+from dturbo.algorithms.registry import ALGORITHMS
 from dturbo.cli import app
 from dturbo.config import ConfigError, TrainConfig
 from dturbo.device import resolve_device
@@ -99,12 +101,28 @@ def test_train_local_on_cuda_matches_cpu_and_returns_to_cpu():
 
 
 @has_cuda
-@pytest.mark.parametrize("algorithm", ["dturbo", "fedavg", "stc", "fedpm"])
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_a_short_run_on_cuda(tmp_path, tiny_config, make_toy, algorithm):
     cfg = parse_config(tiny_config(rounds=1, data={"name": "npz", "path": str(make_toy(300))},
                                    experiment={"device": "cuda", "algorithm": algorithm}))
     rows = Simulator(cfg, tmp_path / "run").run()
     assert 0 <= float(rows[-1]["accuracy"]) <= 1
+
+
+@has_cuda
+@pytest.mark.parametrize("preset", ["recommended", "speed"])
+def test_a_presets_dturbo_options_on_cuda_match_the_cpu(tmp_path, tiny_config, make_toy, preset):
+    """A preset's [dturbo] options (the update downlink, cut units, its sparsity) train on the GPU to the CPU's
+    support and accuracy: the same minibatches and noise, drawn on the CPU, and only rounding between them."""
+    options = presets.read(preset)["dturbo"]
+    options["sparsity"] = {**options["sparsity"], "warmup_rounds": 0, "ramp_rounds": 1, "layer_targets": {}}
+    data = {"name": "npz", "path": str(make_toy(300))}
+    rows = {device: Simulator(parse_config(tiny_config(rounds=2, data=data, dturbo=options,
+                                                       experiment={"device": device})), tmp_path / device).run()
+            for device in ("cpu", "cuda")}
+    for gpu, cpu in zip(rows["cuda"], rows["cpu"], strict=True):
+        assert float(gpu["density"]) == pytest.approx(float(cpu["density"]), abs=0.02)
+    assert float(rows["cuda"][-1]["accuracy"]) == pytest.approx(float(rows["cpu"][-1]["accuracy"]), abs=0.02)
 
 
 @has_cuda
