@@ -59,6 +59,13 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
 * ``rerun``: the chosen setting itself, trained again on a CPU whose kernels round differently from the one that
   trained the joint campaign (``joint.py verify`` finds round 1 different there); not judged: the spread it shows is
   what rounding alone moves, the noise under every comparison here.
+* ``biases``: ``biases = "as_mu"``: each layer's biases travel as mu does, in their own field, instead of as float16
+  values both ways: up as the update from the biases received on the uplink's levels (QSGD's, 5 bits, range-coded),
+  down as the update from the biases each client holds on the downlink's (3-bit clipped levels, error feedback).
+  alexnet-small's 332 biases cost 685 bytes a message in float16, a fifth of a steady-state upload; as mu, 217 bytes
+  up and 182 down (99 as signs). Its axis: total bits.
+* ``settled_biases``: ``settled_sign`` with ``biases = "as_mu"`` (the biases as signs once the support has settled);
+  its axis: total bits, judged against ``settled_sign``.
 * ``partial``: the chosen setting with ``clients_per_round = 5`` (half the clients a round, drawn each round): a
   client's downlink is the update from the weights it held when it last took part, however many rounds ago, its
   error feedback the server's for that client; its axis: total bits, judged against ``partial_values8``.
@@ -141,6 +148,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
                          "dturbo.transmission.down_share": 0.1},
                         'down_quantizer = "settled_ternary"', "total_bits", "settled_sign"),
     "rerun": ({}, "the chosen setting, trained again on another CPU", "none", "chosen"),
+    "biases": ({"dturbo.transmission.biases": "as_mu"}, 'biases = "as_mu"', "total_bits", "chosen"),
+    "settled_biases": ({"dturbo.transmission.down_quantizer": "settled_sign", "dturbo.transmission.biases": "as_mu"},
+                       'settled_sign, biases = "as_mu"', "total_bits", "settled_sign"),
     "partial": (PARTIAL, "5 of 10 clients a round (the chosen update downlink)", "total_bits", "partial_values8"),
     "partial_values8": (PARTIAL | {"dturbo.transmission.down_mu": "values", "dturbo.transmission.down_bits": 8,
                                    "dturbo.transmission.down_quantizer": "max"},

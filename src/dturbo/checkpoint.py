@@ -120,7 +120,8 @@ def data_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
 LATER_METHOD_KEYS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local", ("dturbo", "global_model"): "cut",
                                                  ("dturbo", "dead_units"): "kept",
                                                  ("dturbo.sparsity", "cost_power"): 1.0,
-                                                 ("dturbo.transmission", "down_share"): 0.1}
+                                                 ("dturbo.transmission", "down_share"): 0.1,
+                                                 ("dturbo.transmission", "biases"): "float16"}
 
 
 def _section(tree: dict[str, Any], dotted: str) -> dict[str, Any] | None:

@@ -26,7 +26,8 @@ the field of every layer's Module B in its last SPMP (the sparsity policy starts
 plain state. With ``transmission.positions = "delta"`` also what each client holds (docs/communication.md,
 "Positions"): ``held_round`` (per client, the round of the downlink whose S it holds, -1: none known) and
 ``held.name`` (per client, that S as packed bits), so that a resumed run codes the same differences; with
-``down_mu = "update"`` also ``held_mu.name`` (per client, the weights it holds from that downlink, float32, 0 off S).
+``down_mu = "update"`` also ``held_mu.name`` (per client, the weights it holds from that downlink, float32, 0 off S)
+and with ``biases = "as_mu"`` ``held_bias.name`` (the biases it holds).
 """
 
 from __future__ import annotations

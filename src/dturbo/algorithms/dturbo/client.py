@@ -27,7 +27,6 @@ from .messages import (
     sigma_as_sent,
 )
 from .prior import resolve_prior
-from .turbo import LayerInfo
 
 
 class DturboClient(ClientAlgorithm):
@@ -76,7 +75,7 @@ class DturboClient(ClientAlgorithm):
         down = self._decode(downlink, client_id)
         if self.messages.delta:
             self._keep(client_id, down.round_idx, [d.support for d in down.layers],
-                       [d.mu.astype(np.float32) for d in down.layers] if self.messages.update else None)
+                       self._held_after(down) if self.messages.update else None)
         round_idx = down.round_idx
         model = self.model
         layers = bayesian_layers(model)
@@ -104,6 +103,8 @@ class DturboClient(ClientAlgorithm):
             if before is not None:  # what the last upload rounded off, where this one sends
                 sent = sent + self._on_grid(before, i)[mask]
             bias = layer.bias.detach().numpy() if layer.bias is not None else np.zeros(0, np.float32)
+            if self.messages.bias_up and layer.bias is not None:  # the update from the biases received
+                bias = bias.astype(np.float64) - d.bias.astype(np.float32)
             up[info.name] = UpLayer(sent, sigma_as_sent(layer.sigma.detach().numpy(), mask), bias)
         msg = DturboUplink(len(data), {}, up, result.nll, result.penalty)
         rng = np.random.default_rng([self.cfg.experiment.seed, round_idx, client_id, 0x0B])
@@ -139,6 +140,14 @@ class DturboClient(ClientAlgorithm):
         self.plain.load_values(self.model, down.plain)
         return starts
 
+    def _held_after(self, down: DturboDownlink) -> list[np.ndarray]:
+        """``down_mu = "update"``: the weights a downlink leaves the client holding (``HeldWeights``: every layer's
+        grid, then with ``biases = "as_mu"`` every layer's biases)."""
+        held = [d.mu.astype(np.float32) for d in down.layers]
+        if self.messages.bias_down:
+            held += [d.bias.astype(np.float32) for d in down.layers]
+        return held
+
     # -------------------------------------------------- the supports held (positions = "delta")
     def _keep(self, client_id: int, round_idx: int, supports: list[np.ndarray],
               weights: list[np.ndarray] | None) -> None:
@@ -156,9 +165,16 @@ class DturboClient(ClientAlgorithm):
         if self.messages.update:
             for cid, mine in sorted(self.supports.held.items()):
                 for slot, r in enumerate(sorted(mine)):
-                    for info, w in zip(self.layers, self._weights[cid][r], strict=True):
-                        out[f"{info.name}.mu{slot}/{cid}"] = w.reshape(-1)
+                    for key, w in zip(self._held_keys(slot, cid), self._weights[cid][r], strict=True):
+                        out[key] = w.reshape(-1)
         return out
+
+    def _held_keys(self, slot: int, cid: int) -> list[str]:
+        """The checkpoint's keys of the weights client ``cid`` holds in ``slot`` (``HeldWeights``' order)."""
+        keys = [f"{info.name}.mu{slot}/{cid}" for info in self.layers]
+        if self.messages.bias_down:
+            keys += [f"{info.name}.bias{slot}/{cid}" for info in self.layers]
+        return keys
 
     def import_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Inverse of :meth:`export_state` (on resume, or a Flower node's saved state); ValueError when the arrays
@@ -169,16 +185,22 @@ class DturboClient(ClientAlgorithm):
         if not self.messages.update:
             return
         try:
+            shapes = [info.grid for info in self.layers]
+            if self.messages.bias_down:
+                shapes += [(nb,) for nb in self.messages.n_bias]
             for cid, mine in self.supports.held.items():
-                self._weights[cid] = {r: [self._weights_at(arrays, info, slot, cid) for info in self.layers]
+                self._weights[cid] = {r: [self._weights_at(arrays, key, shape, cid)
+                                          for key, shape in zip(self._held_keys(slot, cid), shapes, strict=True)]
                                       for slot, r in enumerate(sorted(mine))}
         except KeyError as err:
             raise ValueError(f"checkpointed D-Turbo-VBI client state is incomplete ({err})") from None
 
     @staticmethod
-    def _weights_at(arrays: dict[str, np.ndarray], info: LayerInfo, slot: int, cid: int) -> np.ndarray:
-        w = np.asarray(arrays[f"{info.name}.mu{slot}/{cid}"])
-        if w.dtype != np.float32 or w.shape != (int(np.prod(info.grid)),):
-            raise ValueError(f"the weights of {info.name} held by client {cid} are {w.dtype} {w.shape}, the "
-                             f"model's grid needs float32 ({int(np.prod(info.grid))},)")
-        return w.reshape(info.grid)
+    def _weights_at(arrays: dict[str, np.ndarray], key: str, shape: tuple[int, ...], cid: int) -> np.ndarray:
+        w = np.asarray(arrays[key])
+        size = int(np.prod(shape))
+        if w.dtype != np.float32 or w.shape != (size,):
+            name = key.split("/", 1)[0].rstrip("0123456789")
+            raise ValueError(f"the weights {name} held by client {cid} are {w.dtype} {w.shape}, the model needs "
+                             f"float32 ({size},)")
+        return w.reshape(shape)

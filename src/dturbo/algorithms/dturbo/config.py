@@ -133,6 +133,10 @@ class TransmissionConfig(Section):
             "max levels)"))
     down_share: float = Field(0.1, gt=0, le=1, description=(
         "down_quantizer = 'ternary' / 'settled_ternary': the share of a layer's update values sent each round"))
+    biases: Literal["float16", "as_mu"] = Field("float16", description=(
+        "float16: each layer's biases travel as float16 values both ways; as_mu: as mu does, on its scheme in "
+        "their own field: up as the update from the biases received (up_bits < 16), down as the update from the "
+        "biases the client holds (down_mu = 'update') or as values on down_bits levels (down_bits < 16)"))
     values_code: ValuesCode = Field("range", description=(
         "how quantised values (up_bits / down_bits < 16; float16 values are sent as they are) are written: fixed, "
         "bits bits each; range, range-coded under "
@@ -151,6 +155,9 @@ class TransmissionConfig(Section):
         if self.down_quantizer == "settled_sign" and self.down_bits == 1:
             raise ValueError("down_quantizer = 'settled_sign' needs down_bits of at least 2 (the ramp's clipped "
                              "levels; 1 bit is the sign itself)")
+        if self.biases == "as_mu" and self.up_quantizer == "sign":
+            raise ValueError("biases = 'as_mu' needs up_quantizer 'max' or 'norm' (the signs' error feedback covers "
+                             "the weights' grids only)")
         if self.down_quantizer != "max" and self.down_mu != "update":
             raise ValueError(f"down_quantizer = '{self.down_quantizer}' needs down_mu = 'update' (the next downlink "
                              f"sends what it rounds off)")

@@ -7,17 +7,20 @@ writes or reads their bytes: the server and the client hand it typed records (:c
 
 * down: per layer, mu_G cluster-coded on its grid (its nonzeros are S), or with ``down_bits`` < 16 S's positions
   then mu_G on S on 2**bits levels (stochastic rounding); sigma_G; sigma_prior on S (E5) unless ``prior_std =
-  "rebuilt"``; the biases in float16. With ``positions = "delta"`` S always travels apart (then mu_G on S,
-  quantised or float16) and each client's downlink codes it against the support that client holds, named by the
-  round of the downlink it came in (``meta``'s third scalar, -1: none): the positions that flipped, or S whole
-  where that is smaller (:func:`dturbo.codec.encode_support_delta`; docs/communication.md, "Positions").
+  "rebuilt"``; the biases (in float16; with ``biases = "as_mu"`` as mu travels, in their own field). With
+  ``positions = "delta"`` S always travels apart (then mu_G on S, quantised or float16) and each client's downlink
+  codes it against the support that client holds, named by the round of the downlink it came in (``meta``'s third
+  scalar, -1: none): the positions that flipped, or S whole where that is smaller
+  (:func:`dturbo.codec.encode_support_delta`; docs/communication.md, "Positions").
   With ``down_mu = "update"`` (which needs positions = "delta") mu_G travels as the update from the weights R the
   client holds from that same downlink (0 where it holds none), quantised: the client holds R' = R + the decoded
   update on S afterwards (float32, 0 off S), and the server, which knows R, codes the next update from R', so one
-  downlink's rounding error is sent again in the next (:meth:`DturboMessages.encode_update`).
+  downlink's rounding error is sent again in the next (:meth:`DturboMessages.encode_update`); with ``biases =
+  "as_mu"`` the biases travel the same way, from the biases the client holds.
 * up: per layer, mu on S in float16 (canonical row-major order, no positions), or with ``up_bits`` < 16 the update
   from the weights received on 2**bits levels (with ``up_quantizer = "sign"``: the signs, times the mean magnitude,
-  of the update plus what the client's last upload rounded off, on S); sigma on S; the biases; then n_t and the
+  of the update plus what the client's last upload rounded off, on S); sigma on S; the biases (with ``biases =
+  "as_mu"`` and ``up_bits`` < 16 the update from the biases received, on the same levels); then n_t and the
   training figures.
 * ``values_code = "range"``: every quantised mu (down and up) is range-coded, layout ``coded`` instead of
   ``quantized`` (:mod:`dturbo.coding.values`): the same symbols, so the same values on both sides, in fewer bits.
@@ -63,7 +66,8 @@ NO_BASE = -1  # positions = "delta": the base round of a downlink whose supports
 
 # positions = "delta": the supports a client holds, by the round of the downlink they came in (one grid per layer)
 HeldSupports = Mapping[int, list[np.ndarray]]
-# down_mu = "update": the weights a client holds (float32 grids, 0 off the support), by the round of their downlink
+# down_mu = "update": the weights a client holds (float32 grids, 0 off the support), by the round of their downlink;
+# with biases = "as_mu" each layer's biases (float32) follow the grids of every layer
 HeldWeights = Mapping[int, list[np.ndarray]]
 
 
@@ -137,7 +141,8 @@ class DturboDownlink:
 @dataclass
 class UpLayer:
     """One layer of an upload: ``mu`` on S (or, with ``up_bits`` < 16, the update from the weights received),
-    ``sigma`` as sent (:func:`sigma_as_sent`), ``bias``."""
+    ``sigma`` as sent (:func:`sigma_as_sent`), ``bias`` (with ``biases = "as_mu"`` and ``up_bits`` < 16, the update
+    from the biases received)."""
 
     mu: np.ndarray
     sigma: np.ndarray
@@ -183,9 +188,14 @@ class DturboMessages:
         # down_mu = "update": a client that holds no weights gets them on the max levels (nothing sends the clipped
         # part again to a client that drops out)
         self.down_first = scheme(self.tr.down_bits, coded)
+        # biases = "as_mu": the biases on mu's quantised scheme in each direction (float16 where mu is float16)
+        as_mu = self.tr.biases == "as_mu"
+        self.bias_up = as_mu and not isinstance(self.up_values, Float16)
+        self.bias_down = as_mu and not isinstance(self.down_values, Float16)
         # mu_G cluster-coded on its grid, S its nonzeros; else S travels apart, then mu_G on S
         self.grid = isinstance(self.down_values, Float16) and not self.delta
-        down = {"meta": "header", "sigma": "values", "bias": "dense"}
+        down = {"meta": "header", "sigma": "values",
+                "bias": self.down_values.layout if self.bias_down else "dense"}
         if self.grid:
             down["mu"] = "grid"
         else:
@@ -194,7 +204,7 @@ class DturboMessages:
         if self.tr.prior_std == "sent":
             down["prior_std"] = "quantized" if cfg.dturbo.prior_std_dtype == "log8" else "values"
         up = {"meta": "header", "mu": self.up_values.layout, "sigma": "values",
-              "bias": "dense", "metrics": "header"}
+              "bias": self.up_values.layout if self.bias_up else "dense", "metrics": "header"}
         self.down, self.up = MessageSpec(DOWN_KIND, down), MessageSpec(UP_KIND, up)
         # The uplink's size bound: 4x the float16 bytes of every grid and the float32 bytes of every bias.
         grids = sum(int(np.prod(i.grid)) * 2 + nb * 4 for i, nb in zip(layers, self.n_bias, strict=True))
@@ -222,7 +232,7 @@ class DturboMessages:
             fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             if layer.prior_std is not None:
                 fields[f"{n}.prior_std"] = encode_prior_std(layer.prior_std, self.cfg.dturbo.prior_std_dtype)
-            fields[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
+            fields[f"{n}.bias"] = self._bias_values(layer.bias, rng)
         return self.down.frame(fields | plain_fields)
 
     def encode_downlinks(self, msg: DturboDownlink, plain_fields: dict[str, bytes], bases: Mapping[int, int],
@@ -245,7 +255,8 @@ class DturboMessages:
             f[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
             if layer.prior_std is not None:
                 f[f"{n}.prior_std"] = encode_prior_std(layer.prior_std, self.cfg.dturbo.prior_std_dtype)
-            f[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
+            if not (self.update and self.bias_down):  # else each client's update from the biases it holds
+                f[f"{n}.bias"] = self._bias_values(layer.bias, rng)
             rest.append(f)
         framed: dict[int, bytes] = {}
         out: dict[int, bytes] = {}
@@ -261,6 +272,8 @@ class DturboMessages:
                     if steps is not None:
                         fields[f"{info.name}.mu"] = steps[i]
                     fields |= rest[i]
+                    if steps is not None and self.bias_down:
+                        fields[f"{info.name}.bias"] = steps[len(self.layers) + i]
                 framed[key] = self.down.frame(fields | plain_fields)
             out[cid] = framed[key]
         return out
@@ -270,18 +283,26 @@ class DturboMessages:
         """``down_mu = "update"``: per layer, the update mu_G - R on S on 2**down_bits levels (unbiased stochastic
         rounding, a generator seeded by the round and the client), R = ``weights`` the client holds (None: zeros);
         and the weights R' it holds once it decodes them (:func:`updated_weights`): |R' - mu_G| on S stays below one
-        level spacing, 2 max|mu_G - R| / (2**down_bits - 1), and what one round rounds off the next one sends."""
+        level spacing, 2 max|mu_G - R| / (2**down_bits - 1), and what one round rounds off the next one sends.
+        With ``biases = "as_mu"`` each layer's biases follow, coded alike from the biases held (``HeldWeights``)."""
         rng = np.random.default_rng([self.cfg.experiment.seed, msg.round_idx, client_id, 0xD1])
         settled = self.settled_after is not None and msg.round_idx > self.settled_after
         values = self.down_first if weights is None else self.down_values.at(settled)
+        targets = [(layer.mu, layer.support) for layer in msg.layers]
+        if self.bias_down:
+            targets += [(layer.bias, np.ones(layer.bias.shape, bool)) for layer in msg.layers]
         steps, after = [], []
-        for i, layer in enumerate(msg.layers):
-            held = np.zeros(layer.support.shape, np.float32) if weights is None else weights[i]
-            step = values.encode(layer.mu[layer.support] - held[layer.support], rng)
+        for i, (mu, support) in enumerate(targets):
+            held = np.zeros(support.shape, np.float32) if weights is None else weights[i]
+            step = values.encode(mu[support] - held[support], rng)
             steps.append(step)
-            decoded = values.decode(step, int(layer.support.sum()), "mu")
-            after.append(updated_weights(held, layer.support, decoded))
+            decoded = values.decode(step, int(support.sum()), "mu")
+            after.append(updated_weights(held, support, decoded))
         return steps, after
+
+    def _bias_values(self, bias: np.ndarray, rng: np.random.Generator) -> bytes:
+        """A layer's biases as values in a downlink: float16, or (``biases = "as_mu"``) on mu's levels."""
+        return self.down_values.encode(bias, rng) if self.bias_down else encode_dense(bias, dtype="float16")
 
     def decode_downlink(self, data: bytes, held: HeldSupports | None = None, weights: HeldWeights | None = None
                         ) -> DturboDownlink:
@@ -308,7 +329,8 @@ class DturboMessages:
                 values = self.down_first if self.update and base == NO_BASE else self.down_values
                 on_s = values.decode(need(fields, f"{n}.mu"), k, f"{n}.mu")
                 if self.update:  # the step from the weights held
-                    mu = updated_weights(self._held_weights(info, i, round_idx, base, weights), mask, on_s)
+                    held_mu = self._held_weights(info, i, round_idx, base, weights, info.grid)
+                    mu = updated_weights(held_mu, mask, on_s)
                     mu = mu.astype(np.float64)
                 else:
                     mu[mask] = on_s
@@ -321,26 +343,45 @@ class DturboMessages:
             prior_std = None
             if self.tr.prior_std == "sent":
                 prior_std = decode_prior_std(need(fields, f"{n}.prior_std"), self.cfg.dturbo.prior_std_dtype, k)
-            bias = decode_dense(need(fields, f"{n}.bias")).reshape(-1)
+            bias = self._decode_bias(need(fields, f"{n}.bias"), i, round_idx, base, weights)
             layers.append(DownLayer(mu, mask, sigma, prior_std, bias))
         return DturboDownlink(round_idx, total, layers, self.plain.decode(fields), base)
 
-    def _held_weights(self, info: LayerInfo, i: int, round_idx: int, base: int, weights: HeldWeights | None
-                      ) -> np.ndarray:
-        """``down_mu = "update"``: the weights of layer ``i`` the update of round ``round_idx`` starts from: those of
-        round ``base`` this client holds (NO_BASE: zeros); a MessageError when it holds none of that round."""
+    def _decode_bias(self, payload: bytes, i: int, round_idx: int, base: int, weights: HeldWeights | None
+                     ) -> np.ndarray:
+        """Layer ``i``'s biases from a downlink: float16, or (``biases = "as_mu"``) on mu's levels, as values or as
+        the update from the biases this client holds."""
+        if not self.bias_down:
+            return decode_dense(payload).reshape(-1)
+        name, nb = f"{self.layers[i].name}.bias", self.n_bias[i]
+        first = self.update and base == NO_BASE
+        on = (self.down_first if first else self.down_values).decode(payload, nb, name)
+        if not self.update:
+            return on
+        held = np.zeros(nb, np.float32)
+        if base != NO_BASE:
+            held = self._held_weights(self.layers[i], len(self.layers) + i, round_idx, base, weights, (nb,))
+        return updated_weights(held, np.ones(nb, bool), on)
+
+    def _held_weights(self, info: LayerInfo, slot: int, round_idx: int, base: int, weights: HeldWeights | None,
+                      shape: tuple[int, ...]) -> np.ndarray:
+        """``down_mu = "update"``: the values of ``HeldWeights`` entry ``slot`` (layer ``info``'s grid, or its
+        biases) the update of round ``round_idx`` starts from: those of round ``base`` this client holds (NO_BASE:
+        zeros); a MessageError when it holds none of that round."""
         if base == NO_BASE:
-            return np.zeros(info.grid, np.float32)
+            return np.zeros(shape, np.float32)
         mine = None if weights is None else weights.get(base)
         if mine is None:
             holds = sorted(weights) if weights else []
             raise MessageError(
                 f"{info.name}.mu: the downlink of round {round_idx} sends mu_G as an update from the weights of round "
                 f"{base}, and this client holds {'those of rounds ' + str(holds) if holds else 'none'}")
-        if mine[i].shape != info.grid:
-            raise MessageError(f"{info.name}: the weights held have shape {mine[i].shape}, the model's grid is "
-                               f"{info.grid}")
-        return mine[i]
+        held = mine[slot] if slot < len(mine) else None
+        if held is None or held.shape != shape:
+            what = "grid" if slot < len(self.layers) else "biases"
+            raise MessageError(f"{info.name}: the weights held have shape {None if held is None else held.shape}, "
+                               f"the model's {what} is {shape}")
+        return held
 
     def _decode_support(self, payload: bytes, info: LayerInfo, i: int, round_idx: int, base: int,
                         base_supports: list[np.ndarray] | None, held: HeldSupports | None) -> np.ndarray:
@@ -375,7 +416,8 @@ class DturboMessages:
             if received is not None:
                 received[n] = self.up_values.decode(fields[f"{n}.mu"], layer.mu.size, f"{n}.mu")
             fields[f"{n}.sigma"] = _encode_sigma(layer.sigma, scalar)
-            fields[f"{n}.bias"] = encode_dense(layer.bias, dtype="float16")
+            fields[f"{n}.bias"] = (self.up_values.encode(layer.bias, rng) if self.bias_up
+                                   else encode_dense(layer.bias, dtype="float16"))
         fields |= plain_fields
         fields["metrics"] = pack_scalars([msg.nll, msg.penalty])
         return self.up.frame(fields)
@@ -393,7 +435,10 @@ class DturboMessages:
             sigma = decode_values(need(fields, f"{n}.sigma"), max_elements=sig_len)
             if sigma.shape != (sig_len,):
                 raise MessageError(f"{n}.sigma has {sigma.size} values, expected {sig_len}")
-            bias = decode_dense(need(fields, f"{n}.bias"), max_elements=max(nb, 1)).reshape(-1)
+            if self.bias_up:
+                bias = self.up_values.decode(need(fields, f"{n}.bias"), nb, f"{n}.bias")
+            else:
+                bias = decode_dense(need(fields, f"{n}.bias"), max_elements=max(nb, 1)).reshape(-1)
             if bias.size != nb:
                 raise MessageError(f"{n}.bias has {bias.size} values, expected {nb}")
             for key, arr in (("mu", mu), ("sigma", sigma), ("bias", bias)):

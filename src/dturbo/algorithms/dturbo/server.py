@@ -88,8 +88,8 @@ class DturboServer(ServerBase[DturboUplink]):
         if self.messages.delta:  # no client holds a support yet
             state |= self.held.init()
             if self.messages.update:
-                state |= {f"held_mu.{i.name}": np.zeros((self.held.clients, int(np.prod(i.grid))), dtype=np.float32)
-                          for i in self.layers}
+                state |= {key: np.zeros((self.held.clients, size), dtype=np.float32)
+                          for key, size in self._held_sizes().items()}
         if self.sparsity.steers(0):
             # The first support decision must follow the schedule too. Module B has no A->B message yet (unary 0),
             # and the first E3's evidence is already fixed by the initial q(rho), so the field is calibrated for
@@ -144,11 +144,22 @@ class DturboServer(ServerBase[DturboUplink]):
             state = dict(state) | {f"{i.name}.mu": self.model_mu(state, i) for i in self.layers}
         return self.downlink(state, round_idx)
 
+    def _held_sizes(self) -> dict[str, int]:
+        """``down_mu = "update"``: the state's key and size of each entry of ``HeldWeights`` (``held_mu.<layer>``:
+        the grid; with ``biases = "as_mu"`` then ``held_bias.<layer>``: the biases), in its order."""
+        sizes = {f"held_mu.{i.name}": int(np.prod(i.grid)) for i in self.layers}
+        if self.messages.bias_down:
+            sizes |= {f"held_bias.{i.name}": nb for i, nb in zip(self.layers, self.messages.n_bias, strict=True)}
+        return sizes
+
     def held_weights(self, state: State, clients: list[int]) -> dict[int, list[np.ndarray]]:
         """``down_mu = "update"``: the weights each of ``clients`` that holds a downlink holds (none: absent)."""
         if not self.messages.update:
             return {}
-        return {cid: [state[f"held_mu.{i.name}"][cid].reshape(i.grid) for i in self.layers]
+        shapes = [i.grid for i in self.layers]
+        if self.messages.bias_down:
+            shapes += [(nb,) for nb in self.messages.n_bias]
+        return {cid: [state[key][cid].reshape(shape) for key, shape in zip(self._held_sizes(), shapes, strict=True)]
                 for cid in clients if int(state["held_round"][cid]) != NO_BASE}
 
     def held_supports(self, state: State, rounds: set[int]) -> HeldSupports:
@@ -185,7 +196,7 @@ class DturboServer(ServerBase[DturboUplink]):
             mu, bias = state[f"{n}.mu"], state[f"{n}.bias"]
             largest = magnitude(mu, bias)
             limits[f"{n}.mu"] = Limit(largest, mu[self.support(state, info)] if updates else None)
-            limits[f"{n}.bias"] = Limit(largest)
+            limits[f"{n}.bias"] = Limit(largest, bias if self.messages.bias_up else None)
             limits[f"{n}.sigma"] = Limit(sigma_limit(state[f"{n}.sigma"]), positive=True)
         return UploadBounds(limits, self.partitions)
 
@@ -197,8 +208,9 @@ class DturboServer(ServerBase[DturboUplink]):
         for info in self.layers:
             n, mask = info.name, self.support(state, info)
             mu = state[f"{n}.mu"][mask]
+            bias = state[f"{n}.bias"]
             reference += [np.zeros(mu.size) if updates else mu, sigma_as_sent(state[f"{n}.sigma"], mask),
-                          state[f"{n}.bias"]]
+                          np.zeros(bias.size) if self.messages.bias_up else bias]
         rows = [np.concatenate([np.concatenate([(x := u.layers[i.name]).mu, x.sigma, x.bias]).astype(np.float64)
                                 for i in self.layers]) for u in uploads]
         return rows, np.concatenate([np.asarray(r, np.float64).reshape(-1) for r in reference])
@@ -252,6 +264,8 @@ class DturboServer(ServerBase[DturboUplink]):
             if self.trained_model:
                 new[f"{n}.mu_trained"] = turbo.restrict_to_support(mu)
             new[f"{n}.sigma"] = np.asarray(sig, dtype=np.float32).reshape(state[f"{n}.sigma"].shape)
+            if self.messages.bias_up:  # an update, added to the server's own biases as mu's is
+                bias = bias + state[f"{n}.bias"]
             new[f"{n}.bias"] = np.asarray(bias).astype(np.float32)
         t0 = time.perf_counter()
         metrics = self._server_step(new, trained, round_idx)
@@ -276,14 +290,14 @@ class DturboServer(ServerBase[DturboUplink]):
         confirmed = out["held_round"] == round_idx
         if self.messages.update:
             record = self._downlink_record(state, round_idx)  # what was sent, to code each update again
-            weights = {f"held_mu.{i.name}": state[f"held_mu.{i.name}"].copy() for i in self.layers}
+            weights = {key: state[key].copy() for key in self._held_sizes()}
             before = self.held_weights(state, np.flatnonzero(confirmed).tolist())
             for key in weights:
                 weights[key][selected] = 0
             for cid in np.flatnonzero(confirmed):
                 after = self.messages.encode_update(record, int(cid), before.get(int(cid)))[1]
-                for info, w in zip(self.layers, after, strict=True):
-                    weights[f"held_mu.{info.name}"][cid] = w.reshape(-1)
+                for key, w in zip(weights, after, strict=True):
+                    weights[key][cid] = w.reshape(-1)
             out |= weights
         return out
 
