@@ -417,3 +417,23 @@ def test_biases_as_mu_learn_on_fewer_bits(tmp_path, toy):
         assert (sum(int(r[f"{d}_bits"]) for r in rows["as_mu"])
                 < sum(int(r[f"{d}_bits"]) for r in rows["float16"])), d
     assert float(rows["as_mu"][-1]["accuracy"]) > float(rows["float16"][-1]["accuracy"]) - 0.05
+
+
+@pytest.mark.parametrize("positions", ["full", "delta"])
+def test_biases_as_mu_travel_down_as_values_on_the_downlinks_levels(toy, positions):
+    """``down_mu = "values"``: the biases travel as mu_G does, as values on 2**8 max levels, each within one level
+    spacing (2 max|b| / 255) of the server's, in fewer bytes than float16."""
+    from dturbo.codec import decode_message
+
+    sizes = {}
+    for biases in ("float16", "as_mu"):
+        cfg = parse_config(config(toy, 4, down_mu="values", down_bits=8, federation={"clients": 2},
+                                  transmission={"positions": positions, "biases": biases}))
+        server, client = build_algorithm(cfg, build_federation(cfg))
+        state = server.init()
+        down = server.downlinks(state, 0, [0, 1])[0]
+        for info, layer in zip(client.layers, client.messages.decode_downlink(down).layers, strict=True):
+            bias = state[f"{info.name}.bias"]
+            assert np.abs(layer.bias - bias).max() <= 2 * np.abs(bias).max() / 255 * (1 + 1e-6) + 1e-7
+        sizes[biases] = sum(len(p) for n, p in decode_message(down)[1] if n.endswith(".bias"))
+    assert sizes["as_mu"] < 0.75 * sizes["float16"], sizes
