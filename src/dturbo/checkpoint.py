@@ -121,7 +121,8 @@ LATER_METHOD_KEYS: dict[tuple[str, str], Any] = {("dturbo", "sampling"): "local"
                                                  ("dturbo", "dead_units"): "kept",
                                                  ("dturbo.sparsity", "cost_power"): 1.0,
                                                  ("dturbo.transmission", "down_share"): 0.1,
-                                                 ("dturbo.transmission", "biases"): "float16"}
+                                                 ("dturbo.transmission", "biases"): "float16",
+                                                 ("dturbo.transmission", "down_rounding"): "stochastic"}
 
 
 def _section(tree: dict[str, Any], dotted: str) -> dict[str, Any] | None:

@@ -11,6 +11,10 @@ one value is below one level spacing, 2 * scale / (L - 1).
 The QSGD quantiser (Alistarh et al. 2017; FedPAQ's, REFERENCE.md) scales by the norm instead: s levels
 ||v|| * l / s, l = 0..s, each sign, 0 among them, also unbiased. Most values of a long vector round to 0, so its
 symbols range-code to well under a bit each; ``bits`` bits hold s = 2**(bits - 1) - 1 (2s + 1 symbols).
+
+``nearest``: for a sender that sends what it rounds off again (an error-feedback downlink), the 2**bits - 1 levels
+of the same span, 0 among them, and each value to its nearest level: deterministic and biased, the error of one
+value at most half a spacing, and the many small values of an update on the one symbol 0, which range-codes cheaply.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ def _levels(bits: int) -> int:
     return 1 << int(bits)
 
 
-def quantize(values: np.ndarray, bits: int, rng: np.random.Generator, clip: float | None = None
-             ) -> tuple[np.ndarray, float]:
+def quantize(values: np.ndarray, bits: int, rng: np.random.Generator, clip: float | None = None,
+             nearest: bool = False) -> tuple[np.ndarray, float]:
     """(symbols in 0..L-1, scale): unbiased stochastic rounding of ``values`` onto the 2**bits levels. ``clip``:
     the scale is at most ``clip`` times the values' root mean square, and larger values round to the end levels
-    (biased; for a sender that sends what it rounds off again, an error-feedback downlink)."""
-    levels = _levels(bits)
+    (biased; for a sender that sends what it rounds off again, an error-feedback downlink). ``nearest``: onto
+    :func:`level_count`'s 2**bits - 1 levels, each value to its nearest (module docstring)."""
+    levels = level_count(bits, nearest)
     v = np.asarray(values, dtype=np.float64).reshape(-1)
     largest = float(np.abs(v).max()) if v.size else 0.0
     if clip is not None and v.size:
@@ -46,9 +51,18 @@ def quantize(values: np.ndarray, bits: int, rng: np.random.Generator, clip: floa
         return np.zeros(v.size, np.int64), scale
     # position on the level axis, in [0, L - 1] (clipped: max |v| may round up to the float32 scale)
     t = np.clip((v / scale + 1.0) * (levels - 1) / 2.0, 0.0, levels - 1)
+    if nearest:
+        return np.rint(t).astype(np.int64), scale
     low = np.floor(t)
     up = rng.random(v.size) < (t - low)
     return np.minimum(low + up, levels - 1).astype(np.int64), scale
+
+
+def level_count(bits: int, nearest: bool = False) -> int:
+    """The levels of ``bits``-bit symbols: 2**bits, or with ``nearest`` 2**bits - 1 (odd: 0 among them; bits >= 2)."""
+    if nearest and int(bits) < 2:
+        raise ValueError(f"nearest rounding needs at least 2 bits (3 levels), got {bits}")
+    return _levels(bits) - int(nearest)
 
 
 def level_values(symbols: np.ndarray, levels: int, scale: float) -> np.ndarray:
@@ -63,12 +77,12 @@ def dequantize(symbols: np.ndarray, bits: int, scale: float) -> np.ndarray:
 
 
 def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator, coded: bool = False,
-                      clip: float | None = None) -> bytes:
+                      clip: float | None = None, nearest: bool = False) -> bytes:
     """``values`` as ``bits``-bit symbols plus one float32 scale: written at ``bits`` bits each (codec layout
     ``quantized``), or range-coded (``coded``: layout ``coded``, :mod:`dturbo.coding.values`; the same symbols, so
-    the same decoded values, in fewer bytes)."""
-    symbols, scale = quantize(values, bits, rng, clip)
-    return (encode_symbols if coded else encode_quantized)(symbols, _levels(bits), [scale])
+    the same decoded values, in fewer bytes). ``clip``, ``nearest``: :func:`quantize`'s."""
+    symbols, scale = quantize(values, bits, rng, clip, nearest)
+    return (encode_symbols if coded else encode_quantized)(symbols, level_count(bits, nearest), [scale])
 
 
 def encode_sign(values: np.ndarray, coded: bool = False) -> bytes:
@@ -112,11 +126,14 @@ def decode_top_ternary(payload: bytes, count: int, coded: bool = False) -> np.nd
     return level_values(symbols, 3, scale)
 
 
-def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False) -> np.ndarray:
-    """Inverse of :func:`encode_stochastic` (up to the rounding): exactly ``count`` values on 2**bits levels with
-    a finite, non-negative scale, or CodecError. ``coded`` must be what the sender used."""
-    symbols, scale = _read(payload, _levels(bits), bits, count, coded, ("quantised", "levels", "scale"))
-    return dequantize(symbols, bits, scale)
+def decode_stochastic(payload: bytes, bits: int, count: int, coded: bool = False, nearest: bool = False
+                      ) -> np.ndarray:
+    """Inverse of :func:`encode_stochastic` (up to the rounding): exactly ``count`` values on 2**bits levels (with
+    ``nearest`` 2**bits - 1) with a finite, non-negative scale, or CodecError. ``coded`` and ``nearest`` must be
+    what the sender used."""
+    levels = level_count(bits, nearest)
+    symbols, scale = _read(payload, levels, bits, count, coded, ("quantised", "levels", "scale"))
+    return level_values(symbols, levels, scale)
 
 
 def payload_levels(payload: bytes) -> int:

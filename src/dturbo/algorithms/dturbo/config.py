@@ -131,6 +131,11 @@ class TransmissionConfig(Section):
             "settled_ternary, clipped while the ramp runs, ternary after (all but max need down_mu = 'update', "
             "which sends what they round off or leave out again; a client that holds no weights gets them on the "
             "max levels)"))
+    down_rounding: Literal["stochastic", "nearest"] = Field("stochastic", description=(
+        "the rounding of the downlink's clipped levels (clipped, and settled_sign / settled_ternary while the ramp "
+        "runs): stochastic, unbiased, on 2**down_bits levels; nearest, each value to its nearest of 2**down_bits - 1 "
+        "levels, 0 among them: deterministic, half the error, and the small values on one symbol that range-codes "
+        "cheaply (the update downlink sends what it rounds off again)"))
     down_share: float = Field(0.1, gt=0, le=1, description=(
         "down_quantizer = 'ternary' / 'settled_ternary': the share of a layer's update values sent each round"))
     biases: Literal["float16", "as_mu"] = Field("float16", description=(
@@ -158,6 +163,13 @@ class TransmissionConfig(Section):
         if self.biases == "as_mu" and self.up_quantizer == "sign":
             raise ValueError("biases = 'as_mu' needs up_quantizer 'max' or 'norm' (the signs' error feedback covers "
                              "the weights' grids only)")
+        if self.down_rounding == "nearest":
+            if self.down_quantizer not in ("clipped", "settled_sign", "settled_ternary"):
+                raise ValueError("down_rounding = 'nearest' rounds the clipped levels: it needs down_quantizer "
+                                 f"'clipped', 'settled_sign' or 'settled_ternary', got '{self.down_quantizer}'")
+            if self.down_bits < (3 if self.down_quantizer == "settled_ternary" else 2):
+                raise ValueError(f"down_rounding = 'nearest' with down_quantizer = '{self.down_quantizer}' needs "
+                                 "more down_bits (its 2**down_bits - 1 levels must outnumber the later scheme's)")
         if self.down_quantizer != "max" and self.down_mu != "update":
             raise ValueError(f"down_quantizer = '{self.down_quantizer}' needs down_mu = 'update' (the next downlink "
                              f"sends what it rounds off)")

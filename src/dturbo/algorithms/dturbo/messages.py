@@ -184,7 +184,8 @@ class DturboMessages:
         coded = self.tr.values_code == "range"
         self.up_values = scheme(self.tr.up_bits, coded, self.tr.up_quantizer)
         # signs take one bit whatever down_bits, which sets the levels of a downlink to a client that holds nothing
-        self.down_values = scheme(self.tr.down_bits, coded, self.tr.down_quantizer, self.tr.down_share)
+        self.down_values = scheme(self.tr.down_bits, coded, self.tr.down_quantizer, self.tr.down_share,
+                                  self.tr.down_rounding == "nearest")
         # down_mu = "update": a client that holds no weights gets them on the max levels (nothing sends the clipped
         # part again to a client that drops out)
         self.down_first = scheme(self.tr.down_bits, coded)

@@ -83,10 +83,16 @@ class Clipped(Stochastic):
     """``down_quantizer = "clipped"``: the max scheme with the scale at most :data:`CLIP` times the root mean square,
     larger values on the end levels. An update's few large values no longer spread the levels over a range most
     values never reach, so the rounding error stays a fraction of the update, and the error-feedback downlink
-    (``down_mu = "update"``) sends what is clipped or rounded off again the next round."""
+    (``down_mu = "update"``) sends what is clipped or rounded off again the next round. ``nearest`` (``down_rounding
+    = "nearest"``): 2**bits - 1 levels, 0 among them, each value to its nearest (:func:`dturbo.quantize.quantize`)."""
+
+    nearest: bool = False
 
     def encode(self, values: np.ndarray, rng: np.random.Generator) -> bytes:
-        return encode_stochastic(values, self.bits, rng, self.coded, clip=CLIP)
+        return encode_stochastic(values, self.bits, rng, self.coded, clip=CLIP, nearest=self.nearest)
+
+    def decode(self, payload: bytes, count: int, name: str) -> np.ndarray:
+        return _count(decode_stochastic(payload, self.bits, count, self.coded, self.nearest), count, name)
 
 
 @dataclass(frozen=True)
@@ -105,8 +111,8 @@ class Sign(Stochastic):
 @dataclass(frozen=True)
 class Settled(Clipped):
     """:class:`Clipped` levels while the sparsity ramp moves the support, and :meth:`after`'s scheme once it has
-    settled (:meth:`at`). The payload's level count (``after_levels``: the later scheme's; the clipped levels are a
-    power of 2 above it) says which wrote it, so the receiver needs no schedule."""
+    settled (:meth:`at`). The payload's level count (``after_levels``: the later scheme's; the clipped levels are
+    more) says which wrote it, so the receiver needs no schedule."""
 
     after_levels = 0
 
@@ -166,12 +172,14 @@ ValueScheme = Float16 | Stochastic | Norm | Clipped | Sign | Ternary | Settled
 QUANTIZERS = {"max": Stochastic, "norm": Norm, "clipped": Clipped, "sign": Sign, "settled_sign": SettledSign}
 
 
-def scheme(bits: int, coded: bool, quantizer: str = "max", share: float = 0.1) -> ValueScheme:
+def scheme(bits: int, coded: bool, quantizer: str = "max", share: float = 0.1, nearest: bool = False
+           ) -> ValueScheme:
     """The scheme of ``bits`` (16: float16) with ``values_code = "range"`` (``coded``) or ``"fixed"``, levels
     spread over the largest value (``quantizer = "max"``), the norm (``"norm"``) or at most 3 root mean squares
     (``"clipped"``), the signs times the mean magnitude (``"sign"``; ``"settled_sign"``: once the support has
     settled, clipped before), or the ``share`` of the values largest in magnitude as ternary values
-    (``"ternary"``; ``"settled_ternary"``: once the support has settled, clipped before)."""
+    (``"ternary"``; ``"settled_ternary"``: once the support has settled, clipped before); ``nearest``: the clipped
+    levels' rounding (:class:`Clipped`)."""
     if bits == 16:
         return Float16()
     if quantizer == "sign":
@@ -179,7 +187,9 @@ def scheme(bits: int, coded: bool, quantizer: str = "max", share: float = 0.1) -
     if quantizer == "ternary":
         return Ternary(1, coded, share)
     if quantizer == "settled_ternary":
-        return SettledTernary(bits, coded, share)
+        return SettledTernary(bits, coded, nearest=nearest, share=share)
+    if quantizer in ("clipped", "settled_sign"):
+        return QUANTIZERS[quantizer](bits, coded, nearest=nearest)
     return QUANTIZERS[quantizer](bits, coded)
 
 
