@@ -167,12 +167,12 @@ def test_an_update_run_learns_on_fewer_bits(tmp_path, toy):
 
 # the update on 4-bit max levels; signs both ways, whose clients keep their residuals (tests/test_up_feedback.py)
 # signs or ternary values down once the support has settled (round 3 of these 5 or 6)
-# and the biases as mu travels, on the clipped levels and then signs
+# and the biases as mu travels, on the clipped levels rounded to the nearest and then signs
 LEVELS_AND_SIGNS = pytest.mark.parametrize(
     "transmission", [{}, {"up_bits": 1, "up_quantizer": "sign", "down_quantizer": "sign"},
                      {"down_quantizer": "settled_sign"}, {"down_quantizer": "settled_ternary", "down_share": 0.2},
-                     {"down_quantizer": "settled_sign", "biases": "as_mu"}],
-    ids=["levels", "signs", "settled_signs", "settled_ternary", "settled_signs_biases"])
+                     {"down_quantizer": "settled_sign", "biases": "as_mu", "down_rounding": "nearest"}],
+    ids=["levels", "signs", "settled_signs", "settled_ternary", "settled_signs_biases_nearest"])
 
 
 @LEVELS_AND_SIGNS
