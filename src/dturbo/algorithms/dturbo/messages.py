@@ -282,7 +282,8 @@ class DturboMessages:
     def encode_update(self, msg: DturboDownlink, client_id: int, weights: list[np.ndarray] | None
                       ) -> tuple[list[bytes], list[np.ndarray]]:
         """``down_mu = "update"``: per layer, the update mu_G - R on S on 2**down_bits levels (unbiased stochastic
-        rounding, a generator seeded by the round and the client), R = ``weights`` the client holds (None: zeros);
+        rounding, a generator seeded by the round and the client; ``down_rounding = "nearest"``: the nearest of
+        2**down_bits - 1), R = ``weights`` the client holds (None: zeros);
         and the weights R' it holds once it decodes them (:func:`updated_weights`): |R' - mu_G| on S stays below one
         level spacing, 2 max|mu_G - R| / (2**down_bits - 1), and what one round rounds off the next one sends.
         With ``biases = "as_mu"`` each layer's biases follow, coded alike from the biases held (``HeldWeights``)."""
