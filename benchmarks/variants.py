@@ -61,16 +61,15 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   what rounding alone moves, the noise under every comparison here.
 * ``biases``: ``biases = "as_mu"``: each layer's biases travel as mu does, in their own field, instead of as float16
   values both ways: up as the update from the biases received on the uplink's levels (QSGD's, 5 bits, range-coded),
-  down as the update from the biases each client holds on the downlink's (3-bit clipped levels, error feedback).
-  alexnet-small's 332 biases cost 685 bytes a message in float16, a fifth of a steady-state upload; as mu, 217 bytes
-  up and 182 down (99 as signs). Its axis: total bits.
+  down as the update from the biases each client holds on the downlink's (3-bit clipped levels, error feedback):
+  alexnet-small's 332 biases are 664 bytes a message in float16. Its axis: total bits.
 * ``settled_biases``: ``settled_sign`` with ``biases = "as_mu"`` (the biases as signs once the support has settled);
   its axis: total bits, judged against ``settled_sign``.
 * ``settled_biases_nearest``: ``settled_biases`` with ``down_rounding = "nearest"``: the ramp's downlinks round each
-  value of the update to the nearest of 7 clipped levels (0 among them) instead of stochastically onto 8. On
-  synthetic updates tracked over 30 rounds (``tests/test_down_update.py``) a client's weights stay as near mu_G and
-  the range-coded downlinks take 10-16% fewer bytes; the ramp holds most of the downlink's bits. Its axis: total
-  bits, judged against ``settled_biases``.
+  value of the update to the nearest of 7 clipped levels (0 among them) instead of stochastically onto 8: half the
+  error of a value, and the small values on one symbol (``tests/test_down_update.py`` tracks both roundings on
+  synthetic updates); the ramp holds most of the downlink's bits. Its axis: total bits, judged against
+  ``settled_biases``.
 * ``partial``: the chosen setting with ``clients_per_round = 5`` (half the clients a round, drawn each round): a
   client's downlink is the update from the weights it held when it last took part, however many rounds ago, its
   error feedback the server's for that client; its axis: total bits, judged against ``partial_values8``.
