@@ -109,13 +109,20 @@ def test_a_short_run_on_cuda(tmp_path, tiny_config, make_toy, algorithm):
     assert 0 <= float(rows[-1]["accuracy"]) <= 1
 
 
+# the recommended preset with the biases on the weights' levels and the clipped update downlink rounded to the nearest
+NEAREST_BIASES = {"down_quantizer": "settled_sign", "biases": "as_mu", "down_rounding": "nearest"}
+
+
 @has_cuda
-@pytest.mark.parametrize("preset", ["recommended", "speed"])
-def test_a_presets_dturbo_options_on_cuda_match_the_cpu(tmp_path, tiny_config, make_toy, preset):
+@pytest.mark.parametrize("preset, transmission", [("recommended", {}), ("speed", {}),
+                                                  ("recommended", NEAREST_BIASES)],
+                         ids=["recommended", "speed", "recommended_nearest_biases"])
+def test_a_presets_dturbo_options_on_cuda_match_the_cpu(tmp_path, tiny_config, make_toy, preset, transmission):
     """A preset's [dturbo] options (the update downlink, cut units, its sparsity) train on the GPU to the CPU's
     support and accuracy: the same minibatches and noise, drawn on the CPU, and only rounding between them."""
     options = presets.read(preset)["dturbo"]
     options["sparsity"] = {**options["sparsity"], "warmup_rounds": 0, "ramp_rounds": 1, "layer_targets": {}}
+    options["transmission"] = {**options.get("transmission", {}), **transmission}
     data = {"name": "npz", "path": str(make_toy(300))}
     rows = {device: Simulator(parse_config(tiny_config(rounds=2, data=data, dturbo=options,
                                                        experiment={"device": device})), tmp_path / device).run()
