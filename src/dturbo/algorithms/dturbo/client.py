@@ -171,10 +171,7 @@ class DturboClient(ClientAlgorithm):
 
     def _held_keys(self, slot: int, cid: int) -> list[str]:
         """The checkpoint's keys of the weights client ``cid`` holds in ``slot`` (``HeldWeights``' order)."""
-        keys = [f"{info.name}.mu{slot}/{cid}" for info in self.layers]
-        if self.messages.bias_down:
-            keys += [f"{info.name}.bias{slot}/{cid}" for info in self.layers]
-        return keys
+        return [f"{n}.{kind}{slot}/{cid}" for n, kind, _ in self.messages.held_entries()]
 
     def import_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Inverse of :meth:`export_state` (on resume, or a Flower node's saved state); ValueError when the arrays
@@ -185,9 +182,7 @@ class DturboClient(ClientAlgorithm):
         if not self.messages.update:
             return
         try:
-            shapes = [info.grid for info in self.layers]
-            if self.messages.bias_down:
-                shapes += [(nb,) for nb in self.messages.n_bias]
+            shapes = [shape for _, _, shape in self.messages.held_entries()]
             for cid, mine in self.supports.held.items():
                 self._weights[cid] = {r: [self._weights_at(arrays, key, shape, cid)
                                           for key, shape in zip(self._held_keys(slot, cid), shapes, strict=True)]

@@ -302,6 +302,14 @@ class DturboMessages:
             after.append(updated_weights(held, support, decoded))
         return steps, after
 
+    def held_entries(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``down_mu = "update"``: the entries of ``HeldWeights`` in their order, as (layer, ``"mu"`` or ``"bias"``,
+        shape): every layer's grid, then with ``biases = "as_mu"`` every layer's biases."""
+        entries = [(i.name, "mu", i.grid) for i in self.layers]
+        if self.bias_down:
+            entries += [(i.name, "bias", (nb,)) for i, nb in zip(self.layers, self.n_bias, strict=True)]
+        return entries
+
     def _bias_values(self, bias: np.ndarray, rng: np.random.Generator) -> bytes:
         """A layer's biases as values in a downlink: float16, or (``biases = "as_mu"``) on mu's levels."""
         return self.down_values.encode(bias, rng) if self.bias_down else encode_dense(bias, dtype="float16")
