@@ -11,9 +11,9 @@ thread a run so that two run side by side):
 Apart (``--stage``): ``alone``, the main job timed on an idle machine; ``models``, ``recommended`` against the
 library's defaults on three models; ``candidates``, ``recommended``'s transmission chosen on a validation split;
 ``warmup``, ``quick``, ``recommended`` and the defaults at a constant and a rising learning rate, on a validation
-split; ``dead_units`` and ``sampling`` (:data:`STUDIES`), an option against the value the library held (``dead_units``
-kept and cut on ``quick`` and ``recommended``; ``sampling`` local and detached on ``quick`` and the defaults), seeds
-0-2, on a validation split.
+split; ``dead_units``, ``sampling`` and ``biases`` (:data:`STUDIES`), an option against the value the library held
+(``dead_units`` kept and cut on ``quick`` and ``recommended``; ``sampling`` local and detached on ``quick`` and the
+defaults; ``biases`` as float16 values and as mu on ``quick`` and ``recommended``), seeds 0-2, on a validation split.
 
 Goal: ``recommended`` within 1 point of the main job's accuracy with at most 0.3x the bits of the main job under the
 paper's protocol. Writes ``benchmarks/results/presets.{json,md}`` and copies the main job's figures to
@@ -252,7 +252,8 @@ class Study:
 STUDY_SEEDS = (0, 1, 2)
 STUDY_MARGIN = 0.002  # in accuracy: 0.2 points
 STUDIES = {"dead_units": Study("dturbo.dead_units", ("kept", "cut"), ("quick", "recommended"), "total_bits"),
-           "sampling": Study("dturbo.sampling", ("local", "detached"), ("quick", "defaults"), None)}
+           "sampling": Study("dturbo.sampling", ("local", "detached"), ("quick", "defaults"), None),
+           "biases": Study("dturbo.transmission.biases", ("float16", "as_mu"), ("quick", "recommended"), "total_bits")}
 STUDY_CANDIDATES = {v: c for st in STUDIES.values() for v, c in st.candidates.items()}
 
 
@@ -443,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs: the presets side by side; alone: the main job timed with nothing else running (run it on an idle "
         "machine); models: `recommended` against the library's defaults on alexnet-small, ResNet-8 and "
         "MobileNetV1 (both with BatchNorm); candidates: `recommended`'s candidates on a validation split; warmup: "
-        "quick, recommended and the defaults with a rising learning rate, on a validation split; dead_units, sampling: "
-        "an option against the value the library held, 3 seeds, on a validation split (STUDIES)"))
+        "quick, recommended and the defaults with a rising learning rate, on a validation split; dead_units, "
+        "sampling, biases: an option against the value the library held, 3 seeds, on a validation split (STUDIES)"))
     ap.add_argument("--device", default="cpu", help="models, candidates: where they train (cpu, cuda)")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models: which to train")
     ap.add_argument("--seeds", nargs="*", type=int, default=[], help="warmup: more seeds of quick and the defaults, "

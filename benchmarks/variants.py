@@ -70,6 +70,9 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   error of a value, and the small values on one symbol (``tests/test_down_update.py`` tracks both roundings on
   synthetic updates); the ramp holds most of the downlink's bits. Its axis: total bits, judged against
   ``settled_biases``.
+* ``settled_nearest``: ``settled_sign`` with ``down_rounding = "nearest"`` and the biases as float16 values:
+  ``settled_biases_nearest`` without ``biases = "as_mu"``, whose seeds end lower on test than ``settled_sign``'s; its
+  axis: total bits, judged against ``settled_sign``.
 * ``partial``: the chosen setting with ``clients_per_round = 5`` (half the clients a round, drawn each round): a
   client's downlink is the update from the weights it held when it last took part, however many rounds ago, its
   error feedback the server's for that client; its axis: total bits, judged against ``partial_values8``.
@@ -158,6 +161,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
     "settled_biases_nearest": ({"dturbo.transmission.down_quantizer": "settled_sign",
                                 "dturbo.transmission.biases": "as_mu", "dturbo.transmission.down_rounding": "nearest"},
                                'settled_biases, down_rounding = "nearest"', "total_bits", "settled_biases"),
+    "settled_nearest": ({"dturbo.transmission.down_quantizer": "settled_sign",
+                         "dturbo.transmission.down_rounding": "nearest"},
+                        'settled_sign, down_rounding = "nearest"', "total_bits", "settled_sign"),
     "partial": (PARTIAL, "5 of 10 clients a round (the chosen update downlink)", "total_bits", "partial_values8"),
     "partial_values8": (PARTIAL | {"dturbo.transmission.down_mu": "values", "dturbo.transmission.down_bits": 8,
                                    "dturbo.transmission.down_quantizer": "max"},
