@@ -15,7 +15,7 @@ from dturbo.algorithms.dturbo import rebuilt_prior_std
 from dturbo.algorithms.dturbo.turbo import support, support_evidence
 from dturbo.codec import CodecError, decode_support, encode_grid, encode_support, payload_bits
 from dturbo.config import ConfigError
-from dturbo.quantize import decode_stochastic, dequantize, encode_stochastic, quantize
+from dturbo.quantize import decode_stochastic, encode_stochastic, level_values, quantize
 from dturbo.settings import parse_config
 from dturbo.sim import Simulator
 
@@ -25,7 +25,7 @@ def test_stochastic_rounding_is_unbiased_and_within_one_level():
     v = np.concatenate([rng.normal(size=50) * 0.05, [0.0, 1e-7, -0.2, 0.2]])
     for bits in (1, 2, 4, 8):
         draws = 4000
-        out = np.stack([dequantize(*quantize(v, bits, rng)[:1], bits, np.float32(np.abs(v).max()))
+        out = np.stack([level_values(quantize(v, bits, rng)[0], 2**bits, np.float32(np.abs(v).max()))
                         for _ in range(draws)])
         step = 2 * np.abs(v).max() / (2**bits - 1)
         assert np.all(np.abs(out - v) <= step * (1 + 1e-6))  # one of the two neighbouring levels
@@ -41,7 +41,7 @@ def test_quantised_payload_round_trip_size_and_bad_input():
     payload = encode_stochastic(v, 4, np.random.default_rng(2))
     out = decode_stochastic(payload, 4, 1000)
     sym, scale = quantize(v, 4, np.random.default_rng(2))
-    np.testing.assert_array_equal(out, dequantize(sym, 4, scale))
+    np.testing.assert_array_equal(out, level_values(sym, 16, scale))
     assert payload_bits(payload, "quantized")["values"] == 4 * 1000 + 32  # 4 bits a value + the float32 scale
     with pytest.raises(CodecError):
         decode_stochastic(payload, 8, 1000)  # other level count

@@ -71,11 +71,6 @@ def level_values(symbols: np.ndarray, levels: int, scale: float) -> np.ndarray:
     return float(scale) * (2.0 * np.asarray(symbols, dtype=np.float64) - (levels - 1)) / (levels - 1)
 
 
-def dequantize(symbols: np.ndarray, bits: int, scale: float) -> np.ndarray:
-    """The level values of ``symbols`` (float64)."""
-    return level_values(symbols, _levels(bits), scale)
-
-
 def encode_stochastic(values: np.ndarray, bits: int, rng: np.random.Generator, coded: bool = False,
                       clip: float | None = None, nearest: bool = False) -> bytes:
     """``values`` as ``bits``-bit symbols plus one float32 scale: written at ``bits`` bits each (codec layout
