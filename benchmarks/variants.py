@@ -70,6 +70,8 @@ are the joint campaign's. Not tuning candidates: each asks what one option costs
   error of a value, and the small values on one symbol (``tests/test_down_update.py`` tracks both roundings on
   synthetic updates); the ramp holds most of the downlink's bits. Its axis: total bits, judged against
   ``settled_biases``.
+* ``nearest``: the chosen setting with ``down_rounding = "nearest"``: its 3-bit clipped downlink on 7 levels, each
+  value to its nearest, in every round; its axis: total bits.
 * ``settled_nearest``: ``settled_sign`` with ``down_rounding = "nearest"`` and the biases as float16 values:
   ``settled_biases_nearest`` without ``biases = "as_mu"``, whose seeds end lower on test than ``settled_sign``'s; its
   axis: total bits, judged against ``settled_sign``.
@@ -161,6 +163,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, str, str]] = {
     "settled_biases_nearest": ({"dturbo.transmission.down_quantizer": "settled_sign",
                                 "dturbo.transmission.biases": "as_mu", "dturbo.transmission.down_rounding": "nearest"},
                                'settled_biases, down_rounding = "nearest"', "total_bits", "settled_biases"),
+    "nearest": ({"dturbo.transmission.down_rounding": "nearest"}, 'down_rounding = "nearest"', "total_bits",
+                "chosen"),
     "settled_nearest": ({"dturbo.transmission.down_quantizer": "settled_sign",
                          "dturbo.transmission.down_rounding": "nearest"},
                         'settled_sign, down_rounding = "nearest"', "total_bits", "settled_sign"),
