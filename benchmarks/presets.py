@@ -387,7 +387,18 @@ def study_markdown(d: dict[str, Any]) -> str:
             out.append(f"| {p} | {v} | {100 * m['final_val_accuracy']:.2f}% | {100 * m['final_accuracy']:.2f}% | "
                        f"{100 * m['density']:.1f}% | {m['total_bits'] / 1e6:.1f} | {seeds} |")
     taken = [p for p, a in d["adopt"].items() if a]
-    return "\n".join(out) + f"\n\nRule: {d['rule']}. Taken by: {', '.join(taken) or 'none'}.\n"
+    alt = next(st for st in STUDIES.values() if st.option == d["option"]).values[1]
+    pending = [p for p in taken if preset_value(p, d["option"]) != alt]
+    later = f" Not yet set in: {', '.join(pending)}." if pending else ""
+    return "\n".join(out) + f"\n\nRule: {d['rule']}. Taken by: {', '.join(taken) or 'none'}.{later}\n"
+
+
+def preset_value(preset: str, option: str) -> Any:
+    """The value of ``option`` (a dotted key) that ``preset`` (``defaults``: the library's) sets today."""
+    cfg = load_config({"experiment": {"name": "defaults"}}) if preset == "defaults" else load_config(preset=preset)
+    for part in option.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def warmup_adopt(rows: list[dict[str, Any]]) -> dict[str, bool]:
