@@ -132,6 +132,12 @@ def test_the_presets_option_studies_rules_by_hand():
             row("defaults", "local", 0, 0.860, 40e6), row("defaults", "detached", 0, 0.859, 40e6)]
     assert p.study_adopt(detached, rows) == {"quick": False, "defaults": True}
     assert "fewer" not in detached.rule
+    # a preset the rule says takes the alternative, and that does not set it, is named: quick keeps local sampling
+    d = {"option": detached.option, "rule": detached.rule, "rows": rows, "summary": p.study_summary(detached, rows),
+         "adopt": {"quick": True, "defaults": True}}
+    assert p.preset_value("quick", detached.option) == "local" and p.preset_value("defaults", detached.option) == \
+        "detached"
+    assert p.study_markdown(d).rstrip().endswith("Taken by: quick, defaults. Not yet set in: quick.")
 
 
 def test_the_presets_warmup_rule_by_hand():
