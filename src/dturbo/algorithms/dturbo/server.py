@@ -88,8 +88,8 @@ class DturboServer(ServerBase[DturboUplink]):
         if self.messages.delta:  # no client holds a support yet
             state |= self.held.init()
             if self.messages.update:
-                state |= {f"held_{kind}.{n}": np.zeros((self.held.clients, int(np.prod(shape))), dtype=np.float32)
-                          for n, kind, shape in self.messages.held_entries()}
+                state |= {key: np.zeros((self.held.clients, int(np.prod(shape))), dtype=np.float32)
+                          for key, shape in self._held_state()}
         if self.sparsity.steers(0):
             # The first support decision must follow the schedule too. Module B has no A->B message yet (unary 0),
             # and the first E3's evidence is already fixed by the initial q(rho), so the field is calibrated for
@@ -144,12 +144,17 @@ class DturboServer(ServerBase[DturboUplink]):
             state = dict(state) | {f"{i.name}.mu": self.model_mu(state, i) for i in self.layers}
         return self.downlink(state, round_idx)
 
+    def _held_state(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``down_mu = "update"``: the state's key and shape of each entry of ``HeldWeights``, in its order
+        (``held_mu.<layer>``, then with ``biases = "as_mu"`` ``held_bias.<layer>``)."""
+        return [(f"held_{kind}.{n}", shape) for n, kind, shape in self.messages.held_entries()]
+
     def held_weights(self, state: State, clients: list[int]) -> dict[int, list[np.ndarray]]:
         """``down_mu = "update"``: the weights each of ``clients`` that holds a downlink holds (none: absent)."""
         if not self.messages.update:
             return {}
-        entries = self.messages.held_entries()
-        return {cid: [state[f"held_{kind}.{n}"][cid].reshape(shape) for n, kind, shape in entries]
+        entries = self._held_state()
+        return {cid: [state[key][cid].reshape(shape) for key, shape in entries]
                 for cid in clients if int(state["held_round"][cid]) != NO_BASE}
 
     def held_supports(self, state: State, rounds: set[int]) -> HeldSupports:
@@ -280,8 +285,7 @@ class DturboServer(ServerBase[DturboUplink]):
         confirmed = out["held_round"] == round_idx
         if self.messages.update:
             record = self._downlink_record(state, round_idx)  # what was sent, to code each update again
-            keys = [f"held_{kind}.{n}" for n, kind, _ in self.messages.held_entries()]
-            weights = {key: state[key].copy() for key in keys}
+            weights = {key: state[key].copy() for key, _ in self._held_state()}
             before = self.held_weights(state, np.flatnonzero(confirmed).tolist())
             for key in weights:
                 weights[key][selected] = 0
