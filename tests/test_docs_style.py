@@ -202,6 +202,18 @@ def test_readme_results_table_is_what_the_results_files_say():
     assert load_benchmark("docs_tables").main(["--check"]) == 0, "run .venv/bin/python benchmarks/docs_tables.py"
 
 
+def test_the_main_jobs_minutes_are_presets_json_timing():
+    """The README and the quickstart give the main job's rounds in minutes: presets.json's ``main_job_alone``,
+    rounded (re-timed by ``benchmarks/presets.py --stage alone`` on an idle machine)."""
+    import json
+
+    alone = json.loads((ROOT / "benchmarks" / "results" / "presets.json").read_text())["main_job_alone"]
+    minutes = round(alone["seconds_rounds"] / 60)
+    for path in (ROOT / "README.md", DOCS / "quickstart.md"):
+        said = re.findall(r"take about (\d+) minutes on an idle", " ".join(path.read_text().split()))
+        assert said == [str(minutes)], f"{path.name}: {said} minutes, presets.json: {minutes}"
+
+
 def test_every_dturbo_import_in_a_docs_code_block_imports():
     """Each ``from dturbo... import ...`` / ``import dturbo...`` line of a Python block in README or docs/ runs: a
     module that moved leaves no stale path in the docs."""
