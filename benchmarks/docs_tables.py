@@ -2,7 +2,8 @@
 
 * README.md, between its results-table markers: the comparison of every method on one protocol
   (``results/joint.json``: test accuracy, nonzero weights, bits to reach T against FedAvg 16-bit's, the exported
-  model's speedup), or, while that has no table, the presets on the main job (``results/presets.json``);
+  model's speedup) and a line naming the rows ahead of D-Turbo-VBI's on each of those axes, or, while that has no
+  table, the presets on the main job (``results/presets.json``);
 * docs/results.md, each ``<!-- generated: PATH -->`` ... ``<!-- end generated -->`` block: the results file PATH
   as it is.
 
@@ -47,7 +48,27 @@ def joint_table(res: dict) -> list[str] | None:
         speed = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         out.append(f"| {r['name']} | {100 * r['accuracy']:.2f}% | {100 * r['density']:.0f}% | {bits} | {after} | "
                    f"{speed} |")
-    return out
+    return out + ["", where_others_win(rows)]
+
+
+def where_others_win(rows: dict[str, dict]) -> str:
+    """One line under the table: the rows ahead of D-Turbo-VBI's on accuracy, on bits to T and on speedup (a tie is
+    not a win), or that none is."""
+    me = rows["dturbo"]
+    others = [r for m, r in rows.items() if m != "dturbo"]
+    acc = sorted((r for r in others if r["accuracy"] > me["accuracy"]), key=lambda r: -r["accuracy"])
+    bits = sorted((r for r in others if r["bits_to_t"] is not None
+                   and (me["bits_to_t"] is None or r["bits_to_t"] < me["bits_to_t"])), key=lambda r: r["bits_to_t"])
+    fast = sorted((r for r in others if r["speedup"] is not None
+                   and (me["speedup"] is None or r["speedup"] > me["speedup"])), key=lambda r: -r["speedup"])
+    said = [("More accurate than D-Turbo-VBI: " + ", ".join(
+        f"{r['name']} (+{100 * (r['accuracy'] - me['accuracy']):.2f} points)" for r in acc) + ".") if acc else
+        "No row ends more accurate than D-Turbo-VBI."]
+    said.append(("Fewer bits to T: " + ", ".join(f"{r['name']} ({r['bits_to_t'] / 1e6:.1f} Mbit)" for r in bits)
+                 + ".") if bits else "D-Turbo-VBI reaches T with the fewest bits.")
+    said.append(("A faster exported model: " + ", ".join(f"{r['name']} ({r['speedup']:.2f}x)" for r in fast) + ".")
+                if fast else "Its exported model is the fastest.")
+    return " ".join(said)
 
 
 def presets_table(res: dict) -> list[str]:

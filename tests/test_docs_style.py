@@ -202,6 +202,24 @@ def test_readme_results_table_is_what_the_results_files_say():
     assert load_benchmark("docs_tables").main(["--check"]) == 0, "run .venv/bin/python benchmarks/docs_tables.py"
 
 
+def test_where_others_win_by_hand():
+    """The line under the README's table names every row ahead of D-Turbo-VBI's on each axis; a tie is not a win."""
+    from run_helpers import load_benchmark
+
+    def row(name: str, acc: float, bits: float | None, speed: float | None) -> dict:
+        return {"name": name, "accuracy": acc, "bits_to_t": bits, "speedup": speed}
+
+    win = load_benchmark("docs_tables").where_others_win
+    rows = {"dturbo": row("D-Turbo-VBI", 0.880, 30e6, 2.5), "stc": row("STC", 0.887, 37e6, 1.0),
+            "fedavg": row("FedAvg", 0.890, None, 1.0), "narrow": row("narrow", 0.880, None, 2.5)}
+    assert win(rows) == ("More accurate than D-Turbo-VBI: FedAvg (+1.00 points), STC (+0.70 points). "
+                         "D-Turbo-VBI reaches T with the fewest bits. Its exported model is the fastest.")
+    rows["narrow"] = row("narrow", 0.870, 20e6, 2.6)
+    rows["dturbo"] = row("D-Turbo-VBI", 0.895, None, 2.5)
+    assert win(rows) == ("No row ends more accurate than D-Turbo-VBI. Fewer bits to T: narrow (20.0 Mbit), "
+                         "STC (37.0 Mbit). A faster exported model: narrow (2.60x).")
+
+
 def test_the_main_jobs_minutes_are_presets_json_timing():
     """The README and the quickstart give the main job's rounds in minutes: presets.json's ``main_job_alone``,
     rounded (re-timed by ``benchmarks/presets.py --stage alone`` on an idle machine)."""
