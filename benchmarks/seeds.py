@@ -144,8 +144,9 @@ def markdown(res: dict[str, Any]) -> str:
            "| setting | every seed reaches T | bits to T / STC's | test - STC's (paired) | test - FedAvg 32-bit's "
            "(paired) |", "|---|---|---|---|---|"]
     for name, g in res["goals"].items():
+        reached = summary[name]["seeds_reaching_t"]
         ratio = "-" if g["bits_to_t_ratio"] is None else f"{g['bits_to_t_ratio']:.3f}x" + (
-            "" if g["every_seed_reaches_t"] else " (the seeds that reach T)")
+            "" if g["every_seed_reaches_t"] else f" on the {reached} seeds that reach T")
         md.append(f"| {SETTINGS[name]} | {'yes' if g['every_seed_reaches_t'] else 'no'} | {ratio} "
                   f"({'met' if g['bits_goal_met'] else 'missed'}) | {_paired(g['paired_stc'])} "
                   f"({'met' if g['stc_goal_met'] else 'missed'}) | {_paired(g['paired_fedavg32'])} "
@@ -157,7 +158,8 @@ def report(s: h.Settings) -> None:
     homes, camp = campaigns(s)
     t = float(json.loads((s.results / "joint.json").read_text())["t"])
     rows = []
-    for name, (home, cand) in homes.items():
+    for name in SETTINGS:
+        home, cand = homes[name]
         runs = [r for r in h.load_runs(home, s) if r.cand.label == cand.label]
         ours = [r for r in h.load_runs(camp, s) if r.cand.label == cand.label]
         for tag, r in sorted([(home.tag, r) for r in runs] + [(camp.tag, r) for r in ours], key=lambda x: x[1].seed):
