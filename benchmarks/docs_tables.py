@@ -67,7 +67,7 @@ def where_others_win(rows: dict[str, dict]) -> str:
     said.append(("Fewer bits to T: " + ", ".join(f"{r['name']} ({r['bits_to_t'] / 1e6:.1f} Mbit)" for r in bits)
                  + ".") if bits else "D-Turbo-VBI reaches T with the fewest bits.")
     said.append(("A faster exported model: " + ", ".join(f"{r['name']} ({r['speedup']:.2f}x)" for r in fast) + ".")
-                if fast else "Its exported model is the fastest.")
+                if fast else "D-Turbo-VBI's exported model is the fastest.")
     return " ".join(said)
 
 

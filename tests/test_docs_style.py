@@ -213,7 +213,7 @@ def test_where_others_win_by_hand():
     rows = {"dturbo": row("D-Turbo-VBI", 0.880, 30e6, 2.5), "stc": row("STC", 0.887, 37e6, 1.0),
             "fedavg": row("FedAvg", 0.890, None, 1.0), "narrow": row("narrow", 0.880, None, 2.5)}
     assert win(rows) == ("More accurate than D-Turbo-VBI: FedAvg (+1.00 points), STC (+0.70 points). "
-                         "D-Turbo-VBI reaches T with the fewest bits. Its exported model is the fastest.")
+                         "D-Turbo-VBI reaches T with the fewest bits. D-Turbo-VBI's exported model is the fastest.")
     rows["narrow"] = row("narrow", 0.870, 20e6, 2.6)
     rows["dturbo"] = row("D-Turbo-VBI", 0.895, None, 2.5)
     assert win(rows) == ("No row ends more accurate than D-Turbo-VBI. Fewer bits to T: narrow (20.0 Mbit), "
