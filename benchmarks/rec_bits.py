@@ -9,13 +9,16 @@ really takes, relative-entropy coding cannot win.
 
 The joint comparison's chosen setting is measured in the steady state (the round after its seed-0 run, as
 ``round_time.py``) and in an early round (round 3 of a fresh run), every client: each one's KL summed over the
-support, against the bytes of its real upload (8 x bytes). Writes ``benchmarks/results/rec_bits.{json,md}``.
+support, against the bytes of its real upload (8 x bytes). Then the bound: each seed's bits to T had every upload of
+the steady state cost that round's KL / upload of its bits. Writes ``benchmarks/results/rec_bits.{json,md}``.
 
-Usage: .venv/bin/python benchmarks/rec_bits.py
+Usage: .venv/bin/python benchmarks/rec_bits.py [--stage all|bound]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import sys
 from datetime import UTC, datetime
@@ -39,6 +42,8 @@ from dturbo.settings import parse_config  # noqa: E402
 
 RESULTS = HERE / "results"
 EARLY_ROUND = 3
+# the first round of the steady state: the support at its target density after 1 warm-up and 14 ramp rounds
+STEADY_FROM = 16
 
 
 def kl_bits(mu_q: np.ndarray, sigma_q: np.ndarray, mu_p: np.ndarray, sigma_p: np.ndarray) -> float:
@@ -95,10 +100,75 @@ def early_start(cfg: Config, fed: Any) -> Start:
     return Start(fed, state, client.export_state() if client.keeps_state else {}, EARLY_ROUND - 1)
 
 
+def bits_to_t_at_kl(m: dict[str, np.ndarray], t: float, ratio: float,
+                    from_round: int) -> tuple[float | None, float | None]:
+    """(bits to T as sent, bits to T had each upload of round ``from_round`` on cost ``ratio`` of its bits) of one
+    run's metrics ``m``; (None, None) when it never reaches T."""
+    sent = h.bits_to(m["cum_bits"], m["accuracy"], t)
+    if sent is None:
+        return None, None
+    upto = m["cum_bits"] <= sent
+    return sent, sent - (1.0 - ratio) * float(m["up_bits"][upto & (m["round"] >= from_round)].sum())
+
+
+def bound(summary: dict[str, Any], camp: h.Campaign, label: str) -> dict[str, Any]:
+    """Bits to T if every upload from round ``STEADY_FROM`` on cost the steady round's KL / upload of its bits: each
+    seed of ``label`` in the joint campaign against STC's mean bits to T (joint.json). The steady round measured
+    follows the run's last, whose updates are its smallest, so the ratio flatters relative-entropy coding in the
+    rounds before it."""
+    joint = json.loads((RESULTS / "joint.json").read_text())
+    t = float(joint["t"])
+    stc = next(r["bits_to_t"] for r in joint["table"] if r["method"] == "stc")
+    ratio = summary["steady"]["kl_over_upload"]
+    seeds = []
+    for run in sorted((r for r in h.load_runs(camp, h.Settings()) if r.cand.label == label), key=lambda r: r.seed):
+        sent, at_kl = bits_to_t_at_kl(run.m, t, ratio, STEADY_FROM)
+        if sent is None or at_kl is None:
+            seeds.append({"seed": run.seed, "bits_to_t": None, "bits_to_t_at_kl": None})
+            continue
+        seeds.append({"seed": run.seed, "bits_to_t": sent, "bits_to_t_at_kl": at_kl,
+                      "vs_stc": sent / stc, "vs_stc_at_kl": at_kl / stc})
+    return {"from_round": STEADY_FROM, "kl_over_upload": ratio, "stc_bits_to_t": stc, "seeds": seeds}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    md = [f"Relative-entropy coding's least cost against D-Turbo-VBI's uploads (`{res['setting']}`, seed 0, all 10 "
+          f"clients of a round): KL(q || p) with q each client's posterior after the round and p the global posterior "
+          f"it received, summed over the support.", "",
+          "| round | KL (kbit, all clients) | uploads sent (kbit) | KL / upload | KL bits per weight on the support |",
+          "|---|---|---|---|---|"]
+    for v in res["summary"].values():
+        md.append(f"| {v['round']} | {v['kl_bits'] / 1e3:.1f} | {v['upload_bits'] / 1e3:.1f} | "
+                  f"{v['kl_over_upload']:.1f}x | {v['kl_bits_per_weight']:.2f} |")
+    b = res.get("bound")
+    if b is not None:
+        md += ["", f"Bits to T if every upload from round {b['from_round']} on cost {b['kl_over_upload']:.2f}x its "
+                   f"bits (the steady round's KL / upload; its updates are the run's smallest, so this is the most "
+                   f"relative-entropy coding could save there), against STC's {b['stc_bits_to_t'] / 1e6:.1f} Mbit:", "",
+               "| seed | bits to T (Mbit) | x STC's | at KL (Mbit) | x STC's |", "|---|---|---|---|---|"]
+        for r in b["seeds"]:
+            if r["bits_to_t"] is None:
+                md.append(f"| {r['seed']} | never | | | |")
+            else:
+                md.append(f"| {r['seed']} | {r['bits_to_t'] / 1e6:.1f} | {r['vs_stc']:.3f}x | "
+                          f"{r['bits_to_t_at_kl'] / 1e6:.1f} | {r['vs_stc_at_kl']:.3f}x |")
+    return "\n".join(md) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    torch.set_num_threads(1)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stage", choices=("all", "bound"), default="all",
+                    help="all: measure KL against the uploads, then the bound; bound: the bound alone, from the "
+                         "committed rec_bits.json and joint runs")
+    args = ap.parse_args(argv)
     camp = h.load_campaign(HERE / "joint.toml")
     label = DEFAULT_SETTINGS[0]
+    if args.stage == "bound":
+        res = json.loads((RESULTS / "rec_bits.json").read_text())
+        res["bound"] = bound(res["summary"], camp, label)
+        h.write_results(RESULTS, "rec_bits", res, markdown(res))
+        return 0
+    torch.set_num_threads(1)
     cfg = parse_config(h.config_tree(camp, camp.by_label()[label], 0))
     steady = steady_start(cfg, h.ROOT / "runs" / camp.tag / f"{label}_s0", 16)
     rows = {"early": round_of(cfg, early_start(cfg, steady.fed)), "steady": round_of(cfg, steady)}
@@ -109,16 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                          "kl_bits": kl, "upload_bits": up, "kl_over_upload": kl / up,
                          "kl_bits_per_weight": kl / sum(r["weights"] for r in rs)}
     res = {"setting": label, "prior": "N(mu_G, sigma_G^2), the global posterior the client received",
-           "summary": summary, "clients": rows, "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
-    md = [f"Relative-entropy coding's least cost against D-Turbo-VBI's uploads (`{label}`, seed 0, all 10 clients "
-          f"of a round): KL(q || p) with q each client's posterior after the round and p the global posterior it "
-          f"received, summed over the support.", "",
-          "| round | KL (kbit, all clients) | uploads sent (kbit) | KL / upload | KL bits per weight on the support |",
-          "|---|---|---|---|---|"]
-    for v in summary.values():
-        md.append(f"| {v['round']} | {v['kl_bits'] / 1e3:.1f} | {v['upload_bits'] / 1e3:.1f} | "
-                  f"{v['kl_over_upload']:.1f}x | {v['kl_bits_per_weight']:.2f} |")
-    h.write_results(RESULTS, "rec_bits", res, "\n".join(md) + "\n")
+           "summary": summary, "clients": rows, "bound": bound(summary, camp, label),
+           "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    h.write_results(RESULTS, "rec_bits", res, markdown(res))
     return 0
 
 
