@@ -368,6 +368,13 @@ def environment_of(csv_path: Path) -> Path:
     return csv_path.with_name(csv_path.name.removesuffix(".csv") + ".environment.jsonl")
 
 
+def sessions_of(csv_path: Path) -> list[dict[str, Any]]:
+    """The machine of each session that trained a committed run (:func:`environment_of`), first first; none for a
+    run committed before they were recorded."""
+    env = environment_of(csv_path)
+    return [json.loads(line) for line in env.read_text().splitlines() if line.strip()] if env.exists() else []
+
+
 def run_jobs(jobs: list[Job], n: int) -> list[Job]:
     """Everything left, ``n`` at a time in the given order; returns the jobs that failed."""
     clash = [j for j in jobs if j.status == "conflict"]
@@ -518,8 +525,7 @@ def verify(job: Job, csv_path: Path, rounds: int = 2,
             diffs.append(f"{col}: committed {a.tolist()} vs now {b.tolist()}")
     if diffs:  # the same code rounds differently on a CPU with other vector instructions
         here = machine()
-        env = environment_of(csv_path)
-        there = json.loads(env.read_text().splitlines()[0]) if env.exists() else None
+        there = next(iter(sessions_of(csv_path)), None)
         diffs.append(f"verified on {here['cpu']} ({here['cpu_capability']}, torch {here['torch']}); trained on "
                      + (f"{there.get('cpu')} ({there.get('cpu_capability')}, torch {there.get('torch')})" if there
                         else "a machine its files do not name"))

@@ -58,10 +58,7 @@ def campaigns(s: h.Settings) -> tuple[dict[str, tuple[h.Campaign, h.Candidate]],
 
 def cpu(s: h.Settings, tag: str, label: str, seed: int) -> str:
     """The CPU a committed run trained on, from its environment.jsonl ("" for runs committed before it)."""
-    path = h.environment_of(s.results / f"{tag}_runs" / f"{label}_s{seed}.csv")
-    if not path.exists():
-        return ""
-    sessions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    sessions = h.sessions_of(s.results / f"{tag}_runs" / f"{label}_s{seed}.csv")
     return ", ".join(dict.fromkeys(f"{e.get('cpu', '?')} ({e.get('cpu_capability', '?')})" for e in sessions))
 
 
@@ -157,12 +154,13 @@ def markdown(res: dict[str, Any]) -> str:
 def report(s: h.Settings) -> None:
     homes, camp = campaigns(s)
     t = float(json.loads((s.results / "joint.json").read_text())["t"])
+    # each campaign's committed runs read once (the joint campaign holds three of the settings)
+    loaded = {c.tag: h.load_runs(c, s) for c in [camp, *(home for home, _ in homes.values())]}
     rows = []
     for name in SETTINGS:
         home, cand = homes[name]
-        runs = [r for r in h.load_runs(home, s) if r.cand.label == cand.label]
-        ours = [r for r in h.load_runs(camp, s) if r.cand.label == cand.label]
-        for tag, r in sorted([(home.tag, r) for r in runs] + [(camp.tag, r) for r in ours], key=lambda x: x[1].seed):
+        mine = [(tag, r) for tag in (home.tag, camp.tag) for r in loaded[tag] if r.cand.label == cand.label]
+        for tag, r in sorted(mine, key=lambda x: x[1].seed):
             rows.append({"setting": name, "label": cand.label} | shape(r, t)
                         | {"cpu": cpu(s, tag, cand.label, r.seed)})
     have = {name: sorted(r["seed"] for r in rows if r["setting"] == name) for name in SETTINGS}
